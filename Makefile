@@ -1,0 +1,71 @@
+# Warmslot: `make run` and `make test` set everything up from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-installed
+NATIVE_SRC := native/warmslot.c native/warmslot.h native/build_ffi.py
+NATIVE_SO := inference_svc/core/.built-release
+NATIVE_ASAN_SO := inference_svc/core/.built-asan
+MODEL ?= models/target.gguf
+DRAFT ?= models/draft.gguf
+PROMPT ?= def fibonacci(n):
+PYTEST_ARGS ?=
+
+# the sanitizer runtime must be loaded first: the interpreter itself is not instrumented
+ASAN_ENV = WARMSLOT_NATIVE=asan \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+
+.PHONY: all setup native native-asan run test test-fast test-asan lint bench models clean distclean
+
+all: setup
+
+setup: $(DEPS_STAMP) $(NATIVE_SO)
+
+$(DEPS_STAMP): requirements.txt requirements-dev.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "Python 3.11 is required"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	touch $@
+
+$(NATIVE_SO): $(DEPS_STAMP) $(NATIVE_SRC)
+	$(PY) native/build_ffi.py --variant release
+	touch $@
+
+$(NATIVE_ASAN_SO): $(DEPS_STAMP) $(NATIVE_SRC)
+	$(PY) native/build_ffi.py --variant asan
+	touch $@
+
+native: $(NATIVE_SO)
+native-asan: $(NATIVE_ASAN_SO)
+
+run: setup
+	$(PY) -m inference_svc.complete --model $(MODEL) --prompt '$(PROMPT)' --max-tokens 96
+
+lint: $(DEPS_STAMP)
+	$(PY) -m ruff check .
+
+# the whole suite, then the core's determinism and state tests under ASan + UBSan
+test: setup $(NATIVE_ASAN_SO) lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-asan
+
+test-asan: setup $(NATIVE_ASAN_SO)
+	$(ASAN_ENV) $(PY) -m pytest -m native -p no:cacheprovider $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -x -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/core.py
+
+models: $(DEPS_STAMP)
+	$(PY) -m pip install --quiet torch==2.13.0
+	OMP_WAIT_POLICY=PASSIVE $(PY) tools/train_models.py --out-dir models
+
+clean:
+	rm -rf build inference_svc/core/_native*.so inference_svc/core/.built-* .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,33 @@
+"""The decoding core: cffi binding, GGUF loading, tokenizer."""
+
+from .errors import (
+    BadStateError,
+    BufferTooSmallError,
+    ContextFullError,
+    CoreError,
+    CoreMemoryError,
+    InvalidArgumentError,
+    ModelLoadError,
+    ThreadError,
+)
+from .gguf_file import GGUFModel, HParams, load_gguf
+from .model import Context, Model
+from .tokenizer import StreamDecoder, Tokenizer
+
+__all__ = [
+    "BadStateError",
+    "BufferTooSmallError",
+    "Context",
+    "ContextFullError",
+    "CoreError",
+    "CoreMemoryError",
+    "GGUFModel",
+    "HParams",
+    "InvalidArgumentError",
+    "Model",
+    "ModelLoadError",
+    "StreamDecoder",
+    "ThreadError",
+    "Tokenizer",
+    "load_gguf",
+]

@@ -1,0 +1,114 @@
+"""The thin 1:1 layer over the compiled cffi module.
+
+Each function maps one C call; a non-zero status becomes a typed exception
+carrying the core's message (the one helper `_check`). Set
+WARMSLOT_NATIVE=asan to load the AddressSanitizer/UBSan build instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from .errors import error_for_status
+
+
+def _load() -> Any:
+    variant = os.environ.get("WARMSLOT_NATIVE", "release")
+    name = {"release": "_native", "asan": "_native_asan"}.get(variant)
+    if name is None:
+        raise ImportError(f"WARMSLOT_NATIVE must be 'release' or 'asan', not {variant!r}")
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ImportError as exc:
+        raise ImportError(
+            f"the native core ({name}) is not built: run `make native` ({exc})"
+        ) from exc
+
+
+_mod = _load()
+ffi = _mod.ffi
+lib = _mod.lib
+NATIVE_VARIANT = os.environ.get("WARMSLOT_NATIVE", "release")
+
+
+def _message(ctx: Any = None) -> str:
+    ptr = lib.ws_context_last_error(ctx) if ctx is not None else lib.ws_last_error()
+    return ffi.string(ptr).decode("utf-8", "replace") if ptr != ffi.NULL else ""
+
+
+def _check(status: int, ctx: Any = None) -> None:
+    if status != 0:
+        raise error_for_status(status, _message(ctx))
+
+
+def model_init(hparams: Any, weights: Any) -> Any:
+    out = ffi.new("ws_model **")
+    _check(lib.ws_model_init(hparams, weights, out))
+    return out[0]
+
+
+def model_free(model: Any) -> None:
+    lib.ws_model_free(model)
+
+
+def context_default_params() -> Any:
+    return lib.ws_context_default_params()
+
+
+def context_init(model: Any, params: Any) -> Any:
+    out = ffi.new("ws_context **")
+    _check(lib.ws_context_init(model, params, out))
+    return out[0]
+
+
+def context_free(ctx: Any) -> None:
+    lib.ws_context_free(ctx)
+
+
+def context_kv_bytes(ctx: Any) -> int:
+    return int(lib.ws_context_kv_bytes(ctx))
+
+
+def slot_n_tokens(ctx: Any, slot: int) -> int:
+    n = ffi.new("int32_t *")
+    _check(lib.ws_slot_n_tokens(ctx, slot, n), ctx)
+    return int(n[0])
+
+
+def slot_tokens(ctx: Any, slot: int, out: Any, cap: int) -> int:
+    n = ffi.new("int32_t *")
+    _check(lib.ws_slot_tokens(ctx, slot, out, cap, n), ctx)
+    return int(n[0])
+
+
+def decode(ctx: Any, slot: int, tokens: Any, n_tokens: int, logits_all: bool, logits: Any,
+           logits_cap: int) -> None:
+    _check(lib.ws_decode(ctx, slot, tokens, n_tokens, int(logits_all), logits, logits_cap), ctx)
+
+
+def slot_truncate(ctx: Any, slot: int, n: int) -> None:
+    _check(lib.ws_slot_truncate(ctx, slot, n), ctx)
+
+
+def slot_clear(ctx: Any, slot: int) -> None:
+    _check(lib.ws_slot_clear(ctx, slot), ctx)
+
+
+def slot_state_size(ctx: Any, slot: int) -> int:
+    n = ffi.new("size_t *")
+    _check(lib.ws_slot_state_size(ctx, slot, n), ctx)
+    return int(n[0])
+
+
+def slot_state_get(ctx: Any, slot: int, buf: Any, cap: int) -> int:
+    n = ffi.new("size_t *")
+    _check(lib.ws_slot_state_get(ctx, slot, buf, cap, n), ctx)
+    return int(n[0])
+
+
+def slot_state_set(ctx: Any, slot: int, buf: Any, length: int) -> int:
+    n = ffi.new("size_t *")
+    _check(lib.ws_slot_state_set(ctx, slot, buf, length, n), ctx)
+    return int(n[0])

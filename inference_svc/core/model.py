@@ -1,0 +1,234 @@
+"""Friendly classes over the binding: `Model` (borrowed weights) and `Context`
+(KV cache of n_slots x n_ctx positions). Both are context managers; a model
+cannot be closed while one of its contexts is open."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import binding
+from .binding import ffi
+from .errors import CoreMemoryError, InvalidArgumentError
+from .gguf_file import GGUFModel, HParams, load_gguf
+from .tokenizer import Tokenizer
+
+_LAYER_FIELDS = {
+    "attn_norm": "attn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+}
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class Model:
+    """A loaded model: weights held as F32 numpy arrays and lent to the C core."""
+
+    def __init__(self, content: GGUFModel) -> None:
+        self.content = content
+        self.hparams: HParams = content.hparams
+        hp = self.hparams
+        self._keep: list[Any] = []
+        c_hp = ffi.new("ws_hparams *")
+        for name in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_rot"):
+            setattr(c_hp, name, getattr(hp, name))
+        c_hp.rms_eps = hp.rms_eps
+        c_hp.rope_theta = hp.rope_theta
+        layers = ffi.new("ws_layer_weights[]", hp.n_layer)
+        for i in range(hp.n_layer):
+            for field, suffix in _LAYER_FIELDS.items():
+                setattr(layers[i], field, self._ptr(f"blk.{i}.{suffix}"))
+        w = ffi.new("ws_weights *")
+        w.tok_embd = self._ptr("token_embd.weight")
+        w.output_norm = self._ptr("output_norm.weight")
+        w.output = ffi.NULL if content.tied_output else self._ptr("output.weight")
+        w.layers = layers
+        self._keep += [c_hp, layers, w]
+        self._handle: Any = binding.model_init(c_hp, w)
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self._tokenizer: Tokenizer | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Model:
+        return cls(load_gguf(path))
+
+    def _ptr(self, name: str) -> Any:
+        arr = self.content.tensors[name]
+        ptr = ffi.cast("const float *", ffi.from_buffer("float[]", arr))
+        self._keep.append(arr)
+        return ptr
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise InvalidArgumentError("the model is closed")
+        return self._handle
+
+    @property
+    def fingerprint(self) -> str:
+        return self.content.fingerprint
+
+    @property
+    def name(self) -> str:
+        return self.content.name
+
+    @property
+    def n_vocab(self) -> int:
+        return self.hparams.n_vocab
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.content.tokenizer)
+        return self._tokenizer
+
+    def kv_bytes_per_token(self) -> int:
+        hp = self.hparams
+        return 2 * 4 * hp.n_layer * hp.n_head_kv * hp.head_dim
+
+    def close(self) -> None:
+        if self._handle is None:
+            return
+        if any(not c.closed for c in self._contexts):
+            raise InvalidArgumentError("close the model's contexts before the model")
+        binding.model_free(self._handle)
+        self._handle = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None and not any(
+            not c.closed for c in getattr(self, "_contexts", ())
+        ):
+            self.close()
+
+
+class Context:
+    """KV cache and thread pool for n_slots independent sequences of one model."""
+
+    def __init__(self, model: Model, n_slots: int = 1, n_ctx: int | None = None,
+                 n_threads: int = 2, n_batch: int = 512) -> None:
+        n_ctx = model.hparams.n_ctx_train if n_ctx is None else n_ctx
+        need = model.kv_bytes_per_token() * int(n_ctx) * int(n_slots)
+        avail = available_memory_bytes()
+        if avail is not None and need > avail:
+            raise CoreMemoryError(
+                f"a context of {n_slots} slots x {n_ctx} positions needs "
+                f"{need / 2**20:.1f} MiB of KV cache; only {avail / 2**20:.1f} MiB is available"
+            )
+        params = binding.context_default_params()
+        params.n_slots = n_slots
+        params.n_ctx = n_ctx
+        params.n_threads = n_threads
+        params.n_batch = n_batch
+        self.model = model
+        self.n_slots = n_slots
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads
+        self.n_batch = n_batch
+        self._n_vocab = model.n_vocab
+        self._handle: Any = binding.context_init(model.handle, params)
+        model._contexts.add(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise InvalidArgumentError("the context is closed")
+        return self._handle
+
+    @property
+    def kv_bytes(self) -> int:
+        return binding.context_kv_bytes(self.handle)
+
+    def decode(self, slot: int, tokens: Sequence[int] | np.ndarray,
+               logits_all: bool = False) -> np.ndarray:
+        """Appends tokens to a slot; the last token's logits, or every token's."""
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        if toks.ndim != 1:
+            raise InvalidArgumentError("tokens must be a flat sequence of ids")
+        n = int(toks.shape[0])
+        rows = n if logits_all else 1
+        logits = np.empty((rows, self._n_vocab), dtype=np.float32)
+        tok_ptr = ffi.from_buffer("int32_t[]", toks) if n else ffi.NULL
+        binding.decode(self.handle, slot, tok_ptr, n, logits_all,
+                       ffi.from_buffer("float[]", logits), logits.size)
+        return logits if logits_all else logits[0]
+
+    def n_tokens(self, slot: int) -> int:
+        return binding.slot_n_tokens(self.handle, slot)
+
+    def tokens(self, slot: int) -> list[int]:
+        n = self.n_tokens(slot)
+        buf = np.empty(max(n, 1), dtype=np.int32)
+        got = binding.slot_tokens(self.handle, slot, ffi.from_buffer("int32_t[]", buf), n)
+        return buf[:got].tolist()
+
+    def truncate(self, slot: int, n: int) -> None:
+        binding.slot_truncate(self.handle, slot, n)
+
+    def clear(self, slot: int) -> None:
+        binding.slot_clear(self.handle, slot)
+
+    def state_size(self, slot: int) -> int:
+        return binding.slot_state_size(self.handle, slot)
+
+    def get_state(self, slot: int) -> bytes:
+        size = self.state_size(slot)
+        buf = bytearray(size)
+        written = binding.slot_state_get(self.handle, slot, ffi.from_buffer(buf), size)
+        return bytes(buf[:written])
+
+    def set_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
+        """Loads a slot's state; on any error the slot is left empty and usable."""
+        view = memoryview(data).cast("B")
+        ptr = ffi.from_buffer(view) if len(view) else ffi.NULL
+        return binding.slot_state_set(self.handle, slot, ptr, len(view))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            binding.context_free(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            self.close()
+
+
+def default_threads() -> int:
+    return max(1, min(2, os.cpu_count() or 1))

@@ -1,0 +1,127 @@
+"""Byte-level BPE tokenizer built from a GGUF file's `gpt2` tokenizer metadata.
+
+Encoding goes through the `tokenizers` package (BPE model, GPT-2 pre-tokenizer
+regex). Decoding maps every token to its bytes, so a stream of tokens can be
+turned into text incrementally and any list of ids decodes without raising.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from .errors import ModelLoadError
+from .gguf_file import TokenizerData
+
+TOKEN_TYPE_CONTROL = 3
+
+
+@lru_cache(maxsize=1)
+def unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable stand-ins for the 256 bytes."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    codes = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, codes, strict=True)}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model."""
+
+    def __init__(self, data: TokenizerData) -> None:
+        if data.model != "gpt2":
+            raise ModelLoadError(
+                f"tokenizer model {data.model!r} is not supported (only byte-level BPE 'gpt2')"
+            )
+        self.data = data
+        self.n_vocab = len(data.tokens)
+        self.bos_id = data.bos_id
+        self.eos_id = data.eos_id
+        vocab = {tok: i for i, tok in enumerate(data.tokens)}
+        merges = []
+        for m in data.merges:
+            left, sep, right = m.partition(" ")
+            if not sep:
+                raise ModelLoadError(f"malformed tokenizer merge {m!r}")
+            merges.append((left, right))
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = decoders.ByteLevel()
+        self._hf = hf
+        self._bytes = self._token_bytes(data)
+
+    @staticmethod
+    def _token_bytes(data: TokenizerData) -> list[bytes]:
+        table = unicode_to_byte()
+        out = []
+        for tok, typ in zip(data.tokens, data.token_types or [1] * len(data.tokens), strict=False):
+            if typ == TOKEN_TYPE_CONTROL:
+                out.append(b"")  # control tokens (BOS/EOS) have no text
+            elif all(c in table for c in tok):
+                out.append(bytes(table[c] for c in tok))
+            else:
+                out.append(tok.encode("utf-8"))
+        out.extend(b"" for _ in range(len(data.tokens) - len(out)))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of text; special-token strings are encoded as plain text."""
+        return list(self._hf.encode(text, add_special_tokens=False).ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token; b'' for control tokens and ids outside the vocabulary."""
+        if 0 <= token_id < self.n_vocab:
+            return self._bytes[token_id]
+        return b""
+
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        return b"".join(self.token_bytes(int(i)) for i in ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of any ids: unknown ids are skipped, broken UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces, holding back incomplete UTF-8."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._pending = b""
+
+    def push(self, token_id: int) -> str:
+        self._pending += self._tok.token_bytes(token_id)
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        return self._take(final=True)
+
+    def _take(self, final: bool) -> str:
+        data = self._pending
+        if final:
+            self._pending = b""
+            return data.decode("utf-8", errors="replace")
+        # keep at most 3 trailing bytes of an unfinished multi-byte sequence
+        cut = len(data)
+        for back in range(1, min(4, len(data)) + 1):
+            b = data[-back]
+            if b & 0xC0 == 0x80:
+                continue  # a continuation byte: look further back for the lead
+            if b & 0x80:
+                need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4
+                if need > back:
+                    cut = len(data) - back
+            break
+        self._pending = data[cut:]
+        return data[:cut].decode("utf-8", errors="replace")

@@ -1,0 +1,92 @@
+"""Builds the cffi (API, out-of-line) extension for the decoding core.
+
+    python native/build_ffi.py [--variant release|asan]
+
+The declarations come from the one public header, native/warmslot.h, with the
+preprocessor lines removed; the compiled module lands in inference_svc/core/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+from cffi import FFI
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "native"
+PACKAGE_DIR = ROOT / "inference_svc" / "core"
+
+WARN = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter"]
+# No fast-math and no contraction: the order of every float operation is the
+# one written in the source, which is what makes the logits batch-invariant.
+NUMERIC = ["-ffp-contract=off", "-fno-fast-math"]
+VARIANTS = {
+    "release": {"module": "_native", "cflags": ["-O3"], "ldflags": []},
+    "asan": {
+        "module": "_native_asan",
+        "cflags": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                   "-fno-sanitize-recover=undefined"],
+        "ldflags": ["-fsanitize=address,undefined"],
+    },
+}
+
+
+def arch_flags() -> list[str]:
+    """x86-64-v3 (AVX2 + FMA) when the CPU has it; the C code has a scalar path otherwise."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    if all(f" {f}" in flags for f in ("avx2", "fma")):
+        return ["-march=x86-64-v3"]
+    return []
+
+
+def cdef_from_header(header: Path) -> str:
+    """The header without preprocessor lines and the C++ linkage wrapper."""
+    out = []
+    for line in header.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or stripped in ('extern "C" {', "}"):
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+def build(variant: str) -> Path:
+    spec = VARIANTS[variant]
+    module = f"inference_svc.core.{spec['module']}"
+    ffi = FFI()
+    ffi.cdef(cdef_from_header(NATIVE / "warmslot.h"))
+    ffi.set_source(
+        module,
+        '#include "warmslot.h"',
+        sources=[str(NATIVE / "warmslot.c")],
+        include_dirs=[str(NATIVE)],
+        extra_compile_args=WARN + NUMERIC + arch_flags() + spec["cflags"],
+        extra_link_args=spec["ldflags"],
+        libraries=["m", "pthread"],
+    )
+    tmp = ROOT / "build" / f"ffi-{variant}"
+    built = Path(ffi.compile(tmpdir=str(tmp), verbose=False))
+    target = PACKAGE_DIR / built.name
+    shutil.copy2(built, target)
+    return target
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="release")
+    args = parser.parse_args(argv)
+    print(f"built {build(args.variant).relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

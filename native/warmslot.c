@@ -1,0 +1,926 @@
+/*
+ * warmslot.c - the decoding core (see warmslot.h).
+ *
+ * Layout follows llama2.c's run.c: the model (config + borrowed weights), the
+ * context (KV cache, scratch buffers, thread pool) and one forward pass that
+ * reads top to bottom. Every buffer carries a shape comment.
+ */
+#define _GNU_SOURCE
+#include "warmslot.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define WS_SIMD 1
+#else
+#define WS_SIMD 0
+#endif
+
+/* ------------------------------------------------------------------------- */
+/* errors                                                                      */
+
+static _Thread_local char g_last_error[256];
+
+const char *ws_last_error(void) { return g_last_error; }
+
+static ws_status fail_global(ws_status st, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_last_error, sizeof g_last_error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+/* ------------------------------------------------------------------------- */
+/* deterministic scalar maths (no libm variance between machines)             */
+
+/* exp(x) for float x: range reduction by ln2, degree-7 polynomial in double. */
+static float ws_expf(float xf) {
+    if (xf < -103.0f) return 0.0f;
+    if (xf > 88.0f) return INFINITY;
+    double x = (double)xf;
+    double n = nearbyint(x * 1.4426950408889634);
+    double r = x - n * 0.6931471805599453;
+    double p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6 + r * (1.0 / 24 + r * (1.0 / 120 +
+               r * (1.0 / 720 + r * (1.0 / 5040 + r * (1.0 / 40320))))))));
+    return (float)ldexp(p, (int)n);
+}
+
+static float ws_silu(float x) { return x / (1.0f + ws_expf(-x)); }
+
+/* ------------------------------------------------------------------------- */
+/* dot products: one fixed order for every kernel                             */
+/*
+ * A dot product of length n accumulates w[k]*x[k] into 8 lanes with fused
+ * multiply-adds for k < n8 = n & ~7 (lane k % 8), reduces the lanes in a
+ * fixed tree, then adds the tail with fmaf in order. The single-row kernel and
+ * the tiled kernels below execute exactly this sequence per output element.
+ */
+
+#if WS_SIMD
+typedef __m256 lanes8;
+static inline lanes8 l8_zero(void) { return _mm256_setzero_ps(); }
+static inline lanes8 l8_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline lanes8 l8_fma(lanes8 a, lanes8 b, lanes8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float l8_sum(lanes8 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);                 /* l0+l4, l1+l5, l2+l6, l3+l7 */
+    __m128 sh = _mm_movehl_ps(s, s);               /* s2, s3                     */
+    __m128 s2 = _mm_add_ps(s, sh);                 /* s0+s2, s1+s3               */
+    __m128 s3 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x1));
+    return _mm_cvtss_f32(s3);
+}
+#else
+typedef struct { float v[8]; } lanes8;
+static inline lanes8 l8_zero(void) { lanes8 r; memset(&r, 0, sizeof r); return r; }
+static inline lanes8 l8_load(const float *p) { lanes8 r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline lanes8 l8_fma(lanes8 a, lanes8 b, lanes8 c) {
+    for (int i = 0; i < 8; i++) c.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
+    return c;
+}
+static inline float l8_sum(lanes8 v) {
+    float s0 = v.v[0] + v.v[4], s1 = v.v[1] + v.v[5], s2 = v.v[2] + v.v[6], s3 = v.v[3] + v.v[7];
+    float t0 = s0 + s2, t1 = s1 + s3;
+    return t0 + t1;
+}
+#endif
+
+static inline float dot_tail(float acc, const float *w, const float *x, int k, int n) {
+    for (; k < n; k++) acc = fmaf(w[k], x[k], acc);
+    return acc;
+}
+
+static inline float dot(const float *w, const float *x, int n) {
+    const int n8 = n & ~7;
+    lanes8 a = l8_zero();
+    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(w + k), l8_load(x + k), a);
+    return dot_tail(l8_sum(a), w, x, n8, n);
+}
+
+/*
+ * out[t*ldo + r] = dot(W[r], X[t]) for rows r in [r0, r1) and tokens t in
+ * [0, nt). W: [rows][n] row-major; X: [nt][ldx]. Tiles of 4 rows x 2 tokens
+ * share their loads; edges fall back to the single dot. mode 1 adds the
+ * product to out (residual connection) instead of storing it.
+ */
+static void matmul_rows(float *out, int ldo, const float *W, const float *X, int ldx, int n,
+                        int r0, int r1, int nt, int add) {
+    const int n8 = n & ~7;
+    int t = 0;
+    for (; t + 2 <= nt; t += 2) {
+        const float *x0 = X + (size_t)t * ldx, *x1 = x0 + ldx;
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+            lanes8 a00 = l8_zero(), a10 = l8_zero(), a20 = l8_zero(), a30 = l8_zero();
+            lanes8 a01 = l8_zero(), a11 = l8_zero(), a21 = l8_zero(), a31 = l8_zero();
+            for (int k = 0; k < n8; k += 8) {
+                lanes8 xv0 = l8_load(x0 + k), xv1 = l8_load(x1 + k);
+                lanes8 wv = l8_load(w0 + k);
+                a00 = l8_fma(wv, xv0, a00); a01 = l8_fma(wv, xv1, a01);
+                wv = l8_load(w1 + k);
+                a10 = l8_fma(wv, xv0, a10); a11 = l8_fma(wv, xv1, a11);
+                wv = l8_load(w2 + k);
+                a20 = l8_fma(wv, xv0, a20); a21 = l8_fma(wv, xv1, a21);
+                wv = l8_load(w3 + k);
+                a30 = l8_fma(wv, xv0, a30); a31 = l8_fma(wv, xv1, a31);
+            }
+            float s[8] = {
+                dot_tail(l8_sum(a00), w0, x0, n8, n), dot_tail(l8_sum(a10), w1, x0, n8, n),
+                dot_tail(l8_sum(a20), w2, x0, n8, n), dot_tail(l8_sum(a30), w3, x0, n8, n),
+                dot_tail(l8_sum(a01), w0, x1, n8, n), dot_tail(l8_sum(a11), w1, x1, n8, n),
+                dot_tail(l8_sum(a21), w2, x1, n8, n), dot_tail(l8_sum(a31), w3, x1, n8, n),
+            };
+            float *o0 = out + (size_t)t * ldo + r, *o1 = o0 + ldo;
+            for (int i = 0; i < 4; i++) {
+                o0[i] = add ? o0[i] + s[i] : s[i];
+                o1[i] = add ? o1[i] + s[4 + i] : s[4 + i];
+            }
+        }
+        for (; r < r1; r++) {
+            const float *w = W + (size_t)r * n;
+            float s0 = dot(w, x0, n), s1 = dot(w, x1, n);
+            float *o0 = out + (size_t)t * ldo + r, *o1 = o0 + ldo;
+            *o0 = add ? *o0 + s0 : s0;
+            *o1 = add ? *o1 + s1 : s1;
+        }
+    }
+    for (; t < nt; t++) {
+        const float *x = X + (size_t)t * ldx;
+        float *o = out + (size_t)t * ldo;
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+            lanes8 a0 = l8_zero(), a1 = l8_zero(), a2 = l8_zero(), a3 = l8_zero();
+            for (int k = 0; k < n8; k += 8) {
+                lanes8 xv = l8_load(x + k);
+                a0 = l8_fma(l8_load(w0 + k), xv, a0);
+                a1 = l8_fma(l8_load(w1 + k), xv, a1);
+                a2 = l8_fma(l8_load(w2 + k), xv, a2);
+                a3 = l8_fma(l8_load(w3 + k), xv, a3);
+            }
+            float s0 = dot_tail(l8_sum(a0), w0, x, n8, n), s1 = dot_tail(l8_sum(a1), w1, x, n8, n);
+            float s2 = dot_tail(l8_sum(a2), w2, x, n8, n), s3 = dot_tail(l8_sum(a3), w3, x, n8, n);
+            o[r] = add ? o[r] + s0 : s0;
+            o[r + 1] = add ? o[r + 1] + s1 : s1;
+            o[r + 2] = add ? o[r + 2] + s2 : s2;
+            o[r + 3] = add ? o[r + 3] + s3 : s3;
+        }
+        for (; r < r1; r++) {
+            float s = dot(W + (size_t)r * n, x, n);
+            o[r] = add ? o[r] + s : s;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------- */
+/* model                                                                       */
+
+struct ws_model {
+    ws_hparams hp;
+    ws_weights w;
+    ws_layer_weights *layers; /* [n_layer], owned copy of the pointer table */
+};
+
+ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **out) {
+    if (!out) return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_model_init: out is NULL");
+    *out = NULL;
+    if (!hp || !w) return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_model_init: NULL argument");
+    if (hp->n_vocab <= 0 || hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_head <= 0 ||
+        hp->n_head_kv <= 0 || hp->n_ff <= 0)
+        return fail_global(WS_ERR_INVALID_ARGUMENT,
+                           "hyper-parameters must be positive (n_vocab=%d n_embd=%d n_layer=%d "
+                           "n_head=%d n_head_kv=%d n_ff=%d)",
+                           hp->n_vocab, hp->n_embd, hp->n_layer, hp->n_head, hp->n_head_kv,
+                           hp->n_ff);
+    if (hp->n_layer > WS_MAX_LAYERS)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_layer %d exceeds %d", hp->n_layer,
+                           WS_MAX_LAYERS);
+    if (hp->n_embd % hp->n_head != 0)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_embd %d is not a multiple of n_head %d",
+                           hp->n_embd, hp->n_head);
+    if (hp->n_head % hp->n_head_kv != 0)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_head %d is not a multiple of n_head_kv %d",
+                           hp->n_head, hp->n_head_kv);
+    const int head_dim = hp->n_embd / hp->n_head;
+    if (hp->n_rot <= 0 || hp->n_rot > head_dim || hp->n_rot % 2 != 0)
+        return fail_global(WS_ERR_INVALID_ARGUMENT,
+                           "n_rot %d must be even and in 1..head_dim (%d)", hp->n_rot, head_dim);
+    if (!(hp->rms_eps > 0.0f) || !(hp->rope_theta > 0.0f) || !isfinite(hp->rope_theta))
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "rms_eps and rope_theta must be positive");
+    if (!w->tok_embd || !w->output_norm || !w->layers)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "missing token embedding, output norm or layers");
+    for (int l = 0; l < hp->n_layer; l++) {
+        const ws_layer_weights *L = &w->layers[l];
+        if (!L->attn_norm || !L->wq || !L->wk || !L->wv || !L->wo || !L->ffn_norm || !L->w_gate ||
+            !L->w_up || !L->w_down)
+            return fail_global(WS_ERR_INVALID_ARGUMENT, "layer %d has a missing weight", l);
+    }
+    ws_model *m = calloc(1, sizeof *m);
+    if (!m) return fail_global(WS_ERR_OUT_OF_MEMORY, "out of memory allocating the model");
+    m->layers = malloc(sizeof(ws_layer_weights) * (size_t)hp->n_layer);
+    if (!m->layers) {
+        free(m);
+        return fail_global(WS_ERR_OUT_OF_MEMORY, "out of memory allocating the layer table");
+    }
+    memcpy(m->layers, w->layers, sizeof(ws_layer_weights) * (size_t)hp->n_layer);
+    m->hp = *hp;
+    m->w = *w;
+    m->w.layers = m->layers;
+    *out = m;
+    return WS_OK;
+}
+
+void ws_model_free(ws_model *m) {
+    if (!m) return;
+    free(m->layers);
+    free(m);
+}
+
+const ws_hparams *ws_model_hparams(const ws_model *m) { return m ? &m->hp : NULL; }
+
+/* ------------------------------------------------------------------------- */
+/* thread pool: created once per context; one wake-up per forward chunk,       */
+/* spinning barriers between the phases of the chunk                           */
+
+typedef struct ws_pool {
+    int n;                       /* threads including the caller             */
+    pthread_t threads[WS_MAX_THREADS];
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_int job;              /* generation of the current job            */
+    atomic_int stop;
+    atomic_int bar_count;
+    atomic_int bar_gen;
+    struct ws_context *ctx;
+} ws_pool;
+
+typedef struct {
+    ws_pool *pool;
+    int ith;
+} ws_worker_arg;
+
+static void spin_pause(int *spins) {
+    if (++*spins < 2048) {
+#if WS_SIMD
+        _mm_pause();
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
+static void pool_barrier(ws_pool *p) {
+    if (p->n == 1) return;
+    int gen = atomic_load(&p->bar_gen);
+    if (atomic_fetch_add(&p->bar_count, 1) == p->n - 1) {
+        atomic_store(&p->bar_count, 0);
+        atomic_fetch_add(&p->bar_gen, 1);
+    } else {
+        int spins = 0;
+        while (atomic_load(&p->bar_gen) == gen) spin_pause(&spins);
+    }
+}
+
+static void forward_worker(struct ws_context *ctx, int ith);
+
+static void *pool_main(void *argp) {
+    ws_worker_arg *arg = argp;
+    ws_pool *p = arg->pool;
+    const int ith = arg->ith;
+    free(arg);
+    int seen = 0;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load(&p->job) == seen && !atomic_load(&p->stop) && spins < 20000) {
+            spins++;
+#if WS_SIMD
+            _mm_pause();
+#endif
+        }
+        pthread_mutex_lock(&p->mu);
+        while (atomic_load(&p->job) == seen && !atomic_load(&p->stop))
+            pthread_cond_wait(&p->cv, &p->mu);
+        pthread_mutex_unlock(&p->mu);
+        if (atomic_load(&p->stop)) break;
+        seen = atomic_load(&p->job);
+        forward_worker(p->ctx, ith);
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------- */
+/* context                                                                     */
+
+struct ws_context {
+    const ws_model *model;
+    ws_context_params params;
+    int head_dim, q_dim, kv_dim, n_rot;
+    float attn_scale;
+
+    /* KV cache: [n_slots][n_layer][n_ctx][kv_dim] */
+    float *k_cache;
+    float *v_cache;
+    int32_t *tokens;   /* [n_slots][n_ctx] */
+    int32_t *n_past;   /* [n_slots]        */
+
+    float *rope_cos;   /* [n_ctx][n_rot/2] */
+    float *rope_sin;   /* [n_ctx][n_rot/2] */
+
+    /* scratch for one chunk of at most n_batch tokens */
+    float *x;          /* [n_batch][n_embd]  residual stream        */
+    float *xn;         /* [n_batch][n_embd]  normalised stream      */
+    float *q;          /* [n_batch][q_dim]                          */
+    float *att;        /* [n_batch][q_dim]   attention output       */
+    float *hb;         /* [n_batch][n_ff]    gate                   */
+    float *hb2;        /* [n_batch][n_ff]    up                     */
+    float *scores;     /* [n_threads][n_ctx] attention scores       */
+
+    /* the current chunk, read by every thread of the pool */
+    struct {
+        int slot, p0, nt;     /* slot, first position, tokens in chunk  */
+        int out_t0, out_nt;   /* tokens whose logits are wanted         */
+        float *logits;        /* [out_nt][n_vocab]                      */
+    } job;
+
+    ws_pool pool;
+    int pool_started;
+    char last_error[256];
+};
+
+static ws_status fail_ctx(const ws_context *cctx, ws_status st, const char *fmt, ...) {
+    ws_context *ctx = (ws_context *)cctx;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->last_error, sizeof ctx->last_error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+const char *ws_context_last_error(const ws_context *ctx) { return ctx ? ctx->last_error : ""; }
+
+ws_context_params ws_context_default_params(void) {
+    ws_context_params p = {.n_slots = 1, .n_ctx = 4096, .n_threads = 2, .n_batch = 512};
+    return p;
+}
+
+ws_context_params ws_context_get_params(const ws_context *ctx) { return ctx->params; }
+
+static size_t kv_elems_per_slot(const ws_context *ctx) {
+    return (size_t)ctx->model->hp.n_layer * (size_t)ctx->params.n_ctx * (size_t)ctx->kv_dim;
+}
+
+size_t ws_context_kv_bytes(const ws_context *ctx) {
+    return 2 * sizeof(float) * kv_elems_per_slot(ctx) * (size_t)ctx->params.n_slots;
+}
+
+static float *kv_row(const ws_context *ctx, float *cache, int slot, int layer, int pos) {
+    const ws_hparams *hp = &ctx->model->hp;
+    size_t idx = (((size_t)slot * (size_t)hp->n_layer + (size_t)layer) * (size_t)ctx->params.n_ctx +
+                  (size_t)pos) * (size_t)ctx->kv_dim;
+    return cache + idx;
+}
+
+static void *alloc_floats(size_t n, int *ok) {
+    if (!*ok) return NULL;
+    void *p = NULL;
+    if (n == 0) n = 1;
+    if (n > SIZE_MAX / sizeof(float) || posix_memalign(&p, 64, n * sizeof(float)) != 0) {
+        *ok = 0;
+        return NULL;
+    }
+    memset(p, 0, n * sizeof(float));
+    return p;
+}
+
+static void pool_stop(ws_pool *p) {
+    pthread_mutex_lock(&p->mu);
+    atomic_store(&p->stop, 1);
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n; i++) pthread_join(p->threads[i], NULL);
+}
+
+void ws_context_free(ws_context *ctx) {
+    if (!ctx) return;
+    if (ctx->pool_started) {
+        pool_stop(&ctx->pool);
+        pthread_mutex_destroy(&ctx->pool.mu);
+        pthread_cond_destroy(&ctx->pool.cv);
+    }
+    free(ctx->k_cache);
+    free(ctx->v_cache);
+    free(ctx->tokens);
+    free(ctx->n_past);
+    free(ctx->rope_cos);
+    free(ctx->rope_sin);
+    free(ctx->x);
+    free(ctx->xn);
+    free(ctx->q);
+    free(ctx->att);
+    free(ctx->hb);
+    free(ctx->hb2);
+    free(ctx->scores);
+    free(ctx);
+}
+
+ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_context **out) {
+    if (!out) return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_context_init: out is NULL");
+    *out = NULL;
+    if (!model) return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_context_init: model is NULL");
+    if (params.n_slots < 1 || params.n_slots > 1024)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_slots %d out of range 1..1024",
+                           params.n_slots);
+    if (params.n_ctx < 1 || params.n_ctx > (1 << 20))
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_ctx %d out of range 1..1048576",
+                           params.n_ctx);
+    if (params.n_threads < 1 || params.n_threads > WS_MAX_THREADS)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_threads %d out of range 1..%d",
+                           params.n_threads, WS_MAX_THREADS);
+    if (params.n_batch < 1 || params.n_batch > 65536)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_batch %d out of range 1..65536",
+                           params.n_batch);
+    const ws_hparams *hp = &model->hp;
+    ws_context *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) return fail_global(WS_ERR_OUT_OF_MEMORY, "out of memory allocating the context");
+    ctx->model = model;
+    ctx->params = params;
+    ctx->head_dim = hp->n_embd / hp->n_head;
+    ctx->q_dim = hp->n_head * ctx->head_dim;
+    ctx->kv_dim = hp->n_head_kv * ctx->head_dim;
+    ctx->n_rot = hp->n_rot;
+    ctx->attn_scale = (float)(1.0 / sqrt((double)ctx->head_dim));
+
+    /* KV cache size: refuse sizes that overflow or that the machine cannot hold */
+    const double kv_bytes = 2.0 * 4.0 * (double)hp->n_layer * (double)params.n_ctx *
+                            (double)ctx->kv_dim * (double)params.n_slots;
+    if (kv_bytes > (double)(SIZE_MAX / 4)) {
+        free(ctx);
+        return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", kv_bytes);
+    }
+    int ok = 1;
+    const size_t nb = (size_t)params.n_batch;
+    const size_t kv_all = kv_elems_per_slot(ctx) * (size_t)params.n_slots;
+    /* calloc: the pages of a large cache are committed only when used */
+    ctx->k_cache = calloc(kv_all ? kv_all : 1, sizeof(float));
+    ctx->v_cache = calloc(kv_all ? kv_all : 1, sizeof(float));
+    ok = ctx->k_cache && ctx->v_cache;
+    ctx->rope_cos = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
+    ctx->rope_sin = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
+    ctx->x = alloc_floats(nb * (size_t)hp->n_embd, &ok);
+    ctx->xn = alloc_floats(nb * (size_t)hp->n_embd, &ok);
+    ctx->q = alloc_floats(nb * (size_t)ctx->q_dim, &ok);
+    ctx->att = alloc_floats(nb * (size_t)ctx->q_dim, &ok);
+    ctx->hb = alloc_floats(nb * (size_t)hp->n_ff, &ok);
+    ctx->hb2 = alloc_floats(nb * (size_t)hp->n_ff, &ok);
+    ctx->scores = alloc_floats((size_t)params.n_threads * (size_t)params.n_ctx, &ok);
+    if (ok) {
+        ctx->tokens = calloc((size_t)params.n_slots * (size_t)params.n_ctx, sizeof(int32_t));
+        ctx->n_past = calloc((size_t)params.n_slots, sizeof(int32_t));
+        ok = ctx->tokens && ctx->n_past;
+    }
+    if (!ok) {
+        ws_context_free(ctx);
+        return fail_global(WS_ERR_OUT_OF_MEMORY,
+                           "out of memory: a context of %d slots x %d positions needs %.1f MiB "
+                           "of KV cache",
+                           params.n_slots, params.n_ctx, kv_bytes / 1048576.0);
+    }
+
+    /* RoPE tables, llama.cpp "normal" mode: pair (2i, 2i+1) turns by pos * theta^(-2i/n_rot) */
+    const int half = ctx->n_rot / 2;
+    for (int pos = 0; pos < params.n_ctx; pos++) {
+        for (int i = 0; i < half; i++) {
+            double freq = pow((double)hp->rope_theta, -2.0 * (double)i / (double)ctx->n_rot);
+            double ang = (double)pos * freq;
+            ctx->rope_cos[(size_t)pos * half + i] = (float)cos(ang);
+            ctx->rope_sin[(size_t)pos * half + i] = (float)sin(ang);
+        }
+    }
+
+    /* thread pool */
+    ws_pool *p = &ctx->pool;
+    p->n = params.n_threads;
+    p->ctx = ctx;
+    atomic_init(&p->job, 0);
+    atomic_init(&p->stop, 0);
+    atomic_init(&p->bar_count, 0);
+    atomic_init(&p->bar_gen, 0);
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    ctx->pool_started = 1;
+    for (int i = 1; i < p->n; i++) {
+        ws_worker_arg *arg = malloc(sizeof *arg);
+        int rc = arg ? 0 : 1;
+        if (arg) {
+            arg->pool = p;
+            arg->ith = i;
+            rc = pthread_create(&p->threads[i], NULL, pool_main, arg);
+            if (rc != 0) free(arg);
+        }
+        if (rc != 0) {
+            p->n = i; /* join the ones that started */
+            ws_context_free(ctx);
+            return fail_global(WS_ERR_THREAD, "could not start worker thread %d of %d", i,
+                               params.n_threads);
+        }
+    }
+    *out = ctx;
+    return WS_OK;
+}
+
+/* ------------------------------------------------------------------------- */
+/* the forward pass of one chunk, run by every thread of the pool             */
+
+/* [start, end) of n items for thread ith of nth, in blocks of `align` items */
+static void split_range(int n, int ith, int nth, int align, int *start, int *end) {
+    int blocks = (n + align - 1) / align;
+    int per = blocks / nth, rem = blocks % nth;
+    int b0 = ith * per + (ith < rem ? ith : rem);
+    int b1 = b0 + per + (ith < rem ? 1 : 0);
+    *start = b0 * align < n ? b0 * align : n;
+    *end = b1 * align < n ? b1 * align : n;
+}
+
+static void rmsnorm_rows(float *out, const float *x, const float *w, int n, float eps, int t0,
+                         int t1) {
+    for (int t = t0; t < t1; t++) {
+        const float *xt = x + (size_t)t * n;
+        float *ot = out + (size_t)t * n;
+        float ss = dot(xt, xt, n);
+        float scale = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int i = 0; i < n; i++) ot[i] = (xt[i] * scale) * w[i];
+    }
+}
+
+static void rope_apply(float *v, const float *cs, const float *sn, int half) {
+    for (int i = 0; i < half; i++) {
+        float a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = a * cs[i] - b * sn[i];
+        v[2 * i + 1] = a * sn[i] + b * cs[i];
+    }
+}
+
+/* attention of one query head of one token over positions 0..pos of its slot */
+static void attend(ws_context *ctx, int ith, int slot, int layer, int p0, int t, int h) {
+    const ws_hparams *hp = &ctx->model->hp;
+    const int hd = ctx->head_dim, pos = p0 + t;
+    const int kvh = h / (hp->n_head / hp->n_head_kv);
+    const float *q = ctx->q + (size_t)t * ctx->q_dim + (size_t)h * hd;
+    float *out = ctx->att + (size_t)t * ctx->q_dim + (size_t)h * hd;
+    float *sc = ctx->scores + (size_t)ith * ctx->params.n_ctx; /* [pos+1] */
+    const float *k0 = kv_row(ctx, ctx->k_cache, slot, layer, 0) + (size_t)kvh * hd;
+    const float *v0 = kv_row(ctx, ctx->v_cache, slot, layer, 0) + (size_t)kvh * hd;
+    const size_t stride = (size_t)ctx->kv_dim;
+
+    float mx = -INFINITY;
+    for (int j = 0; j <= pos; j++) {
+        float s = dot(q, k0 + (size_t)j * stride, hd) * ctx->attn_scale;
+        sc[j] = s;
+        if (s > mx) mx = s;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j <= pos; j++) {
+        sc[j] = ws_expf(sc[j] - mx);
+        sum += sc[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int d = 0; d < hd; d++) out[d] = 0.0f;
+    for (int j = 0; j <= pos; j++) {
+        const float wj = sc[j] * inv;
+        const float *vj = v0 + (size_t)j * stride;
+        for (int d = 0; d < hd; d++) out[d] = fmaf(wj, vj[d], out[d]);
+    }
+}
+
+static void forward_worker(ws_context *ctx, int ith) {
+    const ws_model *m = ctx->model;
+    const ws_hparams *hp = &m->hp;
+    ws_pool *pool = &ctx->pool;
+    const int nth = pool->n;
+    /* read the job once: the caller may set up the next chunk as soon as the
+       last barrier of this one opens */
+    const int nt = ctx->job.nt, slot = ctx->job.slot, p0 = ctx->job.p0;
+    const int t0 = ctx->job.out_t0, on = ctx->job.out_nt;
+    float *const logits = ctx->job.logits;
+    const int E = hp->n_embd, F = hp->n_ff, Q = ctx->q_dim, KV = ctx->kv_dim;
+    const int half = ctx->n_rot / 2, hd = ctx->head_dim;
+    int a, b;
+
+    for (int l = 0; l < hp->n_layer; l++) {
+        const ws_layer_weights *L = &m->w.layers[l];
+        float *kc = kv_row(ctx, ctx->k_cache, slot, l, p0); /* [nt][KV] */
+        float *vc = kv_row(ctx, ctx->v_cache, slot, l, p0); /* [nt][KV] */
+
+        split_range(nt, ith, nth, 1, &a, &b);
+        rmsnorm_rows(ctx->xn, ctx->x, L->attn_norm, E, hp->rms_eps, a, b);
+        pool_barrier(pool);
+
+        /* q, k, v projections: one row space of Q + KV + KV rows */
+        split_range(Q + 2 * KV, ith, nth, 4, &a, &b);
+        if (a < Q) matmul_rows(ctx->q, Q, L->wq, ctx->xn, E, E, a, b < Q ? b : Q, nt, 0);
+        if (b > Q && a < Q + KV) {
+            int s = (a > Q ? a : Q) - Q, e = (b < Q + KV ? b : Q + KV) - Q;
+            matmul_rows(kc, KV, L->wk, ctx->xn, E, E, s, e, nt, 0);
+        }
+        if (b > Q + KV) {
+            int s = (a > Q + KV ? a : Q + KV) - Q - KV, e = b - Q - KV;
+            matmul_rows(vc, KV, L->wv, ctx->xn, E, E, s, e, nt, 0);
+        }
+        pool_barrier(pool);
+
+        /* rotary embedding of q and k, per token */
+        split_range(nt, ith, nth, 1, &a, &b);
+        for (int t = a; t < b; t++) {
+            const float *cs = ctx->rope_cos + (size_t)(p0 + t) * half;
+            const float *sn = ctx->rope_sin + (size_t)(p0 + t) * half;
+            for (int h = 0; h < hp->n_head; h++)
+                rope_apply(ctx->q + (size_t)t * Q + (size_t)h * hd, cs, sn, half);
+            for (int h = 0; h < hp->n_head_kv; h++)
+                rope_apply(kc + (size_t)t * KV + (size_t)h * hd, cs, sn, half);
+        }
+        pool_barrier(pool);
+
+        /* attention: one task per (token, head) */
+        split_range(nt * hp->n_head, ith, nth, 1, &a, &b);
+        for (int i = a; i < b; i++) attend(ctx, ith, slot, l, p0, i / hp->n_head, i % hp->n_head);
+        pool_barrier(pool);
+
+        /* output projection added to the residual stream */
+        split_range(E, ith, nth, 4, &a, &b);
+        matmul_rows(ctx->x, E, L->wo, ctx->att, Q, Q, a, b, nt, 1);
+        pool_barrier(pool);
+
+        split_range(nt, ith, nth, 1, &a, &b);
+        rmsnorm_rows(ctx->xn, ctx->x, L->ffn_norm, E, hp->rms_eps, a, b);
+        pool_barrier(pool);
+
+        /* SwiGLU: hb = silu(gate x) * (up x) */
+        split_range(F, ith, nth, 4, &a, &b);
+        matmul_rows(ctx->hb, F, L->w_gate, ctx->xn, E, E, a, b, nt, 0);
+        matmul_rows(ctx->hb2, F, L->w_up, ctx->xn, E, E, a, b, nt, 0);
+        for (int t = 0; t < nt; t++) {
+            float *g = ctx->hb + (size_t)t * F, *u = ctx->hb2 + (size_t)t * F;
+            for (int i = a; i < b; i++) g[i] = ws_silu(g[i]) * u[i];
+        }
+        pool_barrier(pool);
+
+        split_range(E, ith, nth, 4, &a, &b);
+        matmul_rows(ctx->x, E, L->w_down, ctx->hb, F, F, a, b, nt, 1);
+        pool_barrier(pool);
+    }
+
+    /* final norm and logits of the wanted tokens */
+    if (on > 0) {
+        split_range(on, ith, nth, 1, &a, &b);
+        rmsnorm_rows(ctx->xn + (size_t)t0 * E, ctx->x + (size_t)t0 * E, m->w.output_norm, E,
+                     hp->rms_eps, a, b);
+        pool_barrier(pool);
+        const float *wout = m->w.output ? m->w.output : m->w.tok_embd;
+        split_range(hp->n_vocab, ith, nth, 4, &a, &b);
+        matmul_rows(logits, hp->n_vocab, wout, ctx->xn + (size_t)t0 * E, E, E, a, b, on,
+                    0);
+        pool_barrier(pool);
+    }
+}
+
+static void run_chunk(ws_context *ctx) {
+    ws_pool *p = &ctx->pool;
+    if (p->n > 1) {
+        pthread_mutex_lock(&p->mu);
+        atomic_fetch_add(&p->job, 1);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    forward_worker(ctx, 0);
+}
+
+/* ------------------------------------------------------------------------- */
+/* public slot operations                                                      */
+
+static ws_status check_slot(const ws_context *ctx, int32_t slot) {
+    if (slot < 0 || slot >= ctx->params.n_slots)
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT, "slot %d out of range 0..%d", slot,
+                        ctx->params.n_slots - 1);
+    return WS_OK;
+}
+
+ws_status ws_slot_n_tokens(const ws_context *ctx, int32_t slot, int32_t *n_out) {
+    if (!ctx || !n_out) return WS_ERR_INVALID_ARGUMENT;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    *n_out = ctx->n_past[slot];
+    return WS_OK;
+}
+
+ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size_t cap,
+                         int32_t *n_out) {
+    if (!ctx || !n_out || (!out && cap > 0)) return WS_ERR_INVALID_ARGUMENT;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    const int32_t n = ctx->n_past[slot];
+    *n_out = n;
+    if (cap < (size_t)n)
+        return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL, "token buffer holds %zu, slot has %d", cap,
+                        n);
+    memcpy(out, ctx->tokens + (size_t)slot * ctx->params.n_ctx, sizeof(int32_t) * (size_t)n);
+    return WS_OK;
+}
+
+ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_t n_tokens,
+                    int logits_all, float *logits, size_t logits_cap) {
+    if (!ctx) return WS_ERR_INVALID_ARGUMENT;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    const ws_hparams *hp = &ctx->model->hp;
+    if (!tokens || n_tokens <= 0)
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT, "decode needs at least one token (got %d)",
+                        n_tokens);
+    const int32_t n_past = ctx->n_past[slot];
+    if ((int64_t)n_past + n_tokens > ctx->params.n_ctx)
+        return fail_ctx(ctx, WS_ERR_CONTEXT_FULL,
+                        "slot %d holds %d tokens; %d more exceed its context of %d", slot, n_past,
+                        n_tokens, ctx->params.n_ctx);
+    for (int32_t i = 0; i < n_tokens; i++)
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab)
+            return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                            "token %d at index %d is outside the vocabulary 0..%d", tokens[i], i,
+                            hp->n_vocab - 1);
+    const size_t need = (size_t)(logits_all ? n_tokens : 1) * (size_t)hp->n_vocab;
+    if (!logits || logits_cap < need)
+        return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL,
+                        "logits buffer holds %zu floats, %zu are needed", logits_cap, need);
+
+    const int E = hp->n_embd;
+    for (int32_t done = 0; done < n_tokens;) {
+        int nt = n_tokens - done;
+        if (nt > ctx->params.n_batch) nt = ctx->params.n_batch;
+        const int last_chunk = done + nt == n_tokens;
+        for (int t = 0; t < nt; t++)
+            memcpy(ctx->x + (size_t)t * E, ctx->model->w.tok_embd + (size_t)tokens[done + t] * (size_t)E,
+                   sizeof(float) * (size_t)E);
+        ctx->job.slot = slot;
+        ctx->job.p0 = n_past + done;
+        ctx->job.nt = nt;
+        if (logits_all) {
+            ctx->job.out_t0 = 0;
+            ctx->job.out_nt = nt;
+            ctx->job.logits = logits + (size_t)done * hp->n_vocab;
+        } else {
+            ctx->job.out_t0 = nt - 1;
+            ctx->job.out_nt = last_chunk ? 1 : 0;
+            ctx->job.logits = logits;
+        }
+        run_chunk(ctx);
+        done += nt;
+    }
+    memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx + n_past, tokens,
+           sizeof(int32_t) * (size_t)n_tokens);
+    ctx->n_past[slot] = n_past + n_tokens;
+    return WS_OK;
+}
+
+ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n) {
+    if (!ctx) return WS_ERR_INVALID_ARGUMENT;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    if (n < 0 || n > ctx->n_past[slot])
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT, "cannot truncate slot %d of %d tokens to %d",
+                        slot, ctx->n_past[slot], n);
+    ctx->n_past[slot] = n;
+    return WS_OK;
+}
+
+ws_status ws_slot_clear(ws_context *ctx, int32_t slot) { return ws_slot_truncate(ctx, slot, 0); }
+
+/* ------------------------------------------------------------------------- */
+/* slot state                                                                  */
+
+#define WS_STATE_HEADER_BYTES 32u
+
+static size_t state_bytes(const ws_context *ctx, size_t n_tokens) {
+    return WS_STATE_HEADER_BYTES + sizeof(int32_t) * n_tokens +
+           2 * sizeof(float) * (size_t)ctx->model->hp.n_layer * n_tokens * (size_t)ctx->kv_dim;
+}
+
+static void put_u32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+ws_status ws_slot_state_size(const ws_context *ctx, int32_t slot, size_t *size_out) {
+    if (!ctx || !size_out) return WS_ERR_INVALID_ARGUMENT;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    *size_out = state_bytes(ctx, (size_t)ctx->n_past[slot]);
+    return WS_OK;
+}
+
+ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, size_t cap,
+                            size_t *written_out) {
+    if (!ctx || !written_out) return WS_ERR_INVALID_ARGUMENT;
+    *written_out = 0;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    const size_t n = (size_t)ctx->n_past[slot];
+    const size_t need = state_bytes(ctx, n);
+    if (!buf || cap < need)
+        return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL, "state buffer holds %zu bytes, %zu needed",
+                        cap, need);
+    const ws_hparams *hp = &ctx->model->hp;
+    uint8_t *p = buf;
+    put_u32(p + 0, WS_STATE_MAGIC);
+    put_u32(p + 4, WS_STATE_VERSION);
+    put_u32(p + 8, (uint32_t)hp->n_layer);
+    put_u32(p + 12, (uint32_t)ctx->kv_dim);
+    put_u32(p + 16, (uint32_t)ctx->kv_dim);
+    put_u32(p + 20, 0u);
+    put_u32(p + 24, (uint32_t)n);
+    put_u32(p + 28, 0u);
+    p += WS_STATE_HEADER_BYTES;
+    memcpy(p, ctx->tokens + (size_t)slot * ctx->params.n_ctx, sizeof(int32_t) * n);
+    p += sizeof(int32_t) * n;
+    const size_t row = sizeof(float) * n * (size_t)ctx->kv_dim;
+    for (int l = 0; l < hp->n_layer; l++) {
+        memcpy(p, kv_row(ctx, ctx->k_cache, slot, l, 0), row);
+        p += row;
+        memcpy(p, kv_row(ctx, ctx->v_cache, slot, l, 0), row);
+        p += row;
+    }
+    *written_out = need;
+    return WS_OK;
+}
+
+ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out) {
+    if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
+    *read_out = 0;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    ctx->n_past[slot] = 0; /* from here on, any failure leaves the slot empty */
+    const ws_hparams *hp = &ctx->model->hp;
+    if (!buf || len < WS_STATE_HEADER_BYTES)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state of %zu bytes is shorter than its header",
+                        len);
+    if (get_u32(buf) != WS_STATE_MAGIC)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state magic 0x%08x is not WSKV", get_u32(buf));
+    if (get_u32(buf + 4) != WS_STATE_VERSION)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state version %u is not supported (expected %u)",
+                        get_u32(buf + 4), WS_STATE_VERSION);
+    const uint32_t nl = get_u32(buf + 8), nk = get_u32(buf + 12), nv = get_u32(buf + 16);
+    if (nl != (uint32_t)hp->n_layer || nk != (uint32_t)ctx->kv_dim || nv != (uint32_t)ctx->kv_dim)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE,
+                        "state layout (%u layers, k %u, v %u) does not match the model (%d, %d, %d)",
+                        nl, nk, nv, hp->n_layer, ctx->kv_dim, ctx->kv_dim);
+    if (get_u32(buf + 20) != 0u || get_u32(buf + 28) != 0u)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state dtype %u / reserved %u not supported",
+                        get_u32(buf + 20), get_u32(buf + 28));
+    const uint32_t n = get_u32(buf + 24);
+    if (n > (uint32_t)ctx->params.n_ctx)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state holds %u tokens, the context only %d", n,
+                        ctx->params.n_ctx);
+    const size_t need = state_bytes(ctx, n);
+    if (len != need)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state of %u tokens must be %zu bytes, got %zu", n,
+                        need, len);
+    const uint8_t *p = buf + WS_STATE_HEADER_BYTES;
+    for (uint32_t i = 0; i < n; i++) {
+        int32_t tok;
+        memcpy(&tok, p + 4 * (size_t)i, sizeof tok);
+        if (tok < 0 || tok >= hp->n_vocab)
+            return fail_ctx(ctx, WS_ERR_BAD_STATE, "state token %d at %u is outside 0..%d", tok, i,
+                            hp->n_vocab - 1);
+    }
+    /* a NaN or infinity in the KV would poison every later token: refuse it */
+    const uint8_t *kv = p + sizeof(int32_t) * n;
+    const size_t n_floats = 2 * (size_t)hp->n_layer * n * (size_t)ctx->kv_dim;
+    for (size_t i = 0; i < n_floats; i++) {
+        float f;
+        memcpy(&f, kv + 4 * i, sizeof f);
+        if (!isfinite(f))
+            return fail_ctx(ctx, WS_ERR_BAD_STATE, "state KV value %zu is not finite", i);
+    }
+    memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx, p, sizeof(int32_t) * n);
+    const size_t row = sizeof(float) * n * (size_t)ctx->kv_dim;
+    for (int l = 0; l < hp->n_layer; l++) {
+        memcpy(kv_row(ctx, ctx->k_cache, slot, l, 0), kv, row);
+        kv += row;
+        memcpy(kv_row(ctx, ctx->v_cache, slot, l, 0), kv, row);
+        kv += row;
+    }
+    ctx->n_past[slot] = (int32_t)n;
+    *read_out = need;
+    return WS_OK;
+}

@@ -1,0 +1,144 @@
+/*
+ * warmslot.h - the Warmslot decoding core: a llama-family decoder over N slots.
+ *
+ * One public header. Conventions (after llama.h):
+ *   - opaque handles, `ws_<object>_<verb>` names, `_init` / `_free` pairs;
+ *   - every function that can fail returns a ws_status; the message of the
+ *     last failure is kept per object (ws_context_last_error) and globally for
+ *     model/context creation (ws_last_error);
+ *   - buffers are owned by the caller and passed with their capacity; every
+ *     length and count is validated, nothing is read or written out of bounds;
+ *   - nothing calls exit() or abort().
+ *
+ * Numerics: every output element of every matrix product is one dot product
+ * computed in a fixed order, whatever the batch size, slot or thread count.
+ * Work is split over output rows (and attention heads), never over a reduction
+ * axis, so the logits of a token are bit-identical however it was decoded.
+ */
+#ifndef WARMSLOT_H
+#define WARMSLOT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define WS_STATE_MAGIC   0x564b5357u /* "WSKV" little-endian */
+#define WS_STATE_VERSION 1u
+#define WS_MAX_LAYERS    256
+#define WS_MAX_THREADS   64
+
+typedef enum {
+    WS_OK = 0,
+    WS_ERR_INVALID_ARGUMENT = 1, /* a bad parameter: null pointer, out-of-range value  */
+    WS_ERR_OUT_OF_MEMORY = 2,    /* an allocation failed                                */
+    WS_ERR_BUFFER_TOO_SMALL = 3, /* a caller buffer is smaller than what is needed      */
+    WS_ERR_CONTEXT_FULL = 4,     /* the slot has no room for the tokens                 */
+    WS_ERR_BAD_STATE = 5,        /* a state buffer is truncated, corrupt or mismatched  */
+    WS_ERR_THREAD = 6,           /* a worker thread could not be started                */
+} ws_status;
+
+/* Hyper-parameters of a llama-family model. */
+typedef struct {
+    int32_t n_vocab;
+    int32_t n_embd;      /* model width                                    */
+    int32_t n_layer;
+    int32_t n_head;      /* query heads                                    */
+    int32_t n_head_kv;   /* key/value heads (n_head % n_head_kv == 0)       */
+    int32_t n_ff;        /* feed-forward width                             */
+    int32_t n_rot;       /* rotated dims per head (== head_dim here)       */
+    float rms_eps;
+    float rope_theta;
+} ws_hparams;
+
+/* Borrowed F32 weights of one layer; shapes as [rows][cols], row-major. */
+typedef struct {
+    const float *attn_norm;   /* [n_embd]                          */
+    const float *wq;          /* [n_head*head_dim][n_embd]         */
+    const float *wk;          /* [n_head_kv*head_dim][n_embd]      */
+    const float *wv;          /* [n_head_kv*head_dim][n_embd]      */
+    const float *wo;          /* [n_embd][n_head*head_dim]         */
+    const float *ffn_norm;    /* [n_embd]                          */
+    const float *w_gate;      /* [n_ff][n_embd]                    */
+    const float *w_up;        /* [n_ff][n_embd]                    */
+    const float *w_down;      /* [n_embd][n_ff]                    */
+} ws_layer_weights;
+
+/* Borrowed F32 weights of a model. They must outlive the model object. */
+typedef struct {
+    const float *tok_embd;    /* [n_vocab][n_embd]                  */
+    const float *output_norm; /* [n_embd]                           */
+    const float *output;      /* [n_vocab][n_embd]; NULL: tied to tok_embd */
+    const ws_layer_weights *layers; /* [n_layer], copied by ws_model_init */
+} ws_weights;
+
+typedef struct ws_model ws_model;
+typedef struct ws_context ws_context;
+
+typedef struct {
+    int32_t n_slots;   /* independent sequences, each with its own KV cache */
+    int32_t n_ctx;     /* positions per slot                                */
+    int32_t n_threads; /* 1..WS_MAX_THREADS; the pool is created once       */
+    int32_t n_batch;   /* largest batch one ws_decode call processes at once;
+                          longer inputs are split internally                */
+} ws_context_params;
+
+/* The message of the last failed ws_model_init / ws_context_init (thread-local). */
+const char *ws_last_error(void);
+
+ws_context_params ws_context_default_params(void);
+
+/* Validates hyper-parameters and pointers; the weights are borrowed. */
+ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **out);
+void ws_model_free(ws_model *model);
+const ws_hparams *ws_model_hparams(const ws_model *model);
+
+/* Allocates the KV cache (n_slots x n_ctx positions) and starts the threads. */
+ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_context **out);
+void ws_context_free(ws_context *ctx);
+const char *ws_context_last_error(const ws_context *ctx);
+ws_context_params ws_context_get_params(const ws_context *ctx);
+/* Bytes the KV cache of this context takes (all slots). */
+size_t ws_context_kv_bytes(const ws_context *ctx);
+
+/* Tokens held by a slot (its next position). */
+ws_status ws_slot_n_tokens(const ws_context *ctx, int32_t slot, int32_t *n_out);
+/* Copies up to cap tokens of the slot into out; *n_out gets the slot's count. */
+ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size_t cap,
+                         int32_t *n_out);
+
+/*
+ * Decodes n_tokens tokens for one slot at its current position and appends
+ * them. logits_all == 0: writes the last token's logits (n_vocab floats);
+ * otherwise every token's ([n_tokens][n_vocab]). logits_cap is the capacity
+ * of `logits` in floats. On any error the slot is left as it was.
+ */
+ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_t n_tokens,
+                    int logits_all, float *logits, size_t logits_cap);
+
+/* Keeps the first n positions of a slot (n <= current count). */
+ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n);
+ws_status ws_slot_clear(ws_context *ctx, int32_t slot);
+
+/*
+ * A slot's state: header, tokens and KV of its positions.
+ *   header (32 bytes, little-endian u32): magic, version, n_layer, n_embd_k,
+ *   n_embd_v, dtype (0 = f32), n_tokens, reserved (0)
+ *   tokens: int32[n_tokens]
+ *   per layer: K f32[n_tokens][n_embd_k], then V f32[n_tokens][n_embd_v]
+ * ws_slot_state_set validates everything before it writes; on any error the
+ * slot is left empty (cleared) and usable.
+ */
+ws_status ws_slot_state_size(const ws_context *ctx, int32_t slot, size_t *size_out);
+ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, size_t cap,
+                            size_t *written_out);
+ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* WARMSLOT_H */

@@ -1,0 +1,24 @@
+"""Shared fixtures: random GGUF models written once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.factory import Shape, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def small_model_path(model_dir: Path) -> Path:
+    path = model_dir / "small.gguf"
+    write_model(path, Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96))
+    return path

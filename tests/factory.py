@@ -1,0 +1,135 @@
+"""Random llama-architecture GGUF models for the tests, written with the gguf writer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from inference_svc.core.tokenizer import unicode_to_byte
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_vocab: int = 300
+    n_embd: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_head_kv: int = 4
+    n_ff: int = 96
+    n_ctx: int = 256
+    tied: bool = False
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    dtype: str = "f32"  # f32 | f16 | bf16 | q8_0
+
+
+def byte_tokens() -> list[str]:
+    table = unicode_to_byte()
+    by_byte = {b: c for c, b in table.items()}
+    return [by_byte[b] for b in range(256)]
+
+
+def tokenizer_vocab(n_vocab: int, seed: int = 0) -> tuple[list[str], list[str], list[int]]:
+    """256 byte tokens, merges of existing tokens up to n_vocab-1, then <|endoftext|>."""
+    if n_vocab < 257:
+        raise ValueError("a byte-level vocabulary needs at least 257 tokens")
+    rng = np.random.default_rng(seed)
+    tokens = byte_tokens()
+    seen = set(tokens)
+    merges: list[str] = []
+    common = list("etaoinshrdlu") + [byte_tokens()[32]]
+    while len(tokens) < n_vocab - 1:
+        if rng.random() < 0.5:
+            a = tokens[int(rng.integers(len(tokens)))]
+        else:
+            a = str(rng.choice(common))
+        b = str(rng.choice(common))
+        if a + b in seen:
+            continue
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        seen.add(a + b)
+    tokens.append("<|endoftext|>")
+    types = [1] * (len(tokens) - 1) + [3]
+    return tokens, merges, types
+
+
+def random_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    hd = shape.n_embd // shape.n_head
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = {"token_embd.weight": rng.standard_normal((shape.n_vocab, shape.n_embd)).astype(np.float32)}
+    for i in range(shape.n_layer):
+        b = f"blk.{i}."
+        w[b + "attn_norm.weight"] = norm(shape.n_embd)
+        w[b + "attn_q.weight"] = mat(shape.n_head * hd, shape.n_embd)
+        w[b + "attn_k.weight"] = mat(shape.n_head_kv * hd, shape.n_embd)
+        w[b + "attn_v.weight"] = mat(shape.n_head_kv * hd, shape.n_embd)
+        w[b + "attn_output.weight"] = mat(shape.n_embd, shape.n_head * hd)
+        w[b + "ffn_norm.weight"] = norm(shape.n_embd)
+        w[b + "ffn_gate.weight"] = mat(shape.n_ff, shape.n_embd)
+        w[b + "ffn_up.weight"] = mat(shape.n_ff, shape.n_embd)
+        w[b + "ffn_down.weight"] = mat(shape.n_embd, shape.n_ff)
+    w["output_norm.weight"] = norm(shape.n_embd)
+    if not shape.tied:
+        w["output.weight"] = mat(shape.n_vocab, shape.n_embd)
+    return w
+
+
+def _store(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, dtype: str) -> None:
+    if arr.ndim == 1 or dtype == "f32":
+        writer.add_tensor(name, arr.astype(np.float32))
+    elif dtype == "f16":
+        writer.add_tensor(name, arr.astype(np.float16))
+    elif dtype == "bf16":
+        bits = (arr.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        # raw types take the tensor's bytes; the writer derives the element shape
+        writer.add_tensor(name, bits.view(np.uint8).reshape(arr.shape[0], -1),
+                          raw_dtype=gguf.GGMLQuantizationType.BF16)
+    elif dtype == "q8_0":
+        q = gguf.quants.quantize(arr.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        raise ValueError(dtype)
+
+
+def write_model(path: Path, shape: Shape = Shape(), seed: int = 0,
+                arch: str = "llama") -> dict[str, np.ndarray]:
+    """Writes a random model; returns its weights as stored (after F16/BF16 rounding)."""
+    weights = random_weights(shape, seed)
+    tokens, merges, types = tokenizer_vocab(shape.n_vocab, seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"random-{seed}")
+    writer.add_context_length(shape.n_ctx)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_vocab_size(shape.n_vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1)
+    for name, arr in weights.items():
+        _store(writer, name, arr, shape.dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return weights

@@ -1,0 +1,52 @@
+"""A numpy reference forward pass of the llama decoder (float64, short and readable)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from inference_svc.core.gguf_file import HParams
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, theta: float) -> np.ndarray:
+    """llama.cpp 'normal' RoPE: pairs (2i, 2i+1) of each head turn by pos * theta^(-2i/n_rot)."""
+    # x: [T, heads, head_dim]
+    freqs = theta ** (-np.arange(0, n_rot, 2) / n_rot)          # [n_rot/2]
+    ang = positions[:, None] * freqs[None, :]                    # [T, n_rot/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    out = x.copy()
+    a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+    out[..., 0:n_rot:2] = a * cos - b * sin
+    out[..., 1:n_rot:2] = a * sin + b * cos
+    return out
+
+
+def forward(hp: HParams, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
+    """Logits [T, n_vocab] of a whole sequence decoded from position 0."""
+    w = {k: v.astype(np.float64) for k, v in w.items()}
+    T, hd = len(tokens), hp.head_dim
+    pos = np.arange(T, dtype=np.float64)
+    x = w["token_embd.weight"][tokens]                          # [T, E]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    group = hp.n_head // hp.n_head_kv
+    for i in range(hp.n_layer):
+        b = f"blk.{i}."
+        h = rmsnorm(x, w[b + "attn_norm.weight"], hp.rms_eps)
+        q = (h @ w[b + "attn_q.weight"].T).reshape(T, hp.n_head, hd)
+        k = (h @ w[b + "attn_k.weight"].T).reshape(T, hp.n_head_kv, hd)
+        v = (h @ w[b + "attn_v.weight"].T).reshape(T, hp.n_head_kv, hd)
+        q, k = rope(q, pos, hp.n_rot, hp.rope_theta), rope(k, pos, hp.n_rot, hp.rope_theta)
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        att = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd) + mask  # [H, T, T]
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        o = np.einsum("hts,shd->thd", att, v).reshape(T, hp.n_head * hd)
+        x = x + o @ w[b + "attn_output.weight"].T
+        h = rmsnorm(x, w[b + "ffn_norm.weight"], hp.rms_eps)
+        g, u = h @ w[b + "ffn_gate.weight"].T, h @ w[b + "ffn_up.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * u) @ w[b + "ffn_down.weight"].T
+    out = w.get("output.weight", w["token_embd.weight"])
+    return rmsnorm(x, w["output_norm.weight"], hp.rms_eps) @ out.T

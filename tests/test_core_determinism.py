@@ -1,0 +1,75 @@
+"""Batch invariance: a token's logits are bit-identical however it was decoded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference_svc.core import Context, Model
+
+pytestmark = pytest.mark.native
+
+N = 37
+TOKENS = np.random.default_rng(11).integers(0, 300, N).tolist()
+
+
+def one_by_one(ctx: Context, slot: int, tokens: list[int]) -> np.ndarray:
+    return np.stack([ctx.decode(slot, [t]) for t in tokens])
+
+
+def in_batches(ctx: Context, slot: int, tokens: list[int], size: int) -> np.ndarray:
+    rows = [ctx.decode(slot, tokens[i:i + size], logits_all=True)
+            for i in range(0, len(tokens), size)]
+    return np.concatenate(rows)
+
+
+@pytest.fixture(scope="module")
+def baseline(small_model_path: Path) -> np.ndarray:
+    with Model.load(small_model_path) as model, Context(model, n_ctx=64, n_threads=1) as ctx:
+        return one_by_one(ctx, 0, TOKENS)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 16, N])
+def test_batch_size_and_threads(small_model_path: Path, baseline: np.ndarray, threads: int,
+                                batch: int) -> None:
+    with Model.load(small_model_path) as model, \
+            Context(model, n_slots=3, n_ctx=64, n_threads=threads) as ctx:
+        got = in_batches(ctx, 2, TOKENS, batch)
+    assert got.tobytes() == baseline.tobytes()
+
+
+def test_internal_chunking(small_model_path: Path, baseline: np.ndarray) -> None:
+    """A prompt longer than n_batch is split inside the core; nothing changes."""
+    with Model.load(small_model_path) as model, \
+            Context(model, n_ctx=64, n_threads=2, n_batch=4) as ctx:
+        got = ctx.decode(0, TOKENS, logits_all=True)
+        ctx.clear(0)
+        last = ctx.decode(0, TOKENS)
+    assert got.tobytes() == baseline.tobytes()
+    assert last.tobytes() == baseline[-1].tobytes()
+
+
+def test_slots_are_independent(small_model_path: Path, baseline: np.ndarray) -> None:
+    """Interleaving other slots' work does not change a slot's logits."""
+    other = np.random.default_rng(5).integers(0, 300, N).tolist()
+    with Model.load(small_model_path) as model, \
+            Context(model, n_slots=4, n_ctx=64, n_threads=2) as ctx:
+        rows = []
+        for i, t in enumerate(TOKENS):
+            ctx.decode(i % 3 + 1, [other[i]])
+            rows.append(ctx.decode(0, [t]))
+    assert np.stack(rows).tobytes() == baseline.tobytes()
+
+
+def test_truncate_then_redecode(small_model_path: Path, baseline: np.ndarray) -> None:
+    """Rolling a slot back and decoding again gives the same logits (speculative rollback)."""
+    with Model.load(small_model_path) as model, Context(model, n_ctx=64) as ctx:
+        ctx.decode(0, TOKENS[:20])
+        ctx.decode(0, [1, 2, 3, 4, 5])
+        ctx.truncate(0, 20)
+        assert ctx.n_tokens(0) == 20
+        got = ctx.decode(0, TOKENS[20:], logits_all=True)
+    assert got.tobytes() == baseline[20:].tobytes()

@@ -1,0 +1,58 @@
+"""The C core's logits match the numpy reference forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference_svc.core import Context, Model
+from tests.factory import Shape, write_model
+from tests.reference import forward
+
+pytestmark = pytest.mark.native
+
+SHAPES = {
+    "mha": Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=96),
+    "gqa": Shape(n_vocab=320, n_embd=96, n_layer=3, n_head=6, n_head_kv=2, n_ff=160),
+    "mqa_tied": Shape(n_vocab=277, n_embd=48, n_layer=1, n_head=4, n_head_kv=1, n_ff=80,
+                      tied=True),
+    "odd": Shape(n_vocab=263, n_embd=36, n_layer=2, n_head=3, n_head_kv=3, n_ff=57,
+                 rope_theta=500.0),
+    "f16": Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, dtype="f16"),
+    "bf16": Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96,
+                  dtype="bf16"),
+    "q8_0": Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96,
+                  dtype="q8_0"),
+}
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_logits_match_reference(tmp_path: Path, name: str) -> None:
+    shape = SHAPES[name]
+    path = tmp_path / f"{name}.gguf"
+    written = write_model(path, shape, seed=7)
+    tokens = np.random.default_rng(3).integers(0, shape.n_vocab, 40).tolist()
+    with Model.load(path) as model, Context(model, n_slots=1, n_ctx=64, n_threads=2) as ctx:
+        assert model.content.tied_output == shape.tied
+        if shape.dtype in ("f32", "f16"):  # the loader hands the core exactly what was stored
+            stored = written["blk.0.attn_q.weight"].astype(
+                np.float16 if shape.dtype == "f16" else np.float32).astype(np.float32)
+            assert np.array_equal(model.content.tensors["blk.0.attn_q.weight"], stored)
+        ref = forward(model.hparams, model.content.tensors, tokens)
+        got = ctx.decode(0, tokens, logits_all=True)
+    assert got.shape == (40, shape.n_vocab)
+    assert rel_err(got, ref) < 1e-4
+
+
+def test_last_logits_equal_last_row_of_all(small_model_path: Path) -> None:
+    tokens = [5, 17, 250, 3, 99, 42]
+    with Model.load(small_model_path) as model, Context(model, n_slots=2, n_ctx=32) as ctx:
+        all_rows = ctx.decode(0, tokens, logits_all=True)
+        last = ctx.decode(1, tokens)
+    assert np.array_equal(all_rows[-1], last)

@@ -1,0 +1,133 @@
+"""GGUF loading: hyper-parameters, tensor types, fingerprints and every bad file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from inference_svc.core import ModelLoadError, load_gguf
+from tests.factory import Shape, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_hparams_and_tokenizer_metadata(small_model_path: Path) -> None:
+    m = load_gguf(small_model_path)
+    hp = m.hparams
+    assert (hp.n_vocab, hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_rot) == (
+        300, 64, 2, 4, 2, 96, 16)
+    assert hp.n_ctx_train == 256
+    assert m.architecture == "llama"
+    assert m.tokenizer.model == "gpt2"
+    assert len(m.tokenizer.tokens) == 300
+    assert m.tokenizer.bos_id == m.tokenizer.eos_id == 299
+    assert all(t.dtype == np.float32 and t.flags.c_contiguous for t in m.tensors.values())
+
+
+def test_fingerprint_is_stable_and_tracks_weights(tmp_path: Path) -> None:
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    write_model(a, seed=1)
+    write_model(b, seed=1)
+    write_model(c, seed=2)
+    fa = load_gguf(a).fingerprint
+    assert len(fa) == 64
+    assert fa == load_gguf(b).fingerprint
+    assert fa != load_gguf(c).fingerprint
+    d = tmp_path / "d.gguf"
+    write_model(d, Shape(rope_theta=20000.0), seed=1)  # same tensors, other hyper-parameter
+    assert load_gguf(d).fingerprint != fa
+
+
+def test_bf16_is_widened_exactly(tmp_path: Path) -> None:
+    path = tmp_path / "bf16.gguf"
+    weights = write_model(path, Shape(dtype="bf16"), seed=4)
+    m = load_gguf(path)
+    w = weights["blk.1.ffn_up.weight"]
+    expected = ((w.view(np.uint32) >> 16) << 16).view(np.float32)
+    assert np.array_equal(m.tensors["blk.1.ffn_up.weight"], expected)
+    assert m.tensor_types["blk.1.ffn_up.weight"] == "BF16"
+
+
+def test_quantized_tensor_is_dequantized(tmp_path: Path) -> None:
+    path = tmp_path / "q8.gguf"
+    weights = write_model(path, Shape(dtype="q8_0"), seed=4)
+    m = load_gguf(path)
+    assert m.tensor_types["blk.0.attn_k.weight"] == "Q8_0"
+    w = weights["blk.0.attn_k.weight"]
+    assert np.abs(m.tensors["blk.0.attn_k.weight"] - w).max() < 0.02 * np.abs(w).max()
+
+
+def bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:10])
+    text = tmp_path / "text.gguf"
+    text.write_text("this is not a model\n" * 10)
+    arch = tmp_path / "gpt2arch.gguf"
+    write_model(arch, arch="gpt2")
+    missing_tensor = tmp_path / "missing_tensor.gguf"
+    w = gguf.GGUFWriter(str(missing_tensor), "llama")
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_block_count(1)
+    w.add_feed_forward_length(8)
+    w.add_context_length(8)
+    w.add_tensor("token_embd.weight", np.zeros((260, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {
+        "missing": (tmp_path / "nope.gguf", "model file not found"),
+        "truncated": (truncated, "not a readable GGUF file"),
+        "header_only": (header_only, "not a readable GGUF file"),
+        "not_gguf": (text, "not a readable GGUF file"),
+        "architecture": (arch, "architecture 'gpt2' is not supported"),
+        "missing_tensor": (missing_tensor, "tensor 'output_norm.weight' is missing"),
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated", "header_only", "not_gguf",
+                                  "architecture", "missing_tensor"])
+def test_bad_files_raise_model_load_error(tmp_path: Path, small_model_path: Path,
+                                          case: str) -> None:
+    path, message = bad_files(tmp_path, small_model_path)[case]
+    with pytest.raises(ModelLoadError, match=message):
+        load_gguf(path)
+
+
+def test_unknown_tensor_type(tmp_path: Path, small_model_path: Path) -> None:
+    """A tensor type id the format does not know: a clear error, not a crash."""
+    m = gguf.GGUFReader(str(small_model_path))
+    t = m.tensors[0]
+    # the type id of the first tensor info sits right after its dims
+    data = bytearray(small_model_path.read_bytes())
+    type_field = t.field.parts[-2]
+    offset = t.field.offset + sum(p.nbytes for p in t.field.parts[:-2])
+    assert type_field.nbytes == 4
+    data[offset:offset + 4] = (999).to_bytes(4, "little")
+    bad = tmp_path / "badtype.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="999"):
+        load_gguf(bad)
+
+
+@pytest.mark.parametrize("case", ["missing", "not_gguf"])
+def test_cli_reports_one_line_and_fails(tmp_path: Path, small_model_path: Path,
+                                        case: str) -> None:
+    path, message = bad_files(tmp_path, small_model_path)[case]
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference_svc.complete", "--model", str(path), "--prompt", "x"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+    assert "Traceback" not in proc.stderr

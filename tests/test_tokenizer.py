@@ -1,0 +1,71 @@
+"""The byte-level BPE tokenizer built from GGUF metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from inference_svc.core import ModelLoadError, StreamDecoder, Tokenizer, load_gguf
+from inference_svc.core.gguf_file import TokenizerData
+
+TEXTS = [
+    "",
+    "hello world",
+    "def f(x):\n    return x ** 2\n\n\n",
+    "  leading and trailing spaces  ",
+    "tabs\tand\r\nCRLF",
+    "ünïcödé, 日本語のテキスト, emoji 🎉👩‍👩‍👧, combining e\u0301",
+    "<|endoftext|> is plain text here",
+    "\x00\x01 control \x7f bytes",
+    "a" * 1000,
+]
+
+
+@pytest.fixture(scope="module")
+def tok(small_model_path: Path) -> Tokenizer:
+    return Tokenizer(load_gguf(small_model_path).tokenizer)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_identity(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.n_vocab for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_random_unicode_roundtrip(tok: Tokenizer) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        cps = rng.integers(1, 0x10FFFF, rng.integers(1, 40))
+        text = "".join(chr(c) for c in cps if not 0xD800 <= c <= 0xDFFF)
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_merges_are_used(tok: Tokenizer) -> None:
+    text = "the tea ate in the sea " * 20
+    assert len(tok.encode(text)) < len(text.encode())
+
+
+def test_decode_arbitrary_ids_never_raises(tok: Tokenizer) -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        ids = rng.integers(-5, tok.n_vocab + 5, rng.integers(0, 30)).tolist()
+        assert isinstance(tok.decode(ids), str)
+    assert tok.decode([tok.eos_id]) == ""  # control tokens carry no text
+    assert tok.decode([-1, 10**9]) == ""
+
+
+def test_stream_decoder_matches_decode(tok: Tokenizer) -> None:
+    text = "naïve café — 日本 🎉 done"
+    ids = tok.encode(text)
+    dec = StreamDecoder(tok)
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_only_gpt2_tokenizers() -> None:
+    with pytest.raises(ModelLoadError, match="'llama' is not supported"):
+        Tokenizer(TokenizerData("llama", ["a"], [1], [], None, None))
