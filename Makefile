@@ -7,6 +7,8 @@ DEPS_STAMP := $(VENV)/.deps-installed
 NATIVE_SRC := native/warmslot.c native/warmslot.h native/build_ffi.py
 NATIVE_SO := inference_svc/core/.built-release
 NATIVE_ASAN_SO := inference_svc/core/.built-asan
+PROTO_SRC := $(wildcard proto/warmslot/*/v1/*.proto) tools/gen_proto.py
+PROTO_STAMP := build/.proto-generated
 MODEL ?= models/target.gguf
 DRAFT ?= models/draft.gguf
 PROMPT ?= def fibonacci(n):
@@ -17,11 +19,18 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
-.PHONY: all setup native native-asan run test test-fast test-asan lint bench models clean distclean
+
+.PHONY: all setup proto native native-asan run test test-fast test-asan lint bench models clean distclean
 
 all: setup
 
-setup: $(DEPS_STAMP) $(NATIVE_SO)
+setup: $(DEPS_STAMP) $(NATIVE_SO) $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(DEPS_STAMP) $(PROTO_SRC)
+	$(PY) tools/gen_proto.py
+	mkdir -p build && touch $@
+
+proto: $(PROTO_STAMP)
 
 $(DEPS_STAMP): requirements.txt requirements-dev.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "Python 3.11 is required"'
