@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -49,10 +50,15 @@ def arch_flags() -> list[str]:
 
 
 def cdef_from_header(header: Path) -> str:
-    """The header without preprocessor lines and the C++ linkage wrapper."""
+    """The header without the C++ linkage wrapper and preprocessor lines, except the
+    integer constants (`#define WS_X 16`), which cffi understands without suffixes."""
     out = []
     for line in header.read_text().splitlines():
         stripped = line.strip()
+        const = re.match(r"#define (WS_\w+)\s+(0x[0-9a-fA-F]+|[0-9]+)u?\b", stripped)
+        if const:
+            out.append(f"#define {const.group(1)} {const.group(2)}")
+            continue
         if stripped.startswith("#") or stripped in ('extern "C" {', "}"):
             continue
         out.append(line)
@@ -67,7 +73,7 @@ def build(variant: str) -> Path:
     ffi.set_source(
         module,
         '#include "warmslot.h"',
-        sources=[str(NATIVE / "warmslot.c")],
+        sources=[str(NATIVE / "warmslot.c"), str(NATIVE / "speculative.c")],
         include_dirs=[str(NATIVE)],
         extra_compile_args=WARN + NUMERIC + arch_flags() + spec["cflags"],
         extra_link_args=spec["ldflags"],

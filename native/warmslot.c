@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE
 #include "warmslot.h"
+#include "ws_math.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -41,18 +42,6 @@ static ws_status fail_global(ws_status st, const char *fmt, ...) {
 
 /* ------------------------------------------------------------------------- */
 /* deterministic scalar maths (no libm variance between machines)             */
-
-/* exp(x) for float x: range reduction by ln2, degree-7 polynomial in double. */
-static float ws_expf(float xf) {
-    if (xf < -103.0f) return 0.0f;
-    if (xf > 88.0f) return INFINITY;
-    double x = (double)xf;
-    double n = nearbyint(x * 1.4426950408889634);
-    double r = x - n * 0.6931471805599453;
-    double p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6 + r * (1.0 / 24 + r * (1.0 / 120 +
-               r * (1.0 / 720 + r * (1.0 / 5040 + r * (1.0 / 40320))))))));
-    return (float)ldexp(p, (int)n);
-}
 
 static float ws_silu(float x) { return x / (1.0f + ws_expf(-x)); }
 
@@ -374,6 +363,8 @@ ws_context_params ws_context_default_params(void) {
 }
 
 ws_context_params ws_context_get_params(const ws_context *ctx) { return ctx->params; }
+
+const ws_model *ws_context_model(const ws_context *ctx) { return ctx ? ctx->model : NULL; }
 
 static size_t kv_elems_per_slot(const ws_context *ctx) {
     return (size_t)ctx->model->hp.n_layer * (size_t)ctx->params.n_ctx * (size_t)ctx->kv_dim;
@@ -755,8 +746,9 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
             return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
                             "token %d at index %d is outside the vocabulary 0..%d", tokens[i], i,
                             hp->n_vocab - 1);
-    const size_t need = (size_t)(logits_all ? n_tokens : 1) * (size_t)hp->n_vocab;
-    if (!logits || logits_cap < need)
+    const int want = !(logits == NULL && logits_cap == 0);
+    const size_t need = want ? (size_t)(logits_all ? n_tokens : 1) * (size_t)hp->n_vocab : 0;
+    if (want && (!logits || logits_cap < need))
         return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL,
                         "logits buffer holds %zu floats, %zu are needed", logits_cap, need);
 
@@ -771,7 +763,11 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
         ctx->job.slot = slot;
         ctx->job.p0 = n_past + done;
         ctx->job.nt = nt;
-        if (logits_all) {
+        if (!want) {
+            ctx->job.out_t0 = 0;
+            ctx->job.out_nt = 0;
+            ctx->job.logits = NULL;
+        } else if (logits_all) {
             ctx->job.out_t0 = 0;
             ctx->job.out_nt = nt;
             ctx->job.logits = logits + (size_t)done * hp->n_vocab;

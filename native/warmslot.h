@@ -100,6 +100,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
 void ws_context_free(ws_context *ctx);
 const char *ws_context_last_error(const ws_context *ctx);
 ws_context_params ws_context_get_params(const ws_context *ctx);
+const ws_model *ws_context_model(const ws_context *ctx);
 /* Bytes the KV cache of this context takes (all slots). */
 size_t ws_context_kv_bytes(const ws_context *ctx);
 
@@ -113,7 +114,8 @@ ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size
  * Decodes n_tokens tokens for one slot at its current position and appends
  * them. logits_all == 0: writes the last token's logits (n_vocab floats);
  * otherwise every token's ([n_tokens][n_vocab]). logits_cap is the capacity
- * of `logits` in floats. On any error the slot is left as it was.
+ * of `logits` in floats; logits NULL with logits_cap 0 computes none.
+ * On any error the slot is left as it was.
  */
 ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_t n_tokens,
                     int logits_all, float *logits, size_t logits_cap);
@@ -135,6 +137,106 @@ ws_status ws_slot_state_size(const ws_context *ctx, int32_t slot, size_t *size_o
 ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, size_t cap,
                             size_t *written_out);
 ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out);
+
+/* ------------------------------------------------------------------------ */
+/* Speculative decoding (speculative.c)                                      */
+/*
+ * A ws_spec drives a target context and an optional draft context with the
+ * same number of slots and positions. Per slot it keeps the sequence S: the
+ * tokens in the target's KV plus at most one pending token (sampled, not yet
+ * decoded), the slot's RNG, and counters.
+ *
+ *   ws_spec_prefill  appends tokens to S (decoding any pending token with
+ *                    them), brings the draft level when asked, samples the
+ *                    next token from the target and leaves it pending.
+ *   ws_spec_step     the draft proposes up to n_max tokens, the target decodes
+ *                    the pending token plus the proposals in one batch, the
+ *                    longest accepted prefix plus one target token are
+ *                    returned; both KV caches roll back to the accepted
+ *                    length and the last returned token is pending.
+ *
+ * Temperature 0 is greedy (argmax, lowest id on ties): the output is the
+ * target-only greedy sequence. Otherwise proposals are sampled from the
+ * draft's distribution q and accepted with probability min(1, p/q), a
+ * rejection resamples from norm(max(0, p - q)): the output is distributed as
+ * sampling from the target alone. p and q are both taken after temperature,
+ * top-k, top-p and min-p.
+ */
+
+#define WS_SPEC_MAX_DRAFT 16
+#define WS_SPEC_STATE_MAGIC 0x50535357u /* "WSSP" */
+#define WS_SPEC_STATE_VERSION 1u
+
+typedef struct {
+    float temperature; /* <= 0: greedy                              */
+    int32_t top_k;     /* 0: off                                     */
+    float top_p;       /* (0, 1]; 1: off                             */
+    float min_p;       /* [0, 1); 0: off                             */
+} ws_sampling_params;
+
+typedef struct {
+    int32_t n_max;     /* 0: no drafting; at most WS_SPEC_MAX_DRAFT   */
+    int32_t n_min;     /* draft at least this many (<= n_max)         */
+    float p_min;       /* [0, 1]: stop drafting below this top prob   */
+} ws_spec_params;
+
+typedef struct {
+    uint64_t n_steps;         /* target verification passes              */
+    uint64_t n_drafted;       /* tokens proposed by the draft            */
+    uint64_t n_accepted;      /* proposals accepted                      */
+    uint64_t n_draft_prefill; /* tokens the draft decoded to catch up    */
+    uint64_t drafted_at[WS_SPEC_MAX_DRAFT];  /* proposals at position i  */
+    uint64_t accepted_at[WS_SPEC_MAX_DRAFT]; /* accepted at position i   */
+} ws_spec_counters;
+
+typedef struct ws_spec ws_spec;
+
+/* target and draft must outlive the ws_spec; draft may be NULL. */
+ws_status ws_spec_init(ws_context *target, ws_context *draft, ws_spec **out);
+void ws_spec_free(ws_spec *spec);
+const char *ws_spec_last_error(const ws_spec *spec);
+
+ws_status ws_spec_check_params(const ws_spec *spec, const ws_sampling_params *sp,
+                               const ws_spec_params *pp);
+ws_status ws_spec_seed(ws_spec *spec, int32_t slot, uint64_t seed);
+/* Length of S (KV tokens plus the pending one) and its tokens. */
+ws_status ws_spec_n_tokens(const ws_spec *spec, int32_t slot, int32_t *n_out);
+ws_status ws_spec_tokens(const ws_spec *spec, int32_t slot, int32_t *out, size_t cap,
+                         int32_t *n_out);
+ws_status ws_spec_draft_n_tokens(const ws_spec *spec, int32_t slot, int32_t *n_out);
+ws_status ws_spec_prefill(ws_spec *spec, int32_t slot, const int32_t *tokens, int32_t n_tokens,
+                          const ws_sampling_params *sp, int with_draft, int32_t *token_out);
+ws_status ws_spec_step(ws_spec *spec, int32_t slot, const ws_sampling_params *sp,
+                       const ws_spec_params *pp, int32_t max_new, int32_t *out, size_t cap,
+                       int32_t *n_out);
+/* Decodes the pending token (if any) into the target and, when level, the draft. */
+ws_status ws_spec_commit(ws_spec *spec, int32_t slot);
+/* Keeps the first n tokens of S (n <= length of S). */
+ws_status ws_spec_truncate(ws_spec *spec, int32_t slot, int32_t n);
+ws_status ws_spec_clear(ws_spec *spec, int32_t slot);
+/*
+ * The draft's KV holds target positions [offset, offset + draft n_tokens).
+ * ws_spec_draft_reset empties it and sets the offset: 0 makes the next
+ * prefill (or ws_spec_draft_sync) re-prefill the whole context; the target's
+ * length makes the draft start empty, seeing only tokens that come after.
+ */
+ws_status ws_spec_draft_reset(ws_spec *spec, int32_t slot, int32_t offset);
+/* Brings the draft level with the target's KV tokens now; *n_out: tokens decoded. */
+ws_status ws_spec_draft_sync(ws_spec *spec, int32_t slot, int32_t *n_out);
+ws_status ws_spec_draft_offset(const ws_spec *spec, int32_t slot, int32_t *offset_out);
+ws_status ws_spec_counters_get(const ws_spec *spec, int32_t slot, ws_spec_counters *out);
+
+/*
+ * The slot's draft state: spec header (magic, version, RNG, counters), then
+ * the draft context's slot state (ws_slot_state_get format). Set validates
+ * both and that the draft's tokens are a prefix of the target's; on error the
+ * draft slot is left empty and the RNG and counters unchanged.
+ */
+ws_status ws_spec_state_size(const ws_spec *spec, int32_t slot, size_t *size_out);
+ws_status ws_spec_state_get(const ws_spec *spec, int32_t slot, uint8_t *buf, size_t cap,
+                            size_t *written_out);
+ws_status ws_spec_state_set(ws_spec *spec, int32_t slot, const uint8_t *buf, size_t len,
                             size_t *read_out);
 
 #ifdef __cplusplus

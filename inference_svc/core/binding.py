@@ -112,3 +112,115 @@ def slot_state_set(ctx: Any, slot: int, buf: Any, length: int) -> int:
     n = ffi.new("size_t *")
     _check(lib.ws_slot_state_set(ctx, slot, buf, length, n), ctx)
     return int(n[0])
+
+
+# ---- speculative decoding (ws_spec_*) ----
+
+def _check_spec(status: int, spec: Any) -> None:
+    if status != 0:
+        ptr = lib.ws_spec_last_error(spec)
+        msg = ffi.string(ptr).decode("utf-8", "replace") if ptr != ffi.NULL else ""
+        raise error_for_status(status, msg)
+
+
+def spec_init(target: Any, draft: Any) -> Any:
+    out = ffi.new("ws_spec **")
+    status = lib.ws_spec_init(target, draft, out)
+    if status != 0:
+        try:
+            _check_spec(status, out[0] if out[0] != ffi.NULL else ffi.NULL)
+        finally:
+            lib.ws_spec_free(out[0])
+    return out[0]
+
+
+def spec_free(spec: Any) -> None:
+    lib.ws_spec_free(spec)
+
+
+def spec_check_params(spec: Any, sp: Any, pp: Any) -> None:
+    _check_spec(lib.ws_spec_check_params(spec, sp, pp), spec)
+
+
+def spec_seed(spec: Any, slot: int, seed: int) -> None:
+    _check_spec(lib.ws_spec_seed(spec, slot, seed), spec)
+
+
+def spec_n_tokens(spec: Any, slot: int) -> int:
+    n = ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_n_tokens(spec, slot, n), spec)
+    return int(n[0])
+
+
+def spec_tokens(spec: Any, slot: int, out: Any, cap: int) -> int:
+    n = ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_tokens(spec, slot, out, cap, n), spec)
+    return int(n[0])
+
+
+def spec_draft_n_tokens(spec: Any, slot: int) -> int:
+    n = ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_draft_n_tokens(spec, slot, n), spec)
+    return int(n[0])
+
+
+def spec_draft_offset(spec: Any, slot: int) -> int:
+    n = ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_draft_offset(spec, slot, n), spec)
+    return int(n[0])
+
+
+def spec_prefill(spec: Any, slot: int, tokens: Any, n: int, sp: Any, with_draft: bool) -> int:
+    tok = ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_prefill(spec, slot, tokens, n, sp, int(with_draft), tok), spec)
+    return int(tok[0])
+
+
+def spec_step(spec: Any, slot: int, sp: Any, pp: Any, max_new: int, out: Any, cap: int) -> int:
+    n = ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_step(spec, slot, sp, pp, max_new, out, cap, n), spec)
+    return int(n[0])
+
+
+def spec_commit(spec: Any, slot: int) -> None:
+    _check_spec(lib.ws_spec_commit(spec, slot), spec)
+
+
+def spec_truncate(spec: Any, slot: int, n: int) -> None:
+    _check_spec(lib.ws_spec_truncate(spec, slot, n), spec)
+
+
+def spec_clear(spec: Any, slot: int) -> None:
+    _check_spec(lib.ws_spec_clear(spec, slot), spec)
+
+
+def spec_draft_reset(spec: Any, slot: int, offset: int) -> None:
+    _check_spec(lib.ws_spec_draft_reset(spec, slot, offset), spec)
+
+
+def spec_draft_sync(spec: Any, slot: int) -> int:
+    n = ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_draft_sync(spec, slot, n), spec)
+    return int(n[0])
+
+
+def spec_counters_get(spec: Any, slot: int, out: Any) -> None:
+    _check_spec(lib.ws_spec_counters_get(spec, slot, out), spec)
+
+
+def spec_state_size(spec: Any, slot: int) -> int:
+    n = ffi.new("size_t *")
+    _check_spec(lib.ws_spec_state_size(spec, slot, n), spec)
+    return int(n[0])
+
+
+def spec_state_get(spec: Any, slot: int, buf: Any, cap: int) -> int:
+    n = ffi.new("size_t *")
+    _check_spec(lib.ws_spec_state_get(spec, slot, buf, cap, n), spec)
+    return int(n[0])
+
+
+def spec_state_set(spec: Any, slot: int, buf: Any, length: int) -> int:
+    n = ffi.new("size_t *")
+    _check_spec(lib.ws_spec_state_set(spec, slot, buf, length, n), spec)
+    return int(n[0])

@@ -1,0 +1,203 @@
+"""Speculative decoding over a target and an optional draft context (ws_spec).
+
+Per slot the decoder keeps the sequence S: the tokens in the target's KV plus
+at most one *pending* token (sampled, not yet decoded). `prefill` appends
+tokens and samples the next one; `step` returns one or more new tokens (the
+accepted proposals plus one target token); `commit` decodes the pending token
+so the KV holds the whole conversation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import binding
+from .binding import ffi
+from .errors import InvalidArgumentError
+from .model import Context
+
+MAX_DRAFT = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; otherwise temperature, top-k, min-p, top-p in that order."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def to_c(self) -> Any:
+        c = ffi.new("ws_sampling_params *")
+        c.temperature, c.top_k, c.top_p, c.min_p = (
+            self.temperature, self.top_k, self.top_p, self.min_p)
+        return c
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """Draft up to n_max tokens, stopping below p_min top probability after n_min."""
+
+    n_max: int = 8
+    n_min: int = 0
+    p_min: float = 0.0
+
+    def to_c(self) -> Any:
+        c = ffi.new("ws_spec_params *")
+        c.n_max, c.n_min, c.p_min = self.n_max, self.n_min, self.p_min
+        return c
+
+
+NO_SPEC = SpecParams(n_max=0)
+
+
+@dataclass
+class Counters:
+    n_steps: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    n_draft_prefill: int = 0
+    drafted_at: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT)
+    accepted_at: list[int] = field(default_factory=lambda: [0] * MAX_DRAFT)
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(
+            self.n_steps - other.n_steps,
+            self.n_drafted - other.n_drafted,
+            self.n_accepted - other.n_accepted,
+            self.n_draft_prefill - other.n_draft_prefill,
+            [a - b for a, b in zip(self.drafted_at, other.drafted_at, strict=True)],
+            [a - b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)],
+        )
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+
+class SpecDecoder:
+    """Target (and draft) contexts over the same slots, with per-slot RNG and counters."""
+
+    def __init__(self, target: Context, draft: Context | None = None) -> None:
+        if draft is not None:
+            t_tok, d_tok = target.model.content.tokenizer, draft.model.content.tokenizer
+            if t_tok.tokens != d_tok.tokens or t_tok.merges != d_tok.merges:
+                raise InvalidArgumentError(
+                    f"the draft's vocabulary ({len(d_tok.tokens)} tokens) differs from the "
+                    f"target's ({len(t_tok.tokens)} tokens)")
+        self.target = target
+        self.draft = draft
+        self.n_slots = target.n_slots
+        self.n_ctx = target.n_ctx
+        self._handle: Any = binding.spec_init(target.handle,
+                                              draft.handle if draft is not None else ffi.NULL)
+        self._out = np.empty(MAX_DRAFT + 1, dtype=np.int32)
+        self._out_ptr = ffi.from_buffer("int32_t[]", self._out)
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise InvalidArgumentError("the speculative decoder is closed")
+        return self._handle
+
+    def check(self, sampling: SamplingParams, spec: SpecParams | None = None) -> None:
+        """Validates parameters before any decoding (InvalidArgumentError names the bad one)."""
+        binding.spec_check_params(self.handle, sampling.to_c(),
+                                  spec.to_c() if spec is not None else ffi.NULL)
+
+    def seed(self, slot: int, seed: int) -> None:
+        binding.spec_seed(self.handle, slot, seed & 0xFFFFFFFFFFFFFFFF)
+
+    def n_tokens(self, slot: int) -> int:
+        return binding.spec_n_tokens(self.handle, slot)
+
+    def tokens(self, slot: int) -> list[int]:
+        n = self.n_tokens(slot)
+        buf = np.empty(max(n, 1), dtype=np.int32)
+        got = binding.spec_tokens(self.handle, slot, ffi.from_buffer("int32_t[]", buf), n)
+        return buf[:got].tolist()
+
+    def draft_n_tokens(self, slot: int) -> int:
+        return binding.spec_draft_n_tokens(self.handle, slot)
+
+    def draft_offset(self, slot: int) -> int:
+        return binding.spec_draft_offset(self.handle, slot)
+
+    def prefill(self, slot: int, tokens: list[int] | np.ndarray, sampling: SamplingParams,
+                with_draft: bool = True) -> int:
+        """Appends tokens (with any pending one) and returns the sampled next token."""
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        ptr = ffi.from_buffer("int32_t[]", toks) if toks.size else ffi.NULL
+        return binding.spec_prefill(self.handle, slot, ptr, int(toks.size), sampling.to_c(),
+                                    with_draft)
+
+    def step(self, slot: int, sampling: SamplingParams, spec: SpecParams = NO_SPEC,
+             max_new: int = MAX_DRAFT + 1) -> list[int]:
+        """One verification pass: 1..min(max_new, n_max + 1) new tokens."""
+        n = binding.spec_step(self.handle, slot, sampling.to_c(), spec.to_c(), max_new,
+                              self._out_ptr, MAX_DRAFT + 1)
+        return self._out[:n].tolist()
+
+    def commit(self, slot: int) -> None:
+        binding.spec_commit(self.handle, slot)
+
+    def truncate(self, slot: int, n: int) -> None:
+        binding.spec_truncate(self.handle, slot, n)
+
+    def clear(self, slot: int) -> None:
+        binding.spec_clear(self.handle, slot)
+
+    def draft_reset(self, slot: int, offset: int = 0) -> None:
+        binding.spec_draft_reset(self.handle, slot, offset)
+
+    def draft_sync(self, slot: int) -> int:
+        return binding.spec_draft_sync(self.handle, slot)
+
+    def counters(self, slot: int) -> Counters:
+        c = ffi.new("ws_spec_counters *")
+        binding.spec_counters_get(self.handle, slot, c)
+        return Counters(int(c.n_steps), int(c.n_drafted), int(c.n_accepted),
+                        int(c.n_draft_prefill), [int(x) for x in c.drafted_at],
+                        [int(x) for x in c.accepted_at])
+
+    def draft_state(self, slot: int) -> bytes:
+        size = binding.spec_state_size(self.handle, slot)
+        buf = bytearray(size)
+        n = binding.spec_state_get(self.handle, slot, ffi.from_buffer(buf), size)
+        return bytes(buf[:n])
+
+    def set_draft_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        ptr = ffi.from_buffer(view) if len(view) else ffi.NULL
+        return binding.spec_state_set(self.handle, slot, ptr, len(view))
+
+    def generate(self, slot: int, prompt: list[int], n_new: int, sampling: SamplingParams,
+                 spec: SpecParams = NO_SPEC) -> list[int]:
+        """Convenience: prefill prompt, then step until n_new tokens (tests, benchmarks)."""
+        out = [self.prefill(slot, prompt, sampling, with_draft=spec.n_max > 0)]
+        while len(out) < n_new:
+            out += self.step(slot, sampling, spec, n_new - len(out))
+        return out
+
+    def close(self) -> None:
+        if self._handle is not None:
+            binding.spec_free(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> SpecDecoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            self.close()

@@ -1,0 +1,768 @@
+/*
+ * speculative.c - speculative decoding over a target and a draft context
+ * (see the ws_spec section of warmslot.h). Uses only the public context API.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "warmslot.h"
+#include "ws_math.h"
+
+/* one slot's speculative state; the part after `rng` is what a draft state saves */
+typedef struct {
+    int32_t pending;      /* sampled, not yet decoded; -1: none                  */
+    int32_t d_off;        /* target position of the draft's position 0           */
+    int32_t lag_ok;       /* draft tokens behind the target that are drafting work */
+    uint64_t rng[4];      /* xoshiro256**                                         */
+    ws_spec_counters c;
+} spec_slot;
+
+struct ws_spec {
+    ws_context *tgt;
+    ws_context *dft;      /* NULL: target only */
+    int n_slots, n_ctx, n_vocab;
+    spec_slot *slots;     /* [n_slots] */
+    float *t_logits;      /* [WS_SPEC_MAX_DRAFT + 1][n_vocab] target rows of a step    */
+    float *d_logits;      /* [n_vocab]                        draft logits             */
+    float *q;             /* [WS_SPEC_MAX_DRAFT][n_vocab]     draft dists of proposals */
+    float *p;             /* [n_vocab]                        a target distribution    */
+    int32_t *cand;        /* [n_vocab]                        candidate ids            */
+    int32_t *toks;        /* [n_ctx + 1]                      token scratch            */
+    char last_error[256];
+};
+
+static ws_status fail(const ws_spec *cs, ws_status st, const char *fmt, ...) {
+    ws_spec *s = (ws_spec *)cs;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->last_error, sizeof s->last_error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+/* a failed context call: keep its message */
+static ws_status fail_from(ws_spec *s, ws_context *ctx, ws_status st, const char *what) {
+    return fail(s, st, "%s: %s", what, ws_context_last_error(ctx));
+}
+
+const char *ws_spec_last_error(const ws_spec *s) { return s ? s->last_error : ""; }
+
+/* ------------------------------------------------------------------------- */
+/* RNG: xoshiro256** seeded by splitmix64                                      */
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t rng_next(uint64_t *s) {
+    const uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+/* uniform in [0, 1) with 53 random bits */
+static double rng_uniform(uint64_t *s) { return (double)(rng_next(s) >> 11) * 0x1.0p-53; }
+
+static void rng_seed(uint64_t *s, uint64_t seed) {
+    for (int i = 0; i < 4; i++) s[i] = splitmix64(&seed);
+}
+
+/* ------------------------------------------------------------------------- */
+/* sampling: temperature, top-k, min-p, top-p, in that order                   */
+
+static int32_t argmax(const float *x, int n) {
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+static int is_greedy(const ws_sampling_params *sp) { return !(sp->temperature > 0.0f); }
+
+/* descending logit, ascending id: a strict order, so selection is deterministic */
+static const float *g_sort_keys; /* only used inside cmp_desc during a qsort call */
+static int before(const float *v, int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); }
+
+static void select_top_k(const float *v, int32_t *ids, int n, int k) {
+    /* quickselect: afterwards ids[0..k) are the k first in `before` order (unordered) */
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int32_t pivot = ids[(lo + hi) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (before(v, ids[i], pivot)) i++;
+            while (before(v, pivot, ids[j])) j--;
+            if (i <= j) {
+                int32_t t = ids[i]; ids[i] = ids[j]; ids[j] = t;
+                i++; j--;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+static int cmp_desc(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    if (before(g_sort_keys, x, y)) return -1;
+    if (before(g_sort_keys, y, x)) return 1;
+    return 0;
+}
+
+/* fills probs (dense, n floats) with the sampling distribution of `logits` */
+static void build_dist(ws_spec *s, const float *logits, const ws_sampling_params *sp, float *probs) {
+    const int n = s->n_vocab;
+    int32_t *ids = s->cand;
+    int m = n;
+    for (int i = 0; i < n; i++) ids[i] = i;
+    if (sp->top_k > 0 && sp->top_k < n) {
+        select_top_k(logits, ids, n, sp->top_k);
+        m = sp->top_k;
+    }
+    /* candidates in ascending id order: every sum below runs in one fixed order */
+    if (m < n) {
+        g_sort_keys = NULL;
+        for (int i = 0; i < m; i++) {
+            for (int j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
+                int32_t t = ids[j]; ids[j] = ids[j - 1]; ids[j - 1] = t;
+            }
+        }
+    }
+    float mx = -INFINITY;
+    for (int i = 0; i < m; i++) mx = logits[ids[i]] > mx ? logits[ids[i]] : mx;
+    const float inv_t = 1.0f / sp->temperature;
+    memset(probs, 0, sizeof(float) * (size_t)n);
+    double sum = 0.0;
+    for (int i = 0; i < m; i++) {
+        float e = ws_expf((logits[ids[i]] - mx) * inv_t);
+        probs[ids[i]] = e;
+        sum += e;
+    }
+    float pmax = 0.0f;
+    for (int i = 0; i < m; i++) {
+        probs[ids[i]] = (float)(probs[ids[i]] / sum);
+        pmax = probs[ids[i]] > pmax ? probs[ids[i]] : pmax;
+    }
+    if (sp->min_p > 0.0f) {
+        const float thr = sp->min_p * pmax;
+        int k = 0;
+        sum = 0.0;
+        for (int i = 0; i < m; i++) {
+            if (probs[ids[i]] >= thr) {
+                ids[k++] = ids[i];
+                sum += probs[ids[i]];
+            } else {
+                probs[ids[i]] = 0.0f;
+            }
+        }
+        m = k;
+        for (int i = 0; i < m; i++) probs[ids[i]] = (float)(probs[ids[i]] / sum);
+    }
+    if (sp->top_p < 1.0f && m > 1) {
+        g_sort_keys = probs;
+        qsort(ids, (size_t)m, sizeof(int32_t), cmp_desc);
+        g_sort_keys = NULL;
+        double cum = 0.0;
+        int k = 0;
+        while (k < m) {
+            cum += probs[ids[k++]];
+            if (cum >= sp->top_p) break;
+        }
+        for (int i = k; i < m; i++) probs[ids[i]] = 0.0f;
+        sum = 0.0;
+        for (int i = 0; i < n; i++) sum += probs[i];
+        for (int i = 0; i < n; i++) probs[i] = (float)(probs[i] / sum);
+    }
+}
+
+/* draws from an unnormalised dense distribution; total is its sum */
+static int32_t sample_dense(const float *w, int n, double total, uint64_t *rng) {
+    const double u = rng_uniform(rng) * total;
+    double cum = 0.0;
+    int32_t last = -1;
+    for (int i = 0; i < n; i++) {
+        if (w[i] <= 0.0f) continue;
+        cum += w[i];
+        last = i;
+        if (u < cum) return i;
+    }
+    return last >= 0 ? last : 0; /* rounding at the very top */
+}
+
+static double dense_sum(const float *w, int n) {
+    double t = 0.0;
+    for (int i = 0; i < n; i++) t += w[i];
+    return t;
+}
+
+/* the next token from target logits: argmax when greedy, else a draw */
+static int32_t sample_logits(ws_spec *s, spec_slot *ss, const float *logits,
+                             const ws_sampling_params *sp) {
+    if (is_greedy(sp)) return argmax(logits, s->n_vocab);
+    build_dist(s, logits, sp, s->p);
+    return sample_dense(s->p, s->n_vocab, dense_sum(s->p, s->n_vocab), ss->rng);
+}
+
+/* top probability of a softmax at temperature 1 (greedy drafting's confidence) */
+static float top_prob(const float *logits, int n) {
+    const int32_t a = argmax(logits, n);
+    const float mx = logits[a];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += ws_expf(logits[i] - mx);
+    return (float)(1.0 / sum);
+}
+
+/* ------------------------------------------------------------------------- */
+/* lifecycle                                                                   */
+
+void ws_spec_free(ws_spec *s) {
+    if (!s) return;
+    free(s->slots);
+    free(s->t_logits);
+    free(s->d_logits);
+    free(s->q);
+    free(s->p);
+    free(s->cand);
+    free(s->toks);
+    free(s);
+}
+
+ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {
+    if (!out) return WS_ERR_INVALID_ARGUMENT;
+    *out = NULL;
+    if (!tgt) return WS_ERR_INVALID_ARGUMENT;
+    ws_spec *s = calloc(1, sizeof *s);
+    if (!s) return WS_ERR_OUT_OF_MEMORY;
+    const ws_context_params tp = ws_context_get_params(tgt);
+    const ws_hparams *th = ws_model_hparams(ws_context_model(tgt));
+    s->tgt = tgt;
+    s->dft = dft;
+    s->n_slots = tp.n_slots;
+    s->n_ctx = tp.n_ctx;
+    s->n_vocab = th->n_vocab;
+    *out = s; /* from here on errors are reported through s and it is freed by the caller */
+    if (dft) {
+        const ws_context_params dp = ws_context_get_params(dft);
+        const ws_hparams *dh = ws_model_hparams(ws_context_model(dft));
+        if (dh->n_vocab != th->n_vocab) {
+            ws_status st = fail(s, WS_ERR_INVALID_ARGUMENT,
+                                "the draft's vocabulary (%d tokens) differs from the target's (%d)",
+                                dh->n_vocab, th->n_vocab);
+            return st;
+        }
+        if (dp.n_slots != tp.n_slots || dp.n_ctx != tp.n_ctx)
+            return fail(s, WS_ERR_INVALID_ARGUMENT,
+                        "the draft context (%d slots x %d) must match the target's (%d x %d)",
+                        dp.n_slots, dp.n_ctx, tp.n_slots, tp.n_ctx);
+    }
+    const size_t nv = (size_t)s->n_vocab;
+    s->slots = calloc((size_t)s->n_slots, sizeof(spec_slot));
+    s->t_logits = malloc(sizeof(float) * nv * (WS_SPEC_MAX_DRAFT + 1));
+    s->d_logits = malloc(sizeof(float) * nv);
+    s->q = malloc(sizeof(float) * nv * WS_SPEC_MAX_DRAFT);
+    s->p = malloc(sizeof(float) * nv);
+    s->cand = malloc(sizeof(int32_t) * nv);
+    s->toks = malloc(sizeof(int32_t) * ((size_t)s->n_ctx + 1));
+    if (!s->slots || !s->t_logits || !s->d_logits || !s->q || !s->p || !s->cand || !s->toks)
+        return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory allocating speculative buffers");
+    for (int i = 0; i < s->n_slots; i++) {
+        s->slots[i].pending = -1;
+        rng_seed(s->slots[i].rng, (uint64_t)i);
+    }
+    return WS_OK;
+}
+
+ws_status ws_spec_check_params(const ws_spec *s, const ws_sampling_params *sp,
+                               const ws_spec_params *pp) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    if (sp) {
+        if (isnan(sp->temperature) || sp->temperature < 0.0f || sp->temperature > 100.0f)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "temperature %g outside [0, 100]",
+                        (double)sp->temperature);
+        if (sp->top_k < 0)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "top_k %d is negative", sp->top_k);
+        if (!(sp->top_p > 0.0f && sp->top_p <= 1.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "top_p %g outside (0, 1]", (double)sp->top_p);
+        if (!(sp->min_p >= 0.0f && sp->min_p < 1.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "min_p %g outside [0, 1)", (double)sp->min_p);
+    }
+    if (pp) {
+        if (pp->n_max < 0 || pp->n_max > WS_SPEC_MAX_DRAFT)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "n_max %d outside 0..%d", pp->n_max,
+                        WS_SPEC_MAX_DRAFT);
+        if (pp->n_min < 0 || pp->n_min > pp->n_max)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "n_min %d outside 0..n_max (%d)", pp->n_min,
+                        pp->n_max);
+        if (!(pp->p_min >= 0.0f && pp->p_min <= 1.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "p_min %g outside [0, 1]", (double)pp->p_min);
+    }
+    return WS_OK;
+}
+
+static ws_status check_slot(const ws_spec *s, int32_t slot) {
+    if (slot < 0 || slot >= s->n_slots)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "slot %d out of range 0..%d", slot, s->n_slots - 1);
+    return WS_OK;
+}
+
+#define TRY(expr)                          \
+    do {                                   \
+        ws_status st_ = (expr);            \
+        if (st_ != WS_OK) return st_;      \
+    } while (0)
+
+static int32_t kv_len(const ws_context *ctx, int32_t slot) {
+    int32_t n = 0;
+    ws_slot_n_tokens(ctx, slot, &n);
+    return n;
+}
+
+ws_status ws_spec_seed(ws_spec *s, int32_t slot, uint64_t seed) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    rng_seed(s->slots[slot].rng, seed);
+    return WS_OK;
+}
+
+ws_status ws_spec_n_tokens(const ws_spec *s, int32_t slot, int32_t *n_out) {
+    if (!s || !n_out) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    *n_out = kv_len(s->tgt, slot) + (s->slots[slot].pending >= 0);
+    return WS_OK;
+}
+
+ws_status ws_spec_tokens(const ws_spec *s, int32_t slot, int32_t *out, size_t cap,
+                         int32_t *n_out) {
+    if (!s || !n_out || (!out && cap > 0)) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    const int32_t n = kv_len(s->tgt, slot);
+    const int pend = s->slots[slot].pending >= 0;
+    *n_out = n + pend;
+    if (cap < (size_t)(n + pend))
+        return fail(s, WS_ERR_BUFFER_TOO_SMALL, "token buffer holds %zu, slot has %d", cap,
+                    n + pend);
+    int32_t got = 0;
+    if (n > 0) ws_slot_tokens(s->tgt, slot, out, cap, &got);
+    if (pend) out[n] = s->slots[slot].pending;
+    return WS_OK;
+}
+
+ws_status ws_spec_draft_n_tokens(const ws_spec *s, int32_t slot, int32_t *n_out) {
+    if (!s || !n_out) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    *n_out = s->dft ? kv_len(s->dft, slot) : 0;
+    return WS_OK;
+}
+
+ws_status ws_spec_draft_offset(const ws_spec *s, int32_t slot, int32_t *offset_out) {
+    if (!s || !offset_out) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    *offset_out = s->slots[slot].d_off;
+    return WS_OK;
+}
+
+ws_status ws_spec_counters_get(const ws_spec *s, int32_t slot, ws_spec_counters *out) {
+    if (!s || !out) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    *out = s->slots[slot].c;
+    return WS_OK;
+}
+
+/* ------------------------------------------------------------------------- */
+/* the draft's catch-up: decode target tokens [d_off + dn, upto) into the draft */
+
+static ws_status draft_catch_up(ws_spec *s, int32_t slot, int32_t upto, float *logits,
+                                int32_t *n_done) {
+    spec_slot *ss = &s->slots[slot];
+    const int32_t dn = kv_len(s->dft, slot);
+    const int32_t from = ss->d_off + dn;
+    *n_done = 0;
+    if (from >= upto) return WS_OK;
+    int32_t got = 0;
+    const int32_t tn = kv_len(s->tgt, slot);
+    if (tn > 0) ws_slot_tokens(s->tgt, slot, s->toks, (size_t)s->n_ctx + 1, &got);
+    if (upto == tn + 1) s->toks[tn] = ss->pending; /* the pending token rides along */
+    ws_status st = ws_decode(s->dft, slot, s->toks + from, upto - from, 0, logits,
+                             logits ? (size_t)s->n_vocab : 0);
+    if (st != WS_OK) return fail_from(s, s->dft, st, "draft decode");
+    *n_done = upto - from;
+    return WS_OK;
+}
+
+ws_status ws_spec_draft_sync(ws_spec *s, int32_t slot, int32_t *n_out) {
+    if (!s || !n_out) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    *n_out = 0;
+    if (!s->dft) return WS_OK;
+    spec_slot *ss = &s->slots[slot];
+    int32_t n = 0;
+    TRY(draft_catch_up(s, slot, kv_len(s->tgt, slot), NULL, &n));
+    ss->c.n_draft_prefill += (uint64_t)n;
+    ss->lag_ok = 0;
+    *n_out = n;
+    return WS_OK;
+}
+
+ws_status ws_spec_draft_reset(ws_spec *s, int32_t slot, int32_t offset) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    const int32_t tn = kv_len(s->tgt, slot);
+    if (offset < 0 || offset > tn)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "draft offset %d outside 0..%d", offset, tn);
+    if (s->dft) ws_slot_clear(s->dft, slot);
+    s->slots[slot].d_off = offset;
+    s->slots[slot].lag_ok = 0;
+    return WS_OK;
+}
+
+/* ------------------------------------------------------------------------- */
+/* prefill, step, commit, truncate                                             */
+
+ws_status ws_spec_prefill(ws_spec *s, int32_t slot, const int32_t *tokens, int32_t n_tokens,
+                          const ws_sampling_params *sp, int with_draft, int32_t *token_out) {
+    if (!s || !token_out || !sp || (n_tokens > 0 && !tokens) || n_tokens < 0)
+        return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    TRY(ws_spec_check_params(s, sp, NULL));
+    spec_slot *ss = &s->slots[slot];
+    const int pend = ss->pending >= 0;
+    const int32_t n = n_tokens + pend;
+    if (n == 0) return fail(s, WS_ERR_INVALID_ARGUMENT, "prefill needs at least one token");
+    if (n > s->n_ctx) return fail(s, WS_ERR_CONTEXT_FULL, "%d tokens exceed the context of %d", n, s->n_ctx);
+    int32_t *seq = s->toks;
+    if (pend) seq[0] = ss->pending;
+    if (n_tokens > 0) memcpy(seq + pend, tokens, sizeof(int32_t) * (size_t)n_tokens);
+    ws_status st = ws_decode(s->tgt, slot, seq, n, 0, s->t_logits, (size_t)s->n_vocab);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "prefill");
+    ss->pending = -1;
+    if (with_draft && s->dft) {
+        int32_t done = 0;
+        TRY(draft_catch_up(s, slot, kv_len(s->tgt, slot), NULL, &done));
+        ss->c.n_draft_prefill += (uint64_t)done;
+        ss->lag_ok = 0;
+    }
+    ss->pending = sample_logits(s, ss, s->t_logits, sp);
+    *token_out = ss->pending;
+    return WS_OK;
+}
+
+ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
+                       const ws_spec_params *pp, int32_t max_new, int32_t *out, size_t cap,
+                       int32_t *n_out) {
+    if (!s || !sp || !pp || !out || !n_out) return WS_ERR_INVALID_ARGUMENT;
+    *n_out = 0;
+    TRY(check_slot(s, slot));
+    TRY(ws_spec_check_params(s, sp, pp));
+    spec_slot *ss = &s->slots[slot];
+    if (ss->pending < 0)
+        return fail(s, WS_ERR_BAD_STATE, "slot %d has no pending token: prefill it first", slot);
+    if (max_new < 1) return fail(s, WS_ERR_INVALID_ARGUMENT, "max_new %d must be >= 1", max_new);
+    const int32_t n0 = kv_len(s->tgt, slot);
+    if (n0 + 1 > s->n_ctx)
+        return fail(s, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slot, s->n_ctx);
+    int32_t k_max = pp->n_max;
+    if (k_max > max_new - 1) k_max = max_new - 1;
+    if (k_max > s->n_ctx - n0 - 1) k_max = s->n_ctx - n0 - 1;
+    if (!s->dft) k_max = 0;
+    if (cap < (size_t)(k_max + 1))
+        return fail(s, WS_ERR_BUFFER_TOO_SMALL, "output buffer holds %zu tokens, %d needed", cap,
+                    k_max + 1);
+    const int greedy = is_greedy(sp);
+    const int nv = s->n_vocab;
+    int32_t drafts[WS_SPEC_MAX_DRAFT];
+    int k = 0;
+
+    /* 1. the draft proposes */
+    if (k_max > 0 && ss->d_off <= n0) {
+        const int32_t dn = kv_len(s->dft, slot);
+        int32_t done = 0;
+        TRY(draft_catch_up(s, slot, n0 + 1, s->d_logits, &done));
+        if (done == 0) k_max = 0; /* cannot happen while the draft lags the pending token */
+        const int32_t behind = n0 - (ss->d_off + dn);
+        if (behind > ss->lag_ok) ss->c.n_draft_prefill += (uint64_t)(behind - ss->lag_ok);
+        ss->lag_ok = 0;
+        for (int i = 0; i < k_max; i++) {
+            int32_t x;
+            if (greedy) {
+                if (pp->p_min > 0.0f && i >= pp->n_min && top_prob(s->d_logits, nv) < pp->p_min)
+                    break;
+                x = argmax(s->d_logits, nv);
+            } else {
+                float *q = s->q + (size_t)i * nv;
+                build_dist(s, s->d_logits, sp, q);
+                if (pp->p_min > 0.0f && i >= pp->n_min && q[argmax(q, nv)] < pp->p_min) break;
+                x = sample_dense(q, nv, dense_sum(q, nv), ss->rng);
+            }
+            drafts[k++] = x;
+            if (i + 1 < k_max) {
+                ws_status st = ws_decode(s->dft, slot, &x, 1, 0, s->d_logits, (size_t)nv);
+                if (st != WS_OK) return fail_from(s, s->dft, st, "draft decode");
+            }
+        }
+    }
+
+    /* 2. the target verifies the pending token and the proposals in one batch */
+    int32_t *batch = s->toks;
+    batch[0] = ss->pending;
+    for (int i = 0; i < k; i++) batch[1 + i] = drafts[i];
+    ws_status st = ws_decode(s->tgt, slot, batch, k + 1, 1, s->t_logits, (size_t)(k + 1) * nv);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "target decode");
+
+    /* 3. accept the longest agreeing prefix, then one token of the target's */
+    int a = 0;
+    int32_t bonus = -1;
+    for (; a < k; a++) {
+        const float *row = s->t_logits + (size_t)a * nv;
+        if (greedy) {
+            const int32_t t = argmax(row, nv);
+            if (t != drafts[a]) {
+                bonus = t;
+                break;
+            }
+        } else {
+            const float *q = s->q + (size_t)a * nv;
+            build_dist(s, row, sp, s->p);
+            const int32_t x = drafts[a];
+            const double ratio = q[x] > 0.0f ? (double)s->p[x] / (double)q[x] : 0.0;
+            if (rng_uniform(ss->rng) < ratio) continue;
+            double total = 0.0;
+            for (int i = 0; i < nv; i++) {
+                const float r = s->p[i] - q[i];
+                s->p[i] = r > 0.0f ? r : 0.0f;
+                total += s->p[i];
+            }
+            if (total <= 0.0) { /* p == q: the residual is empty, draw from p */
+                build_dist(s, row, sp, s->p);
+                total = dense_sum(s->p, nv);
+            }
+            bonus = sample_dense(s->p, nv, total, ss->rng);
+            break;
+        }
+    }
+    if (a == k) bonus = sample_logits(s, ss, s->t_logits + (size_t)k * nv, sp);
+
+    /* 4. roll both caches back to the accepted length */
+    ws_slot_truncate(s->tgt, slot, n0 + 1 + a);
+    if (s->dft && k > 0) {
+        const int32_t dlen = kv_len(s->dft, slot); /* holds up to d_off + dlen = n0 + k */
+        const int32_t keep = n0 + 1 + a - ss->d_off;
+        if (dlen > keep) ws_slot_truncate(s->dft, slot, keep);
+        ss->lag_ok = (n0 + 1 + a) - (ss->d_off + kv_len(s->dft, slot));
+    }
+    for (int i = 0; i < a; i++) out[i] = drafts[i];
+    out[a] = bonus;
+    ss->pending = bonus;
+    ss->c.n_steps++;
+    ss->c.n_drafted += (uint64_t)k;
+    ss->c.n_accepted += (uint64_t)a;
+    for (int i = 0; i < k; i++) ss->c.drafted_at[i]++;
+    for (int i = 0; i < a; i++) ss->c.accepted_at[i]++;
+    *n_out = a + 1;
+    return WS_OK;
+}
+
+ws_status ws_spec_commit(ws_spec *s, int32_t slot) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    spec_slot *ss = &s->slots[slot];
+    if (ss->pending < 0) return WS_OK;
+    const int32_t n0 = kv_len(s->tgt, slot);
+    if (n0 + 1 > s->n_ctx)
+        return fail(s, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slot, s->n_ctx);
+    /* a draft that only lags by drafting work follows; one further behind waits for a prefill */
+    int follow = 0;
+    if (s->dft) {
+        const int32_t behind = n0 - (ss->d_off + kv_len(s->dft, slot));
+        follow = ss->d_off <= n0 && behind <= ss->lag_ok;
+    }
+    ws_status st = ws_decode(s->tgt, slot, &ss->pending, 1, 0, NULL, 0);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "commit");
+    if (follow) {
+        int32_t done = 0;
+        ss->pending = -1;
+        TRY(draft_catch_up(s, slot, n0 + 1, NULL, &done));
+        ss->lag_ok = 0;
+    }
+    ss->pending = -1;
+    return WS_OK;
+}
+
+ws_status ws_spec_truncate(ws_spec *s, int32_t slot, int32_t n) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    spec_slot *ss = &s->slots[slot];
+    const int32_t tn = kv_len(s->tgt, slot);
+    const int32_t len = tn + (ss->pending >= 0);
+    if (n < 0 || n > len)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "cannot truncate slot %d of %d tokens to %d", slot,
+                    len, n);
+    if (n == len) return WS_OK;
+    ss->pending = -1;
+    if (n < tn) ws_slot_truncate(s->tgt, slot, n);
+    if (s->dft) {
+        if (n < ss->d_off) {
+            ws_slot_clear(s->dft, slot);
+            ss->d_off = n;
+        } else if (kv_len(s->dft, slot) > n - ss->d_off) {
+            ws_slot_truncate(s->dft, slot, n - ss->d_off);
+        }
+        const int32_t behind = n - (ss->d_off + kv_len(s->dft, slot));
+        if (behind < ss->lag_ok) ss->lag_ok = behind;
+    }
+    return WS_OK;
+}
+
+ws_status ws_spec_clear(ws_spec *s, int32_t slot) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    s->slots[slot].pending = -1;
+    ws_slot_clear(s->tgt, slot);
+    if (s->dft) ws_slot_clear(s->dft, slot);
+    s->slots[slot].d_off = 0;
+    s->slots[slot].lag_ok = 0;
+    return WS_OK;
+}
+
+/* ------------------------------------------------------------------------- */
+/* draft state: spec header then the draft context's slot state                */
+
+/* magic, version, d_off, lag_ok, rng[4], then counters (4 + 2*16 u64) */
+#define SPEC_HEADER_BYTES (4u * 4u + 8u * 4u + 8u * (4u + 2u * WS_SPEC_MAX_DRAFT))
+
+static void put32(uint8_t **p, uint32_t v) {
+    for (int i = 0; i < 4; i++) (*p)[i] = (uint8_t)(v >> (8 * i));
+    *p += 4;
+}
+static void put64(uint8_t **p, uint64_t v) {
+    for (int i = 0; i < 8; i++) (*p)[i] = (uint8_t)(v >> (8 * i));
+    *p += 8;
+}
+static uint32_t get32(const uint8_t **p) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)(*p)[i] << (8 * i);
+    *p += 4;
+    return v;
+}
+static uint64_t get64(const uint8_t **p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)(*p)[i] << (8 * i);
+    *p += 8;
+    return v;
+}
+
+ws_status ws_spec_state_size(const ws_spec *s, int32_t slot, size_t *size_out) {
+    if (!s || !size_out) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    if (!s->dft) return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model: there is no draft state");
+    size_t kv = 0;
+    TRY(ws_slot_state_size(s->dft, slot, &kv));
+    *size_out = SPEC_HEADER_BYTES + kv;
+    return WS_OK;
+}
+
+ws_status ws_spec_state_get(const ws_spec *s, int32_t slot, uint8_t *buf, size_t cap,
+                            size_t *written_out) {
+    if (!s || !written_out) return WS_ERR_INVALID_ARGUMENT;
+    *written_out = 0;
+    size_t need = 0;
+    TRY(ws_spec_state_size(s, slot, &need));
+    if (!buf || cap < need)
+        return fail(s, WS_ERR_BUFFER_TOO_SMALL, "state buffer holds %zu bytes, %zu needed", cap,
+                    need);
+    const spec_slot *ss = &s->slots[slot];
+    uint8_t *p = buf;
+    put32(&p, WS_SPEC_STATE_MAGIC);
+    put32(&p, WS_SPEC_STATE_VERSION);
+    put32(&p, (uint32_t)ss->d_off);
+    put32(&p, (uint32_t)ss->lag_ok);
+    for (int i = 0; i < 4; i++) put64(&p, ss->rng[i]);
+    put64(&p, ss->c.n_steps);
+    put64(&p, ss->c.n_drafted);
+    put64(&p, ss->c.n_accepted);
+    put64(&p, ss->c.n_draft_prefill);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) put64(&p, ss->c.drafted_at[i]);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) put64(&p, ss->c.accepted_at[i]);
+    size_t kv = 0;
+    ws_status st = ws_slot_state_get(s->dft, slot, p, cap - SPEC_HEADER_BYTES, &kv);
+    if (st != WS_OK) return fail_from((ws_spec *)s, s->dft, st, "draft state");
+    *written_out = SPEC_HEADER_BYTES + kv;
+    return WS_OK;
+}
+
+ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out) {
+    if (!s || !read_out) return WS_ERR_INVALID_ARGUMENT;
+    *read_out = 0;
+    TRY(check_slot(s, slot));
+    if (!s->dft) return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model: there is no draft state");
+    spec_slot *ss = &s->slots[slot];
+    ws_slot_clear(s->dft, slot); /* any failure below leaves the draft empty */
+    ss->d_off = kv_len(s->tgt, slot);
+    ss->lag_ok = 0;
+    if (!buf || len < SPEC_HEADER_BYTES)
+        return fail(s, WS_ERR_BAD_STATE, "draft state of %zu bytes is shorter than its header", len);
+    const uint8_t *p = buf;
+    const uint32_t magic = get32(&p), version = get32(&p);
+    if (magic != WS_SPEC_STATE_MAGIC)
+        return fail(s, WS_ERR_BAD_STATE, "draft state magic 0x%08x is not WSSP", magic);
+    if (version != WS_SPEC_STATE_VERSION)
+        return fail(s, WS_ERR_BAD_STATE, "draft state version %u is not supported (expected %u)",
+                    version, WS_SPEC_STATE_VERSION);
+    const int32_t d_off = (int32_t)get32(&p), lag_ok = (int32_t)get32(&p);
+    uint64_t rng[4];
+    for (int i = 0; i < 4; i++) rng[i] = get64(&p);
+    ws_spec_counters c;
+    c.n_steps = get64(&p);
+    c.n_drafted = get64(&p);
+    c.n_accepted = get64(&p);
+    c.n_draft_prefill = get64(&p);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.drafted_at[i] = get64(&p);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.accepted_at[i] = get64(&p);
+    if (!(rng[0] | rng[1] | rng[2] | rng[3]))
+        return fail(s, WS_ERR_BAD_STATE, "draft state RNG is all zero");
+    const int32_t tn = kv_len(s->tgt, slot);
+    if (d_off < 0 || d_off > tn || lag_ok < 0 || lag_ok > 1)
+        return fail(s, WS_ERR_BAD_STATE, "draft state offset %d / lag %d do not fit a slot of %d",
+                    d_off, lag_ok, tn);
+    size_t kv_read = 0;
+    ws_status st = ws_slot_state_set(s->dft, slot, p, len - SPEC_HEADER_BYTES, &kv_read);
+    if (st != WS_OK) return fail_from(s, s->dft, st, "draft state");
+    /* the draft must hold target positions [d_off, d_off + dn) */
+    const int32_t dn = kv_len(s->dft, slot);
+    int32_t got = 0;
+    if (d_off + dn > tn) {
+        ws_slot_clear(s->dft, slot);
+        return fail(s, WS_ERR_BAD_STATE, "draft state holds %d tokens past offset %d, the target %d",
+                    dn, d_off, tn);
+    }
+    if (tn > 0) ws_slot_tokens(s->tgt, slot, s->toks, (size_t)s->n_ctx + 1, &got);
+    int32_t *dt = malloc(sizeof(int32_t) * (size_t)(dn > 0 ? dn : 1));
+    if (!dt) {
+        ws_slot_clear(s->dft, slot);
+        return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory checking the draft state");
+    }
+    if (dn > 0) ws_slot_tokens(s->dft, slot, dt, (size_t)dn, &got);
+    const int same = dn == 0 || memcmp(dt, s->toks + d_off, sizeof(int32_t) * (size_t)dn) == 0;
+    free(dt);
+    if (!same) {
+        ws_slot_clear(s->dft, slot);
+        return fail(s, WS_ERR_BAD_STATE, "draft state tokens are not the target's tokens");
+    }
+    ss->d_off = d_off;
+    ss->lag_ok = lag_ok < tn - (d_off + dn) ? lag_ok : tn - (d_off + dn);
+    memcpy(ss->rng, rng, sizeof rng);
+    ss->c = c;
+    *read_out = SPEC_HEADER_BYTES + kv_read;
+    return WS_OK;
+}
