@@ -1,0 +1,322 @@
+"""Client library of the snapshot service (what the inference service uses).
+
+    from snapshot_svc.client import SnapshotClient
+    from snapshot_svc.records import PartMeta
+
+    with SnapshotClient("127.0.0.1:50052") as snap:
+        res = snap.put("auto-host-slot0", target_bytes, draft_bytes,
+                       target_meta=PartMeta(format_version=1, fingerprint=fp, n_tokens=n),
+                       draft_meta=PartMeta(format_version=1, fingerprint=draft_fp, n_tokens=n))
+        if res.draft_skipped:          # protocol-1 server: the target alone was saved
+            log.warning(res.note)
+        got = snap.get("auto-host-slot0")   # got.target: bytes, got.draft: bytes | None
+        snap.stat(name); snap.list(prefix="auto-"); snap.delete(name)
+
+Behaviour:
+
+- Protocol: `Hello` is called once per client (one channel), lazily, on first
+  use; `client.protocol` is the negotiated version. A server that answers Hello
+  with UNIMPLEMENTED is a protocol-1 server; Hello is never retried then.
+  `max_protocol=1` makes the client a protocol-1 peer: it never sends or
+  fetches drafts.
+- Paired save (protocol 2): the target is uploaded staged, then the draft,
+  naming the target's SHA-256, commits both at once; readers never see one
+  without the other. Without a draft the target replaces the snapshot alone.
+- Every byte is checked: the client sends size and SHA-256, the server verifies
+  before it commits; `get` verifies what it receives (DataLoss on mismatch).
+- Every call has a deadline: `timeout` seconds, plus size / `min_rate` for data
+  transfers. Calls are retried with exponential backoff on UNAVAILABLE only
+  (`retries` times); any other failure raises at once.
+- Errors are `snapshot_svc.errors` types (`NotFound`, `DataLoss`,
+  `FailedPrecondition`, `ResourceExhausted`, `InvalidArgument`, `Unavailable`...),
+  each with the gRPC `.code`.
+
+The client is thread-safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import grpc
+
+from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, __version__
+from snapshot_svc.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SnapshotError,
+    from_rpc_error,
+)
+from snapshot_svc.names import validate_name
+from snapshot_svc.pb import snapshot_pb2 as pb
+from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
+from snapshot_svc.records import (
+    Part,
+    PartInfo,
+    PartMeta,
+    PutResult,
+    ServerInfo,
+    Snapshot,
+    SnapshotInfo,
+)
+
+T = TypeVar("T")
+
+CLIENT_FEATURES = ("sha256", "draft-sidecar", "paired-commit")
+DEFAULT_MAX_SNAPSHOT_BYTES = 2 << 30  # deadline basis when the server does not say (protocol 1)
+CHANNEL_OPTIONS = [
+    # reconnect quickly after a restart of the service (the defaults back off to minutes)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
+]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class SnapshotClient:
+    """A connection to one snapshot service. See the module docstring.
+
+    addr:        "host:port" of the service.
+    max_protocol: highest protocol spoken; 1 = never send or fetch drafts.
+    timeout:     deadline of each call in seconds (transfers get size / min_rate more).
+    min_rate:    slowest transfer rate in bytes/s the deadline allows for.
+    retries:     how many times an UNAVAILABLE call is retried (backoff from `backoff` s).
+    """
+
+    def __init__(self, addr: str, *, max_protocol: int = PROTOCOL_MAX, timeout: float = 30.0,
+                 min_rate: float = 32 << 20, retries: int = 5, backoff: float = 0.1,
+                 max_backoff: float = 2.0, channel: grpc.Channel | None = None) -> None:
+        if not PROTOCOL_MIN <= max_protocol <= PROTOCOL_MAX:
+            raise ValueError(f"max_protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}")
+        self.addr = addr
+        self.max_protocol = max_protocol
+        self.timeout = timeout
+        self.min_rate = min_rate
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._channel = channel or grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.SnapshotStub(self._channel)
+        self._lock = threading.Lock()
+        self._info: ServerInfo | None = None
+
+    # --- connection -------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SnapshotClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[[float], T], size: int = 0) -> T:
+        """Runs fn(deadline_seconds), retrying on UNAVAILABLE only, with backoff."""
+        timeout = self.timeout + size / self.min_rate
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(timeout)
+            except grpc.RpcError as err:
+                code = err.code() if isinstance(err, grpc.Call) else None
+                if code != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                    raise from_rpc_error(err) from None
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self.max_backoff)
+        raise AssertionError("unreachable")
+
+    def server_info(self) -> ServerInfo:
+        """What Hello negotiated (Hello runs once, on first use)."""
+        with self._lock:
+            if self._info is None:
+                self._info = self._hello()
+            return self._info
+
+    @property
+    def protocol(self) -> int:
+        """The negotiated protocol version: 1 (target only) or 2 (target + draft)."""
+        return self.server_info().protocol
+
+    def _hello(self) -> ServerInfo:
+        req = pb.HelloRequest(min_protocol=PROTOCOL_MIN, max_protocol=self.max_protocol,
+                              features=list(CLIENT_FEATURES), client_version=__version__)
+        try:
+            r = self._call(lambda t: self._stub.Hello(req, timeout=t))
+        except SnapshotError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return ServerInfo(protocol=1, max_chunk_bytes=MAX_CHUNK_BYTES,
+                              hello_supported=False)
+        if not PROTOCOL_MIN <= r.protocol <= self.max_protocol:
+            raise FailedPrecondition(f"the server chose protocol {r.protocol}, outside "
+                                     f"{PROTOCOL_MIN}..{self.max_protocol}")
+        return ServerInfo(protocol=r.protocol, features=tuple(r.features),
+                          server_version=r.server_version, max_chunk_bytes=r.max_chunk_bytes,
+                          max_snapshot_bytes=r.max_snapshot_bytes)
+
+    @property
+    def _chunk_bytes(self) -> int:
+        return min(self.server_info().max_chunk_bytes or MAX_CHUNK_BYTES, MAX_CHUNK_BYTES)
+
+    # --- put --------------------------------------------------------------------------
+
+    def put(self, name: str, target: bytes, draft: bytes | None = None,
+            target_meta: PartMeta | None = None, draft_meta: PartMeta | None = None) -> PutResult:
+        """Saves a snapshot: the target bytes and, with protocol 2, the draft sidecar,
+        committed together. With protocol 1 the draft is skipped (`draft_skipped`)."""
+        validate_name(name)
+        info = self.server_info()
+        target_meta = target_meta or PartMeta()
+        t_sha = _sha256(target)
+        if draft is None or info.protocol < 2:
+            skipped = draft is not None
+            r = self._put_part(name, Part.TARGET, target, t_sha, target_meta)
+            t_info = PartInfo(Part.TARGET, r.bytes, r.sha256, target_meta)
+            note = (f"draft not saved: the snapshot service speaks protocol {info.protocol} "
+                    "(target files only)" if skipped else "")
+            return PutResult(name, r.commit_id, info.protocol, t_info, None, skipped, note)
+        draft_meta = draft_meta or PartMeta()
+        d_sha = _sha256(draft)
+        for attempt in range(2):
+            self._put_part(name, Part.TARGET, target, t_sha, target_meta, draft_follows=True)
+            try:
+                r = self._put_part(name, Part.DRAFT, draft, d_sha, draft_meta,
+                                   target_sha256=t_sha)
+                break
+            except FailedPrecondition:
+                if attempt:  # the staged target was lost (server restarted): save again once
+                    raise
+        t_info = PartInfo(Part.TARGET, len(target), t_sha, target_meta)
+        d_info = PartInfo(Part.DRAFT, r.bytes, r.sha256, draft_meta, target_sha256=t_sha)
+        return PutResult(name, r.commit_id, info.protocol, t_info, d_info)
+
+    def _put_part(self, name: str, part: Part, data: bytes, sha: str, meta: PartMeta, *,
+                  draft_follows: bool = False, target_sha256: str = "") -> pb.PutResponse:
+        limit = self.server_info().max_snapshot_bytes
+        if limit and len(data) > limit:
+            raise ResourceExhausted(f"{part.label} of {name!r} is {len(data)} bytes, the "
+                                    f"server's limit is {limit}")
+        header = pb.PutHeader(name=name, part=int(part), size=len(data), sha256=sha,
+                              format_version=meta.format_version, fingerprint=meta.fingerprint,
+                              n_tokens=meta.n_tokens, draft_follows=draft_follows,
+                              target_sha256=target_sha256)
+        chunk = self._chunk_bytes
+
+        def requests() -> Iterator[pb.PutRequest]:
+            yield pb.PutRequest(header=header)
+            view = memoryview(data)
+            for off in range(0, len(view), chunk):
+                yield pb.PutRequest(chunk=bytes(view[off:off + chunk]))
+
+        r = self._call(lambda t: self._stub.Put(requests(), timeout=t), size=len(data))
+        if r.bytes != len(data) or r.sha256 != sha:
+            raise DataLoss(f"the server stored {r.bytes} bytes ({r.sha256}) of {name!r}, "
+                           f"sent {len(data)} ({sha})")
+        return r
+
+    # --- get --------------------------------------------------------------------------
+
+    def get(self, name: str, *, with_draft: bool = True) -> Snapshot:
+        """The exact bytes of a snapshot's target and, when one belongs to it, its draft.
+
+        The draft returned always belongs to the target returned; when a newer save
+        replaces the snapshot between the two reads, both are read again."""
+        validate_name(name)
+        protocol = self.protocol
+        for _ in range(3):
+            target, th = self._get_part(name, Part.TARGET)
+            t_info = PartInfo.from_pb(th.info)
+            snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info)
+            if protocol < 2 or not with_draft or not th.draft_sha256:
+                note = ("protocol 1: drafts are not supported" if protocol < 2
+                        else "draft not requested" if not with_draft else "no draft stored")
+                return Snapshot(name, target, None, snap, protocol, note)
+            try:
+                draft, dh = self._get_part(name, Part.DRAFT, target_sha256=t_info.sha256)
+            except NotFound:
+                continue  # replaced by a newer save between the two reads: read both again
+            snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info,
+                                PartInfo.from_pb(dh.info))
+            return Snapshot(name, target, draft, snap, protocol)
+        return Snapshot(name, target, None, snap, protocol,
+                        "the snapshot kept changing while it was read; draft left out")
+
+    def get_part(self, name: str, part: Part, *, target_sha256: str = "") -> tuple[bytes, PartInfo]:
+        """One part's verified bytes and info (for a draft, optionally only if it belongs
+        to the target whose digest is `target_sha256`)."""
+        validate_name(name)
+        if part is Part.DRAFT and self.protocol < 2:
+            raise FailedPrecondition("drafts need protocol 2; the server speaks protocol 1")
+        data, header = self._get_part(name, part, target_sha256=target_sha256)
+        return data, PartInfo.from_pb(header.info)
+
+    def _get_part(self, name: str, part: Part, *,
+                  target_sha256: str = "") -> tuple[bytes, pb.GetHeader]:
+        req = pb.GetRequest(name=name, part=int(part), target_sha256=target_sha256)
+        size_bound = self.server_info().max_snapshot_bytes or DEFAULT_MAX_SNAPSHOT_BYTES
+
+        def fetch(timeout: float) -> tuple[bytes, pb.GetHeader]:
+            stream = self._stub.Get(req, timeout=timeout)
+            header: pb.GetHeader | None = None
+            chunks: list[bytes] = []
+            h = hashlib.sha256()
+            received = 0
+            for msg in stream:
+                if header is None:
+                    if msg.WhichOneof("msg") != "header":
+                        raise DataLoss(f"Get of {name!r}: the stream did not start with a header")
+                    header = msg.header
+                    continue
+                chunk = msg.chunk
+                received += len(chunk)
+                if received > header.info.size:
+                    stream.cancel()
+                    raise DataLoss(f"Get of {name!r}: more than the {header.info.size} bytes "
+                                   "announced")
+                h.update(chunk)
+                chunks.append(chunk)
+            if header is None:
+                raise DataLoss(f"Get of {name!r}: empty stream")
+            if received != header.info.size:
+                raise DataLoss(f"{part.label} of {name!r} truncated: received {received} of "
+                               f"{header.info.size} bytes")
+            if h.hexdigest() != header.info.sha256:
+                raise DataLoss(f"{part.label} of {name!r}: SHA-256 mismatch")
+            return b"".join(chunks), header
+
+        return self._call(fetch, size=size_bound)
+
+    # --- metadata ---------------------------------------------------------------------
+
+    def stat(self, name: str) -> SnapshotInfo:
+        """Metadata of both parts of one snapshot (NotFound if there is none)."""
+        validate_name(name)
+        r = self._call(lambda t: self._stub.Stat(pb.StatRequest(name=name), timeout=t))
+        return SnapshotInfo.from_pb(r.snapshot)
+
+    def list(self, prefix: str = "") -> list[SnapshotInfo]:
+        """Every snapshot whose name starts with `prefix`, sorted by name."""
+        r = self._call(lambda t: self._stub.List(pb.ListRequest(prefix=prefix), timeout=t))
+        return [SnapshotInfo.from_pb(s) for s in r.snapshots]
+
+    def delete(self, name: str) -> int:
+        """Removes both parts of a snapshot (NotFound if there is none); the bytes freed."""
+        validate_name(name)
+        r = self._call(lambda t: self._stub.Delete(pb.DeleteRequest(name=name), timeout=t))
+        return r.bytes_freed
+
+
+__all__ = ["SnapshotClient", "PartMeta", "Part", "SnapshotError", "InvalidArgument"]

@@ -1,0 +1,99 @@
+"""Server configuration: one frozen object built from flags, each flag also read
+from an environment variable `WARMSLOT_SNAPSHOT_<FLAG>` (flags win), e.g.
+`--data-dir` <- WARMSLOT_SNAPSHOT_DATA_DIR, `--max-snapshot-bytes` <-
+WARMSLOT_SNAPSHOT_MAX_SNAPSHOT_BYTES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
+
+ENV_PREFIX = "WARMSLOT_SNAPSHOT_"
+DEFAULT_PORT = 50052
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1048576', '512M', '512MiB', '2G' (binary units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 512M, 2GiB)")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    data_dir: Path
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT  # 0: any free port (the "serving" log line says which)
+    max_protocol: int = PROTOCOL_MAX  # 1: behave exactly as a protocol-1 server
+    max_snapshot_bytes: int = 2 << 30  # per part
+    metrics_port: int = 0  # Prometheus HTTP endpoint on host; 0: off
+    workers: int = 16  # concurrent RPCs (each stream holds one)
+    grace_s: float = 10.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
+    stage_ttl_s: float = 300.0  # how long a staged target waits for its draft
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not PROTOCOL_MIN <= self.max_protocol <= PROTOCOL_MAX:
+            raise ValueError(f"max_protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}")
+        if self.max_snapshot_bytes <= 0 or self.workers <= 0 or self.grace_s < 0:
+            raise ValueError("max_snapshot_bytes and workers must be positive, grace_s >= 0")
+
+
+def _flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
+          conv: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
+    var = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+    if var in env:
+        try:
+            default = conv(env[var])
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"{var}={env[var]!r}: {exc}")
+    parser.add_argument(flag, type=conv, default=default, help=f"{help} [env {var}]", **kw)
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m snapshot_svc",
+                                description="Warmslot snapshot service (gRPC)")
+    d = SnapshotConfig
+    _flag(p, env, "--data-dir", Path, None, "directory holding the snapshots (required)")
+    _flag(p, env, "--host", str, d.host, "address to listen on")
+    _flag(p, env, "--port", int, d.port, "gRPC port; 0 picks a free one")
+    _flag(p, env, "--max-protocol", int, d.max_protocol,
+          "highest protocol version spoken; 1 = target files only, as an old server",
+          choices=range(PROTOCOL_MIN, PROTOCOL_MAX + 1))
+    _flag(p, env, "--max-snapshot-bytes", parse_size, d.max_snapshot_bytes,
+          "largest part stored (bytes, or 512M, 2G...)")
+    _flag(p, env, "--metrics-port", int, d.metrics_port, "Prometheus metrics port; 0 = off")
+    _flag(p, env, "--workers", int, d.workers, "concurrent calls")
+    _flag(p, env, "--grace", float, d.grace_s, "seconds in-flight calls get on shutdown")
+    _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
+          "seconds a staged target waits for its draft")
+    _flag(p, env, "--log-level", str, d.log_level, "debug, info, warning or error")
+    return p
+
+
+def parse_config(argv: Sequence[str] | None = None,
+                 env: Mapping[str, str] | None = None) -> SnapshotConfig:
+    env = os.environ if env is None else env
+    parser = build_parser(env)
+    a = parser.parse_args(argv)
+    if a.data_dir is None:
+        parser.error(f"--data-dir (or {ENV_PREFIX}DATA_DIR) is required")
+    try:
+        return SnapshotConfig(data_dir=a.data_dir, host=a.host, port=a.port,
+                              max_protocol=a.max_protocol,
+                              max_snapshot_bytes=a.max_snapshot_bytes,
+                              metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
+                              stage_ttl_s=a.stage_ttl, log_level=a.log_level)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,425 @@
+"""The gRPC server: thin handlers over the Store, one interceptor for status codes.
+
+    python -m snapshot_svc --data-dir DIR [--host 127.0.0.1] [--port 50052] ...
+
+In-process (tests, tools):
+
+    with SnapshotServer(SnapshotConfig(data_dir=d, port=0)) as srv:
+        SnapshotClient(srv.address) ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__
+from snapshot_svc.config import SnapshotConfig, parse_config
+from snapshot_svc.errors import (
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    SnapshotError,
+    Unavailable,
+)
+from snapshot_svc.logs import configure_logging, log_event
+from snapshot_svc.metrics import Metrics
+from snapshot_svc.pb import snapshot_pb2 as pb
+from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
+from snapshot_svc.records import Part, PartMeta, SnapshotInfo
+from snapshot_svc.storage import Store
+
+log = logging.getLogger("snapshot_svc.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Snapshot"].full_name
+FEATURES_V1 = ("sha256",)
+FEATURES_V2 = ("draft-sidecar", "paired-commit")
+
+
+def server_features(protocol: int) -> tuple[str, ...]:
+    return FEATURES_V1 + (FEATURES_V2 if protocol >= 2 else ())
+
+
+def negotiate(client_min: int, client_max: int, server_max: int) -> int:
+    """The highest protocol both sides speak; FAILED_PRECONDITION when none."""
+    client_min = client_min or PROTOCOL_MIN
+    client_max = client_max or client_min
+    if client_min > client_max:
+        raise InvalidArgument(f"min_protocol {client_min} > max_protocol {client_max}")
+    chosen = min(client_max, server_max)
+    if chosen < max(client_min, PROTOCOL_MIN):
+        raise FailedPrecondition(
+            f"no common protocol version: the client speaks {client_min}..{client_max}, "
+            f"the server speaks {PROTOCOL_MIN}..{server_max}")
+    return chosen
+
+
+class _Malformed:
+    """Stands for a request message that did not parse (INVALID_ARGUMENT, not INTERNAL)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:  # e.g. a name that is not valid UTF-8
+            return _Malformed(str(exc) or "malformed request")
+
+    return parse
+
+
+def _check(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise InvalidArgument(f"malformed request: {request.error}")
+    return request
+
+
+def _checked(requests: Iterable[Any]) -> Iterator[Any]:
+    for r in requests:
+        yield _check(r)
+
+
+class StatusInterceptor(grpc.ServerInterceptor):
+    """Wraps every Snapshot handler: refuses calls while draining (UNAVAILABLE), turns
+    SnapshotError into its status code and anything else into INTERNAL, makes
+    unparsable requests INVALID_ARGUMENT, and counts calls by method and code."""
+
+    def __init__(self, draining: threading.Event, metrics: Metrics) -> None:
+        self._draining = draining
+        self._metrics = metrics
+        self._prefix = f"/{SERVICE_NAME}/"
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(handler_call_details)
+        name = handler_call_details.method
+        if handler is None or not name.startswith(self._prefix):
+            return handler
+        method = name[len(self._prefix):]
+        deser = _tolerant(handler.request_deserializer)
+        if handler.unary_unary:
+            uu = handler.unary_unary
+
+            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+                return self._call(method, context, lambda: uu(_check(request), context))
+
+            return handler._replace(request_deserializer=deser, unary_unary=unary_unary)
+        if handler.stream_unary:
+            su = handler.stream_unary
+
+            def stream_unary(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
+                return self._call(method, context, lambda: su(_checked(requests), context))
+
+            return handler._replace(request_deserializer=deser, stream_unary=stream_unary)
+        if handler.unary_stream:
+            us = handler.unary_stream
+
+            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                return self._stream(method, context, lambda: us(_check(request), context))
+
+            return handler._replace(request_deserializer=deser, unary_stream=unary_stream)
+        return handler  # no stream-stream methods
+
+    def _enter(self) -> None:
+        if self._draining.is_set():
+            raise Unavailable("the snapshot service is shutting down")
+
+    def _fail(self, method: str, context: grpc.ServicerContext, exc: Exception) -> None:
+        if isinstance(exc, grpc.RpcError) or not context.is_active():
+            self._metrics.rpcs.labels(method, "CANCELLED").inc()
+            log_event(log, logging.INFO, "rpc_cancelled", method=method)
+            raise exc  # the client went away; grpc knows
+        if isinstance(exc, SnapshotError):
+            code, message = exc.code, exc.message
+            log_event(log, logging.INFO, "rpc_failed", method=method, code=code.name,
+                      message=message)
+        else:
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
+            log.exception("internal_error", extra={"event_fields": {"method": method}})
+        self._metrics.rpcs.labels(method, code.name).inc()
+        context.abort(code, message)
+
+    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+        try:
+            self._enter()
+            response = fn()
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            self._fail(method, context, exc)
+            raise  # unreachable: _fail raises
+        self._metrics.rpcs.labels(method, "OK").inc()
+        return response
+
+    def _stream(self, method: str, context: grpc.ServicerContext,
+                fn: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+        try:
+            self._enter()
+            yield from fn()
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            self._fail(method, context, exc)
+            raise  # unreachable
+        self._metrics.rpcs.labels(method, "OK").inc()
+
+
+class SnapshotServicer(pb_grpc.SnapshotServicer):
+    """The Snapshot RPCs over a Store. Errors are raised as SnapshotError."""
+
+    def __init__(self, config: SnapshotConfig, store: Store, metrics: Metrics) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+
+    @property
+    def drafts(self) -> bool:
+        return self.config.max_protocol >= 2
+
+    def _part(self, value: int) -> Part:
+        if value == pb.PART_TARGET:
+            return Part.TARGET
+        if value == pb.PART_DRAFT:
+            if not self.drafts:
+                raise FailedPrecondition("draft parts need protocol 2; this server speaks "
+                                         f"protocol {self.config.max_protocol}")
+            return Part.DRAFT
+        raise InvalidArgument(f"part must be PART_TARGET or PART_DRAFT, got {value}")
+
+    def _visible(self, snap: SnapshotInfo) -> SnapshotInfo:
+        return snap if self.drafts else snap.without_draft()
+
+    def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
+        protocol = negotiate(request.min_protocol, request.max_protocol, self.config.max_protocol)
+        features = [f for f in server_features(protocol) if f in set(request.features)]
+        log_event(log, logging.INFO, "hello", peer=context.peer(), protocol=protocol,
+                  client_min=request.min_protocol, client_max=request.max_protocol,
+                  client_version=request.client_version)
+        return pb.HelloResponse(protocol=protocol, features=features, server_version=__version__,
+                                max_chunk_bytes=MAX_CHUNK_BYTES,
+                                max_snapshot_bytes=self.config.max_snapshot_bytes,
+                                server_min_protocol=PROTOCOL_MIN,
+                                server_max_protocol=self.config.max_protocol)
+
+    def Put(self, request_iterator: Iterator[pb.PutRequest],
+            context: grpc.ServicerContext) -> pb.PutResponse:
+        t0 = time.perf_counter()
+        label, code = "unknown", "OK"
+        upload = None
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("msg") != "header":
+                raise InvalidArgument("the first message of a Put must be its header")
+            h = first.header
+            part = self._part(h.part)
+            label = part.label
+            header = self.store.check_header(
+                h.name, part, h.size, h.sha256, PartMeta(h.format_version, h.fingerprint,
+                                                         h.n_tokens),
+                draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
+                target_sha256=h.target_sha256)
+            upload = self.store.begin_put(header)
+            for msg in request_iterator:
+                if msg.WhichOneof("msg") != "chunk":
+                    raise InvalidArgument("a Put carries one header, then only chunks")
+                chunk = msg.chunk
+                if len(chunk) > MAX_CHUNK_BYTES:
+                    raise InvalidArgument(f"chunk of {len(chunk)} bytes, the limit is "
+                                          f"{MAX_CHUNK_BYTES}")
+                upload.write(chunk)
+            if not context.is_active():
+                raise grpc.RpcError("client went away")
+            out = self.store.finish_put(upload)
+            upload = None
+            self.metrics.bytes_received.labels(label).inc(out.info.size)
+            log_event(log, logging.INFO, "put", name=header.name, part=label,
+                      bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
+                      committed=out.committed, ms=round((time.perf_counter() - t0) * 1e3, 2))
+            return pb.PutResponse(name=header.name, part=int(part), bytes=out.info.size,
+                                  sha256=out.info.sha256, commit_id=out.commit_id,
+                                  committed=out.committed, has_draft=out.has_draft)
+        except SnapshotError as exc:
+            code = exc.code.name
+            if isinstance(exc, DataLoss):
+                self.metrics.digest_failures.inc()
+            raise
+        except grpc.RpcError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            if upload is not None:
+                upload.abort()
+            self.metrics.puts.labels(label, code).inc()
+            self.metrics.put_seconds.labels(label).observe(time.perf_counter() - t0)
+
+    def Get(self, request: pb.GetRequest,
+            context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+        t0 = time.perf_counter()
+        label, code = "unknown", "OK"
+        try:
+            part = self._part(request.part)
+            label = part.label
+            snap, fd = self.store.open_part(request.name, part, request.target_sha256)
+            try:
+                info = snap.part(part)
+                assert info is not None
+                draft_sha = snap.draft.sha256 if (part is Part.TARGET and snap.draft
+                                                  and self.drafts) else ""
+                yield pb.GetResponse(header=pb.GetHeader(
+                    name=snap.name, commit_id=snap.commit_id,
+                    created_unix_ms=snap.created_unix_ms, info=info.to_pb(),
+                    draft_sha256=draft_sha))
+                remaining = info.size
+                while remaining:
+                    data = os.read(fd, min(MAX_CHUNK_BYTES, remaining))
+                    if not data:
+                        raise DataLoss(f"the stored {label} of {snap.name!r} is truncated")
+                    remaining -= len(data)
+                    yield pb.GetResponse(chunk=data)
+            finally:
+                os.close(fd)
+            self.metrics.bytes_sent.labels(label).inc(info.size)
+            log_event(log, logging.INFO, "get", name=snap.name, part=label, bytes=info.size,
+                      commit_id=snap.commit_id, ms=round((time.perf_counter() - t0) * 1e3, 2))
+        except SnapshotError as exc:
+            code = exc.code.name
+            raise
+        except GeneratorExit:
+            code = "CANCELLED"
+            raise
+        finally:
+            self.metrics.gets.labels(label, code).inc()
+            self.metrics.get_seconds.labels(label).observe(time.perf_counter() - t0)
+
+    def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
+        return pb.StatResponse(snapshot=self._visible(self.store.stat(request.name)).to_pb())
+
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        return pb.ListResponse(
+            snapshots=[self._visible(s).to_pb() for s in self.store.list(request.prefix)])
+
+    def Delete(self, request: pb.DeleteRequest,
+               context: grpc.ServicerContext) -> pb.DeleteResponse:
+        return pb.DeleteResponse(bytes_freed=self.store.delete(request.name))
+
+
+class SnapshotServer:
+    """One snapshot service: store, gRPC server (with health and reflection) and
+    the optional metrics endpoint. `start()` returns the bound port."""
+
+    def __init__(self, config: SnapshotConfig) -> None:
+        self.config = config
+        self.port = 0
+        self._draining = threading.Event()
+        self._stopped = threading.Event()
+        self.store = Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
+                           stage_ttl_s=config.stage_ttl_s)
+        self.metrics = Metrics(self.store.usage)
+        self._executor = futures.ThreadPoolExecutor(max_workers=config.workers + 4,
+                                                    thread_name_prefix="snapshot-rpc")
+        self._grpc = grpc.server(
+            self._executor, interceptors=[StatusInterceptor(self._draining, self.metrics)],
+            maximum_concurrent_rpcs=config.workers,
+            options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
+                     ("grpc.so_reuseport", 0)])
+        pb_grpc.add_SnapshotServicer_to_server(
+            SnapshotServicer(config, self.store, self.metrics), self._grpc)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
+        self._metrics_http: Any = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> int:
+        try:
+            self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        except RuntimeError as exc:
+            self.store.close()
+            raise Unavailable(f"cannot listen on {self.config.host}:{self.config.port}: "
+                              f"{exc}") from exc
+        if self.config.metrics_port:
+            self._metrics_http, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
+        self._grpc.start()
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log_event(log, logging.INFO, "serving", host=self.config.host, port=self.port,
+                  max_protocol=self.config.max_protocol,
+                  max_snapshot_bytes=self.config.max_snapshot_bytes,
+                  data_dir=str(self.config.data_dir), metrics_port=self.config.metrics_port,
+                  version=__version__)
+        return self.port
+
+    def stop(self, grace: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, new calls UNAVAILABLE, in-flight calls get `grace`
+        seconds to finish (an unfinished Put is discarded whole), then the store closes."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.config.grace_s if grace is None else grace
+        log_event(log, logging.INFO, "shutting_down", grace_s=grace)
+        self.health.enter_graceful_shutdown()
+        self._draining.set()
+        self._grpc.stop(grace).wait()
+        self._executor.shutdown(wait=True)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        self.store.close()
+        log_event(log, logging.INFO, "stopped")
+
+    def __enter__(self) -> SnapshotServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(grace=0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    configure_logging(config.log_level)
+    try:
+        server = SnapshotServer(config)
+        server.start()
+    except SnapshotError as exc:
+        log_event(log, logging.ERROR, "start_failed", error=exc.message)
+        return 1
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log_event(log, logging.INFO, "signal", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop.wait(0.5):
+        pass
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

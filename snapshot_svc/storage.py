@@ -1,0 +1,479 @@
+"""The on-disk store: content-addressed blobs plus one manifest per name.
+
+Layout of the data directory:
+
+    LOCK                          flock'ed by the one server that owns the directory
+    blobs/<sha256>                the exact bytes of one uploaded part
+    manifests/<sha256(name)>.json the committed snapshot of a name (SnapshotInfo)
+    tmp/                          uploads in progress; swept at start-up
+
+A Put streams into a temporary file in tmp/, checks size and SHA-256, fsyncs,
+renames it into blobs/ and fsyncs that directory. The name's manifest, written
+last (temporary file, fsync, rename, fsync of the directory), is the commit
+point: it names the target digest and the optional draft digest, so readers
+see both parts of one save or neither. A target that a draft will follow is
+staged (kept in memory, its blob referenced) until the draft put naming its
+digest commits both; a staged target that no draft claims expires.
+
+Blobs are reference-counted by the manifests and the staged targets, and
+removed as soon as nothing references them (at start-up: everything not named
+by a manifest). A Get opens its blob under the store's lock, so a blob removed
+afterwards is still read whole through the open descriptor.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapshot_svc.errors import (
+    DataLoss,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from snapshot_svc.logs import log_event
+from snapshot_svc.names import validate_name
+from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
+
+log = logging.getLogger("snapshot_svc.storage")
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _io_error(what: str, exc: OSError) -> Exception:
+    """ENOSPC and friends are RESOURCE_EXHAUSTED; any other I/O error is INTERNAL."""
+    if exc.errno in _DISK_FULL:
+        return ResourceExhausted(f"{what}: disk full ({os.strerror(exc.errno)})")
+    return Internal(f"{what}: {exc}")
+
+
+def manifest_key(name: str) -> str:
+    """The manifest file stem of a name (names never become paths themselves)."""
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class UploadHeader:
+    """A validated Put header."""
+
+    name: str
+    part: Part
+    size: int
+    sha256: str
+    meta: PartMeta
+    draft_follows: bool = False  # TARGET: stage it, the draft put commits both
+    target_sha256: str = ""  # DRAFT: the target it belongs to
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    info: PartInfo
+    commit_id: str
+    committed: bool  # False: a staged target
+    has_draft: bool
+
+
+@dataclass
+class _Staged:
+    info: PartInfo
+    commit_id: str
+    expires_at: float
+
+
+class Upload:
+    """One part being received: a temporary file, a running digest, a byte count.
+
+    Created by `Store.begin_put`; fed with `write`; ended by `Store.finish_put`
+    or `abort` (which is idempotent and always leaves no file behind).
+    """
+
+    def __init__(self, header: UploadHeader, path: Path, max_bytes: int,
+                 write: Callable[[int, memoryview], int]) -> None:
+        self.header = header
+        self.path = path
+        self.received = 0
+        self._max_bytes = max_bytes
+        self._hash = hashlib.sha256()
+        self._write = write
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Appends one chunk; RESOURCE_EXHAUSTED / INVALID_ARGUMENT past the limits."""
+        if self._fd is None:
+            raise Internal("write to a closed upload")
+        n = len(data)
+        total = self.received + n
+        if total > self._max_bytes:
+            raise ResourceExhausted(
+                f"{self.header.part.label} of {self.header.name!r} exceeds the limit of "
+                f"{self._max_bytes} bytes ({total} bytes received)")
+        if total > self.header.size:
+            raise InvalidArgument(
+                f"{self.header.part.label} of {self.header.name!r}: received {total} bytes, "
+                f"more than the {self.header.size} declared")
+        self._hash.update(data)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._write(self._fd, view):]
+        except OSError as exc:
+            raise _io_error(f"writing {self.header.name!r}", exc) from exc
+        self.received = total
+
+    def seal(self) -> None:
+        """Checks size and digest, then fsyncs and closes the file (DATA_LOSS on mismatch)."""
+        h = self.header
+        if self.received != h.size:
+            raise DataLoss(f"{h.part.label} of {h.name!r} truncated: received {self.received} "
+                           f"of {h.size} bytes")
+        digest = self._hash.hexdigest()
+        if digest != h.sha256:
+            raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
+                           f"received bytes {digest})")
+        assert self._fd is not None
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            raise _io_error(f"syncing {h.name!r}", exc) from exc
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class Store:
+    """The data directory of one server. Thread-safe."""
+
+    def __init__(self, root: Path, *, max_snapshot_bytes: int, stage_ttl_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 write: Callable[[int, memoryview], int] = os.write) -> None:
+        self.root = Path(root)
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.stage_ttl_s = stage_ttl_s
+        self._clock = clock
+        self._write = write  # os.write; tests inject failures (ENOSPC)
+        self._lock = threading.Lock()
+        self._index: dict[str, SnapshotInfo] = {}
+        self._staged: dict[tuple[str, str], _Staged] = {}
+        self._refs: Counter[str] = Counter()
+        self._blob_sizes: dict[str, int] = {}
+        self.blobs = self.root / "blobs"
+        self.manifests = self.root / "manifests"
+        self.tmp = self.root / "tmp"
+        for d in (self.root, self.blobs, self.manifests, self.tmp):
+            d.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._acquire_dir_lock()
+        try:
+            self._recover()
+        except BaseException:
+            self.close()
+            raise
+
+    # --- start-up ---------------------------------------------------------------------
+
+    def _acquire_dir_lock(self) -> int:
+        fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FailedPrecondition(f"data dir {self.root} is in use by another server") from None
+        return fd
+
+    def _recover(self) -> None:
+        """Sweeps temporary files, loads the manifests, removes unreferenced blobs."""
+        swept = 0
+        for p in self.tmp.iterdir():
+            p.unlink()
+            swept += 1
+        for p in self.manifests.glob("*.tmp"):
+            p.unlink()
+            swept += 1
+        bad = 0
+        for p in sorted(self.manifests.glob("*.json")):
+            try:
+                info = SnapshotInfo.from_json(json.loads(p.read_text("utf-8")))
+                validate_name(info.name)
+                if p.stem != manifest_key(info.name):
+                    raise ValueError(f"holds name {info.name!r}, another name's file")
+            except (ValueError, KeyError, TypeError, OSError, InvalidArgument) as exc:
+                bad += 1
+                log_event(log, logging.ERROR, "manifest_unreadable", path=str(p), error=str(exc))
+                continue
+            self._index[info.name] = info
+            for part in (info.target, info.draft):
+                if part is not None:
+                    self._refs[part.sha256] += 1
+                    self._blob_sizes[part.sha256] = part.size
+        orphans = 0
+        for p in self.blobs.iterdir():
+            if SHA256_HEX.fullmatch(p.name) and self._refs[p.name] == 0:
+                p.unlink()
+                orphans += 1
+        missing = [s for s in self._refs if not (self.blobs / s).exists()]
+        for s in missing:
+            log_event(log, logging.ERROR, "blob_missing", sha256=s)
+        log_event(log, logging.INFO, "store_opened", data_dir=str(self.root),
+                  snapshots=len(self._index), temp_files_swept=swept, orphan_blobs_removed=orphans,
+                  unreadable_manifests=bad, missing_blobs=len(missing))
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
+
+    # --- Put --------------------------------------------------------------------------
+
+    def check_header(self, name: str, part: Part, size: int, sha256: str, meta: PartMeta,
+                     draft_follows: bool = False, target_sha256: str = "") -> UploadHeader:
+        validate_name(name)
+        if size > self.max_snapshot_bytes:
+            raise ResourceExhausted(f"{part.label} of {name!r} is {size} bytes, the limit is "
+                                    f"{self.max_snapshot_bytes}")
+        if not SHA256_HEX.fullmatch(sha256):
+            raise InvalidArgument(f"sha256 must be 64 lowercase hex digits, got {sha256!r}")
+        if part is Part.DRAFT:
+            if not SHA256_HEX.fullmatch(target_sha256):
+                raise InvalidArgument("a draft part needs the target_sha256 of its target, got "
+                                      f"{target_sha256!r}")
+            if draft_follows:
+                raise InvalidArgument("draft_follows applies to target parts only")
+        elif target_sha256:
+            raise InvalidArgument("target_sha256 applies to draft parts only")
+        return UploadHeader(name, part, size, sha256, meta, draft_follows, target_sha256)
+
+    def begin_put(self, header: UploadHeader) -> Upload:
+        path = self.tmp / f"put-{uuid.uuid4().hex}.tmp"
+        try:
+            return Upload(header, path, self.max_snapshot_bytes, self._write)
+        except OSError as exc:
+            raise _io_error(f"creating a temporary file for {header.name!r}", exc) from exc
+
+    def finish_put(self, upload: Upload) -> PutOutcome:
+        """Verifies the upload and commits (or stages) it. The upload is consumed:
+        on any error nothing of it is left on disk."""
+        h = upload.header
+        try:
+            upload.seal()
+            with self._lock:
+                self._expire_staged()
+                self._place_blob(upload.path, h.sha256, h.size)
+                try:
+                    return self._commit(h)
+                finally:
+                    self._drop_if_unreferenced(h.sha256)
+        finally:
+            upload.abort()  # removes the temporary file unless it became the blob
+
+    def _place_blob(self, tmp: Path, sha: str, size: int) -> None:
+        dst = self.blobs / sha
+        try:
+            if dst.exists() and dst.stat().st_size == size:
+                return  # same bytes already stored (the name is their digest)
+            os.rename(tmp, dst)
+            _fsync_dir(self.blobs)
+        except OSError as exc:
+            raise _io_error(f"storing blob {sha}", exc) from exc
+        self._blob_sizes[sha] = size
+
+    def _commit(self, h: UploadHeader) -> PutOutcome:
+        info = PartInfo(h.part, h.size, h.sha256, h.meta, h.target_sha256)
+        if h.part is Part.TARGET:
+            if h.draft_follows:
+                key = (h.name, h.sha256)
+                staged = self._staged.get(key)
+                if staged is None:
+                    staged = self._staged[key] = _Staged(info, uuid.uuid4().hex, 0.0)
+                    self._refs[h.sha256] += 1
+                staged.info = info
+                staged.expires_at = self._clock() + self.stage_ttl_s
+                log_event(log, logging.INFO, "target_staged", name=h.name, sha256=h.sha256,
+                          bytes=h.size, commit_id=staged.commit_id)
+                return PutOutcome(info, staged.commit_id, committed=False, has_draft=False)
+            snap = SnapshotInfo(h.name, uuid.uuid4().hex, int(time.time() * 1000), info, None)
+            self._write_manifest(snap)
+            return PutOutcome(info, snap.commit_id, committed=True, has_draft=False)
+
+        staged = self._staged.get((h.name, h.target_sha256))
+        current = self._index.get(h.name)
+        if staged is not None:
+            target, commit_id = staged.info, staged.commit_id
+        elif current is not None and current.target.sha256 == h.target_sha256:
+            target, commit_id = current.target, uuid.uuid4().hex  # a new draft for the same target
+        else:
+            have = current.target.sha256 if current else "none"
+            raise FailedPrecondition(
+                f"draft of {h.name!r} belongs to target {h.target_sha256}, which is neither "
+                f"staged nor the current target ({have}); upload the target first")
+        snap = SnapshotInfo(h.name, commit_id, int(time.time() * 1000), target, info)
+        self._write_manifest(snap)
+        if staged is not None and self._staged.pop((h.name, h.target_sha256), None) is not None:
+            self._release(h.target_sha256)
+        return PutOutcome(info, commit_id, committed=True, has_draft=True)
+
+    def _write_manifest(self, snap: SnapshotInfo) -> None:
+        """The commit point: replaces the name's manifest atomically and durably."""
+        final = self.manifests / f"{manifest_key(snap.name)}.json"
+        tmp = self.manifests / f"{final.stem}.{uuid.uuid4().hex}.tmp"
+        data = json.dumps(snap.to_json(), sort_keys=True).encode("utf-8")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[self._write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+            _fsync_dir(self.manifests)
+        except OSError as exc:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
+            raise _io_error(f"writing the manifest of {snap.name!r}", exc) from exc
+        old = self._index.get(snap.name)
+        self._index[snap.name] = snap
+        for p in (snap.target, snap.draft):
+            if p is not None:
+                self._refs[p.sha256] += 1
+        if old is not None:
+            for p in (old.target, old.draft):
+                if p is not None:
+                    self._release(p.sha256)
+        log_event(log, logging.INFO, "snapshot_committed", name=snap.name,
+                  commit_id=snap.commit_id, target_sha256=snap.target.sha256,
+                  target_bytes=snap.target.size,
+                  draft_sha256=snap.draft.sha256 if snap.draft else "",
+                  draft_bytes=snap.draft.size if snap.draft else 0)
+
+    # --- references -------------------------------------------------------------------
+
+    def _release(self, sha: str) -> int:
+        """Drops one reference; removes the blob at zero. Returns the bytes freed."""
+        self._refs[sha] -= 1
+        return self._drop_if_unreferenced(sha)
+
+    def _drop_if_unreferenced(self, sha: str) -> int:
+        if self._refs[sha] > 0:
+            return 0
+        del self._refs[sha]
+        size = self._blob_sizes.pop(sha, 0)
+        try:
+            os.unlink(self.blobs / sha)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:  # left for the next start-up's sweep
+            log_event(log, logging.WARNING, "blob_remove_failed", sha256=sha, error=str(exc))
+            return 0
+        return size
+
+    def _expire_staged(self) -> None:
+        now = self._clock()
+        for key in [k for k, s in self._staged.items() if s.expires_at <= now]:
+            self._staged.pop(key)
+            log_event(log, logging.INFO, "staged_target_expired", name=key[0], sha256=key[1])
+            self._release(key[1])
+
+    # --- reads ------------------------------------------------------------------------
+
+    def open_part(self, name: str, part: Part, target_sha256: str = "") -> tuple[SnapshotInfo, int]:
+        """The committed snapshot and an open descriptor on the requested part's bytes.
+
+        For a draft, `target_sha256` (optional) is the target the reader holds: the
+        draft is served only if it belongs to that target. The caller closes the fd.
+        """
+        validate_name(name)
+        with self._lock:
+            snap = self._index.get(name)
+            if snap is None:
+                raise NotFound(f"no snapshot named {name!r}")
+            info = snap.part(part)
+            if info is None:
+                raise NotFound(f"snapshot {name!r} has no draft part")
+            if part is Part.DRAFT:
+                if info.target_sha256 != snap.target.sha256:
+                    raise NotFound(f"the draft of {name!r} belongs to another target")
+                if target_sha256 and target_sha256 != snap.target.sha256:
+                    raise NotFound(f"the draft of {name!r} belongs to target "
+                                   f"{snap.target.sha256}, not {target_sha256}: a newer save "
+                                   "replaced the snapshot")
+            try:
+                fd = os.open(self.blobs / info.sha256, os.O_RDONLY)
+            except FileNotFoundError:
+                raise DataLoss(f"the {part.label} of {name!r} is missing from the store") from None
+            except OSError as exc:
+                raise _io_error(f"opening {name!r}", exc) from exc
+        size = os.fstat(fd).st_size
+        if size != info.size:
+            os.close(fd)
+            raise DataLoss(f"the stored {part.label} of {name!r} is {size} bytes, "
+                           f"expected {info.size}")
+        return snap, fd
+
+    def stat(self, name: str) -> SnapshotInfo:
+        validate_name(name)
+        with self._lock:
+            snap = self._index.get(name)
+        if snap is None:
+            raise NotFound(f"no snapshot named {name!r}")
+        return snap
+
+    def list(self, prefix: str = "") -> list[SnapshotInfo]:
+        with self._lock:
+            return sorted((s for n, s in self._index.items() if n.startswith(prefix)),
+                          key=lambda s: s.name)
+
+    def delete(self, name: str) -> int:
+        """Removes both parts of a snapshot; returns the bytes freed on disk."""
+        validate_name(name)
+        with self._lock:
+            snap = self._index.get(name)
+            if snap is None:
+                raise NotFound(f"no snapshot named {name!r}")
+            try:
+                os.unlink(self.manifests / f"{manifest_key(name)}.json")
+                _fsync_dir(self.manifests)
+            except OSError as exc:
+                raise _io_error(f"deleting {name!r}", exc) from exc
+            del self._index[name]
+            freed = sum(self._release(p.sha256) for p in (snap.target, snap.draft) if p)
+        log_event(log, logging.INFO, "snapshot_deleted", name=name, commit_id=snap.commit_id,
+                  bytes_freed=freed)
+        return freed
+
+    def usage(self) -> tuple[int, int]:
+        """(number of snapshots, bytes held by blobs)."""
+        with self._lock:
+            return len(self._index), sum(self._blob_sizes.values())
