@@ -15,7 +15,7 @@
 typedef struct {
     int32_t pending;      /* sampled, not yet decoded; -1: none                  */
     int32_t d_off;        /* target position of the draft's position 0           */
-    int32_t lag_ok;       /* draft tokens behind the target that are drafting work */
+    int32_t lag_ok;       /* generated (not prompt) tokens the draft has not seen yet */
     uint64_t rng[4];      /* xoshiro256**                                         */
     ws_spec_counters c;
 } spec_slot;
@@ -408,7 +408,7 @@ ws_status ws_spec_draft_sync(ws_spec *s, int32_t slot, int32_t *n_out) {
     spec_slot *ss = &s->slots[slot];
     int32_t n = 0;
     TRY(draft_catch_up(s, slot, kv_len(s->tgt, slot), NULL, &n));
-    ss->c.n_draft_prefill += (uint64_t)n;
+    ss->c.n_draft_prefill += (uint64_t)(n > ss->lag_ok ? n - ss->lag_ok : 0);
     ss->lag_ok = 0;
     *n_out = n;
     return WS_OK;
@@ -446,10 +446,11 @@ ws_status ws_spec_prefill(ws_spec *s, int32_t slot, const int32_t *tokens, int32
     ws_status st = ws_decode(s->tgt, slot, seq, n, 0, s->t_logits, (size_t)s->n_vocab);
     if (st != WS_OK) return fail_from(s, s->tgt, st, "prefill");
     ss->pending = -1;
+    ss->lag_ok += pend; /* the pending token was generated, not prompt */
     if (with_draft && s->dft) {
         int32_t done = 0;
         TRY(draft_catch_up(s, slot, kv_len(s->tgt, slot), NULL, &done));
-        ss->c.n_draft_prefill += (uint64_t)done;
+        ss->c.n_draft_prefill += (uint64_t)(done > ss->lag_ok ? done - ss->lag_ok : 0);
         ss->lag_ok = 0;
     }
     ss->pending = sample_logits(s, ss, s->t_logits, sp);
@@ -559,6 +560,8 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
         const int32_t keep = n0 + 1 + a - ss->d_off;
         if (dlen > keep) ws_slot_truncate(s->dft, slot, keep);
         ss->lag_ok = (n0 + 1 + a) - (ss->d_off + kv_len(s->dft, slot));
+    } else if (s->dft && k_max == 0) {
+        ss->lag_ok += 1; /* the draft sat this step out: one more generated token to see */
     }
     for (int i = 0; i < a; i++) out[i] = drafts[i];
     out[a] = bonus;
@@ -588,13 +591,14 @@ ws_status ws_spec_commit(ws_spec *s, int32_t slot) {
     }
     ws_status st = ws_decode(s->tgt, slot, &ss->pending, 1, 0, NULL, 0);
     if (st != WS_OK) return fail_from(s, s->tgt, st, "commit");
+    ss->pending = -1;
     if (follow) {
         int32_t done = 0;
-        ss->pending = -1;
         TRY(draft_catch_up(s, slot, n0 + 1, NULL, &done));
         ss->lag_ok = 0;
+    } else if (s->dft) {
+        ss->lag_ok += 1;
     }
-    ss->pending = -1;
     return WS_OK;
 }
 
@@ -732,7 +736,7 @@ ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t
     if (!(rng[0] | rng[1] | rng[2] | rng[3]))
         return fail(s, WS_ERR_BAD_STATE, "draft state RNG is all zero");
     const int32_t tn = kv_len(s->tgt, slot);
-    if (d_off < 0 || d_off > tn || lag_ok < 0 || lag_ok > 1)
+    if (d_off < 0 || d_off > tn || lag_ok < 0 || lag_ok > tn)
         return fail(s, WS_ERR_BAD_STATE, "draft state offset %d / lag %d do not fit a slot of %d",
                     d_off, lag_ok, tn);
     size_t kv_read = 0;
