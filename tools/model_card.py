@@ -105,6 +105,23 @@ def section_speculative(log: dict) -> str:
     )
 
 
+def section_data(log: dict) -> str:
+    c = log["corpus"]
+    return (
+        "The `.py` files of the running interpreter's standard library "
+        f"(`{c['root']}`), minus tests (`test/`, `tests/`, `idle_test/`), site-packages, "
+        "`pydoc_data`, `_sysconfigdata_*`, `html/entities.py` and machine-written files: "
+        f"{len(c['excluded_generated'])} files dropped by a generated-file marker in their "
+        "header (gencodec.py codec tables, `stringprep.py`, `token.py`, `keyword.py`, "
+        "`re/_casefix.py`, ...; listed in `train_log.json`).\n\n"
+        f"Split by file with the seed: {c['train_files']} training files "
+        f"({c['train_bytes']:,} bytes, {c['train_tokens']:,} tokens) and "
+        f"{len(c['valid_files'])} validation files (listed in `train_log.json`). Training "
+        "documents are the files joined as `<|endoftext|> file <|endoftext|> file ...`; "
+        "batches are random windows of that stream.\n"
+    )
+
+
 def section_tokenizer(log: dict) -> str:
     t = log["tokenizer"]
     rows = [
@@ -198,16 +215,7 @@ Whole run: {fmt(log["total_minutes"], 1)} minutes.
 
 ## Data
 
-The `.py` files of the running interpreter's standard library
-(`{log["corpus"]["root"]}`) minus tests (`test/`, `tests/`, `idle_test/`),
-site-packages, `pydoc_data`, `_sysconfigdata_*` and machine-written files
-(codec tables made by gencodec.py, `stringprep.py`, `token.py`, `keyword.py`,
-`re/_casefix.py`, `html/entities.py`, ...; {len(log["corpus"]["excluded_generated"])}
-files by header marker). Split by file with the seed: {log["corpus"]["train_files"]}
-training files ({log["corpus"]["train_bytes"]:,} bytes, {log["corpus"]["train_tokens"]:,}
-tokens), {len(log["corpus"]["valid_files"])} validation files (listed in
-`train_log.json`).
-
+{section_data(log)}
 ## Tokenizer
 
 {section_tokenizer(log)}
@@ -220,6 +228,14 @@ continued at 4096 tokens (see the curve). Plain next-token training for both
 (no distillation).
 
 ## Quality
+
+All figures below are measured on the shipped files: the F16 weights are read
+back from the GGUFs into the torch model before evaluation
+(`tools/eval_models.py --models-dir models` recomputes them). The export is
+also checked by an independent numpy forward pass that reads nothing but the
+GGUF (max |logit difference| vs torch on 300 validation tokens: target
+{log["models"]["target"]["export_check"]["max_abs_numpy_vs_torch"]:.1e}, draft
+{log["models"]["draft"]["export_check"]["max_abs_numpy_vs_torch"]:.1e}).
 
 {section_quality(log)}
 ### Validation loss by position
@@ -234,6 +250,14 @@ continued at 4096 tokens (see the curve). Plain next-token training for both
 ## Samples (target)
 
 {section_samples(log)}
+## Limitations
+
+Tiny models trained for about an hour on one codebase: they imitate the style
+of the standard library (docstrings, `self`, 4-space indentation) but do not
+write correct programs, know nothing outside Python source, and repeat
+themselves under greedy decoding. They exist so that the service, its
+snapshots and speculative decoding can be exercised without a download.
+
 ## Checksums (sha256)
 
 {section_checksums(checksums)}"""
