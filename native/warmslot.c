@@ -83,6 +83,49 @@ static inline float l8_sum(lanes8 v) {
 }
 #endif
 
+#if WS_SIMD
+static inline lanes8 l8_add(lanes8 a, lanes8 b) { return _mm256_add_ps(a, b); }
+static inline lanes8 l8_sub1(lanes8 a, float b) { return _mm256_sub_ps(a, _mm256_set1_ps(b)); }
+static inline void l8_store(float *p, lanes8 v) { _mm256_storeu_ps(p, v); }
+/* ws_expf on 8 lanes: the same IEEE operations in the same order, per lane */
+static inline lanes8 l8_exp(lanes8 x) {
+    const __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(WS_EXP_LO), _CMP_LT_OQ);
+    const __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(WS_EXP_HI), _CMP_GT_OQ);
+    const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(WS_EXP_HI)),
+                                    _mm256_set1_ps(WS_EXP_LO));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(WS_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-WS_LN2_HI), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-WS_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(WS_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P5));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+                                   _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    __m256 out = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e));
+    out = _mm256_blendv_ps(out, _mm256_setzero_ps(), lo);
+    return _mm256_blendv_ps(out, _mm256_set1_ps(INFINITY), hi);
+}
+#else
+static inline lanes8 l8_add(lanes8 a, lanes8 b) {
+    for (int i = 0; i < 8; i++) a.v[i] += b.v[i];
+    return a;
+}
+static inline lanes8 l8_sub1(lanes8 a, float b) {
+    for (int i = 0; i < 8; i++) a.v[i] -= b;
+    return a;
+}
+static inline void l8_store(float *p, lanes8 v) { memcpy(p, v.v, sizeof v.v); }
+static inline lanes8 l8_exp(lanes8 x) {
+    for (int i = 0; i < 8; i++) x.v[i] = ws_expf(x.v[i]);
+    return x;
+}
+#endif
+
 static inline float dot_tail(float acc, const float *w, const float *x, int k, int n) {
     for (; k < n; k++) acc = fmaf(w[k], x[k], acc);
     return acc;
@@ -579,8 +622,16 @@ static void attend(ws_context *ctx, int ith, int slot, int layer, int p0, int t,
         sc[j] = s;
         if (s > mx) mx = s;
     }
-    float sum = 0.0f;
-    for (int j = 0; j <= pos; j++) {
+    /* exponentials 8 at a time, summed in 8 lanes then a fixed tree, then the tail */
+    const int n = pos + 1, n8 = n & ~7;
+    lanes8 acc = l8_zero();
+    for (int j = 0; j < n8; j += 8) {
+        lanes8 e = l8_exp(l8_sub1(l8_load(sc + j), mx));
+        l8_store(sc + j, e);
+        acc = l8_add(acc, e);
+    }
+    float sum = l8_sum(acc);
+    for (int j = n8; j < n; j++) {
         sc[j] = ws_expf(sc[j] - mx);
         sum += sc[j];
     }
