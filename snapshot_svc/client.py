@@ -57,7 +57,6 @@ from snapshot_svc.errors import (
 )
 from snapshot_svc.names import validate_name
 from snapshot_svc.pb import snapshot_pb2 as pb
-from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.records import (
     Part,
     PartInfo,
@@ -67,6 +66,7 @@ from snapshot_svc.records import (
     Snapshot,
     SnapshotInfo,
 )
+from snapshot_svc.wire import SnapshotStub
 
 T = TypeVar("T")
 
@@ -90,27 +90,31 @@ class SnapshotClient:
 
     addr:        "host:port" of the service.
     max_protocol: highest protocol spoken; 1 = never send or fetch drafts.
+    min_protocol: lowest protocol accepted (2: fail rather than save without drafts).
     timeout:     deadline of each call in seconds (transfers get size / min_rate more).
     min_rate:    slowest transfer rate in bytes/s the deadline allows for.
     retries:     how many times an UNAVAILABLE call is retried (backoff from `backoff` s).
     """
 
-    def __init__(self, addr: str, *, max_protocol: int = PROTOCOL_MAX, timeout: float = 30.0,
+    def __init__(self, addr: str, *, max_protocol: int = PROTOCOL_MAX,
+                 min_protocol: int = PROTOCOL_MIN, timeout: float = 30.0,
                  min_rate: float = 32 << 20, retries: int = 5, backoff: float = 0.1,
                  max_backoff: float = 2.0, channel: grpc.Channel | None = None) -> None:
-        if not PROTOCOL_MIN <= max_protocol <= PROTOCOL_MAX:
-            raise ValueError(f"max_protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}")
+        if not PROTOCOL_MIN <= min_protocol <= max_protocol <= PROTOCOL_MAX:
+            raise ValueError(f"need {PROTOCOL_MIN} <= min_protocol <= max_protocol <= "
+                             f"{PROTOCOL_MAX}")
         self.addr = addr
         self.max_protocol = max_protocol
+        self.min_protocol = min_protocol
         self.timeout = timeout
         self.min_rate = min_rate
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._channel = channel or grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.SnapshotStub(self._channel)
+        self._stub = SnapshotStub(self._channel)  # chunks without extra copies
         self._lock = threading.Lock()
-        self._info: ServerInfo | None = None
+        self._info: ServerInfo | SnapshotError | None = None  # Hello's answer, once
 
     # --- connection -------------------------------------------------------------------
 
@@ -143,26 +147,33 @@ class SnapshotClient:
         with self._lock:
             if self._info is None:
                 self._info = self._hello()
-            return self._info
+            info = self._info
+        if isinstance(info, SnapshotError):
+            raise info
+        return info
 
     @property
     def protocol(self) -> int:
         """The negotiated protocol version: 1 (target only) or 2 (target + draft)."""
         return self.server_info().protocol
 
-    def _hello(self) -> ServerInfo:
-        req = pb.HelloRequest(min_protocol=PROTOCOL_MIN, max_protocol=self.max_protocol,
+    def _hello(self) -> ServerInfo | SnapshotError:
+        req = pb.HelloRequest(min_protocol=self.min_protocol, max_protocol=self.max_protocol,
                               features=list(CLIENT_FEATURES), client_version=__version__)
         try:
             r = self._call(lambda t: self._stub.Hello(req, timeout=t))
         except SnapshotError as exc:
             if exc.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
+            if self.min_protocol > 1:  # cached like any answer: Hello is not asked again
+                return FailedPrecondition(
+                    "no common protocol version: the client speaks "
+                    f"{self.min_protocol}..{self.max_protocol}, the server 1..1 (no Hello)")
             return ServerInfo(protocol=1, max_chunk_bytes=MAX_CHUNK_BYTES,
                               hello_supported=False)
-        if not PROTOCOL_MIN <= r.protocol <= self.max_protocol:
+        if not self.min_protocol <= r.protocol <= self.max_protocol:
             raise FailedPrecondition(f"the server chose protocol {r.protocol}, outside "
-                                     f"{PROTOCOL_MIN}..{self.max_protocol}")
+                                     f"{self.min_protocol}..{self.max_protocol}")
         return ServerInfo(protocol=r.protocol, features=tuple(r.features),
                           server_version=r.server_version, max_chunk_bytes=r.max_chunk_bytes,
                           max_snapshot_bytes=r.max_snapshot_bytes)
@@ -215,11 +226,11 @@ class SnapshotClient:
                               target_sha256=target_sha256)
         chunk = self._chunk_bytes
 
-        def requests() -> Iterator[pb.PutRequest]:
+        def requests() -> Iterator[pb.PutRequest | memoryview]:
             yield pb.PutRequest(header=header)
             view = memoryview(data)
             for off in range(0, len(view), chunk):
-                yield pb.PutRequest(chunk=bytes(view[off:off + chunk]))
+                yield view[off:off + chunk]  # framed as PutRequest{chunk} by wire.py
 
         r = self._call(lambda t: self._stub.Put(requests(), timeout=t), size=len(data))
         if r.bytes != len(data) or r.sha256 != sha:
@@ -271,16 +282,16 @@ class SnapshotClient:
         def fetch(timeout: float) -> tuple[bytes, pb.GetHeader]:
             stream = self._stub.Get(req, timeout=timeout)
             header: pb.GetHeader | None = None
-            chunks: list[bytes] = []
+            chunks: list[memoryview | bytes] = []
             h = hashlib.sha256()
             received = 0
-            for msg in stream:
+            for msg in stream:  # chunks arrive as memoryviews (wire.py)
                 if header is None:
-                    if msg.WhichOneof("msg") != "header":
+                    if isinstance(msg, memoryview) or msg.WhichOneof("msg") != "header":
                         raise DataLoss(f"Get of {name!r}: the stream did not start with a header")
                     header = msg.header
                     continue
-                chunk = msg.chunk
+                chunk = msg if isinstance(msg, memoryview) else msg.chunk
                 received += len(chunk)
                 if received > header.info.size:
                     stream.cancel()

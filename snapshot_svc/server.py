@@ -41,10 +41,10 @@ from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.records import Part, PartMeta, SnapshotInfo
 from snapshot_svc.storage import Store
+from snapshot_svc.wire import SERVICE_NAME, add_snapshot_servicer
 
 log = logging.getLogger("snapshot_svc.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Snapshot"].full_name
 FEATURES_V1 = ("sha256",)
 FEATURES_V2 = ("draft-sidecar", "paired-commit")
 
@@ -223,7 +223,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         upload = None
         try:
             first = next(request_iterator, None)
-            if first is None or first.WhichOneof("msg") != "header":
+            if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
                 raise InvalidArgument("the first message of a Put must be its header")
             h = first.header
             part = self._part(h.part)
@@ -234,10 +234,13 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
                 target_sha256=h.target_sha256)
             upload = self.store.begin_put(header)
-            for msg in request_iterator:
-                if msg.WhichOneof("msg") != "chunk":
+            for msg in request_iterator:  # chunks arrive as memoryviews (wire.py)
+                if isinstance(msg, memoryview):
+                    chunk: memoryview | bytes = msg
+                elif msg.WhichOneof("msg") == "chunk":
+                    chunk = msg.chunk
+                else:
                     raise InvalidArgument("a Put carries one header, then only chunks")
-                chunk = msg.chunk
                 if len(chunk) > MAX_CHUNK_BYTES:
                     raise InvalidArgument(f"chunk of {len(chunk)} bytes, the limit is "
                                           f"{MAX_CHUNK_BYTES}")
@@ -271,7 +274,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             self.metrics.put_seconds.labels(label).observe(time.perf_counter() - t0)
 
     def Get(self, request: pb.GetRequest,
-            context: grpc.ServicerContext) -> Iterator[pb.GetResponse]:
+            context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         try:
@@ -293,7 +296,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                     if not data:
                         raise DataLoss(f"the stored {label} of {snap.name!r} is truncated")
                     remaining -= len(data)
-                    yield pb.GetResponse(chunk=data)
+                    yield data  # framed as GetResponse{chunk} by wire.py
             finally:
                 os.close(fd)
             self.metrics.bytes_sent.labels(label).inc(info.size)
@@ -340,8 +343,7 @@ class SnapshotServer:
             maximum_concurrent_rpcs=config.workers,
             options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
                      ("grpc.so_reuseport", 0)])
-        pb_grpc.add_SnapshotServicer_to_server(
-            SnapshotServicer(config, self.store, self.metrics), self._grpc)
+        add_snapshot_servicer(SnapshotServicer(config, self.store, self.metrics), self._grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
