@@ -370,7 +370,7 @@ struct ws_context {
 
     /* scratch for one chunk of at most n_batch tokens */
     float *x;          /* [n_batch][n_embd]  residual stream        */
-    float *xn;         /* [n_batch][n_embd]  normalised stream      */
+    float *xn;         /* [n_threads][n_batch][n_embd] normalised stream, per thread */
     float *q;          /* [n_batch][q_dim]                          */
     float *att;        /* [n_batch][q_dim]   attention output       */
     float *hb;         /* [n_batch][n_ff]    gate                   */
@@ -511,7 +511,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->rope_cos = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
     ctx->rope_sin = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
     ctx->x = alloc_floats(nb * (size_t)hp->n_embd, &ok);
-    ctx->xn = alloc_floats(nb * (size_t)hp->n_embd, &ok);
+    ctx->xn = alloc_floats((size_t)params.n_threads * nb * (size_t)hp->n_embd, &ok);
     ctx->q = alloc_floats(nb * (size_t)ctx->q_dim, &ok);
     ctx->att = alloc_floats(nb * (size_t)ctx->q_dim, &ok);
     ctx->hb = alloc_floats(nb * (size_t)hp->n_ff, &ok);
@@ -658,37 +658,33 @@ static void forward_worker(ws_context *ctx, int ith) {
     const int half = ctx->n_rot / 2, hd = ctx->head_dim;
     int a, b;
 
+    /* every thread normalises the whole chunk into its own buffer: no barrier needed */
+    float *xn = ctx->xn + (size_t)ith * (size_t)ctx->params.n_batch * (size_t)E; /* [nt][E] */
+    const int n_units = hp->n_head + 2 * hp->n_head_kv;
+
     for (int l = 0; l < hp->n_layer; l++) {
         const ws_layer_weights *L = &m->w.layers[l];
         float *kc = kv_row(ctx, ctx->k_cache, slot, l, p0); /* [nt][KV] */
         float *vc = kv_row(ctx, ctx->v_cache, slot, l, p0); /* [nt][KV] */
 
-        split_range(nt, ith, nth, 1, &a, &b);
-        rmsnorm_rows(ctx->xn, ctx->x, L->attn_norm, E, hp->rms_eps, a, b);
-        pool_barrier(pool);
+        rmsnorm_rows(xn, ctx->x, L->attn_norm, E, hp->rms_eps, 0, nt);
 
-        /* q, k, v projections: one row space of Q + KV + KV rows */
-        split_range(Q + 2 * KV, ith, nth, 4, &a, &b);
-        if (a < Q) matmul_rows(ctx->q, Q, L->wq, ctx->xn, E, E, a, b < Q ? b : Q, nt, 0);
-        if (b > Q && a < Q + KV) {
-            int s = (a > Q ? a : Q) - Q, e = (b < Q + KV ? b : Q + KV) - Q;
-            matmul_rows(kc, KV, L->wk, ctx->xn, E, E, s, e, nt, 0);
-        }
-        if (b > Q + KV) {
-            int s = (a > Q + KV ? a : Q + KV) - Q - KV, e = b - Q - KV;
-            matmul_rows(vc, KV, L->wv, ctx->xn, E, E, s, e, nt, 0);
-        }
-        pool_barrier(pool);
-
-        /* rotary embedding of q and k, per token */
-        split_range(nt, ith, nth, 1, &a, &b);
-        for (int t = a; t < b; t++) {
-            const float *cs = ctx->rope_cos + (size_t)(p0 + t) * half;
-            const float *sn = ctx->rope_sin + (size_t)(p0 + t) * half;
-            for (int h = 0; h < hp->n_head; h++)
-                rope_apply(ctx->q + (size_t)t * Q + (size_t)h * hd, cs, sn, half);
-            for (int h = 0; h < hp->n_head_kv; h++)
-                rope_apply(kc + (size_t)t * KV + (size_t)h * hd, cs, sn, half);
+        /* q, k, v projections split by whole heads, so each thread turns (RoPE)
+           the q and k heads it computed without waiting for the others */
+        split_range(n_units, ith, nth, 1, &a, &b);
+        for (int u = a; u < b; u++) {
+            const int is_q = u < hp->n_head, is_k = !is_q && u < hp->n_head + hp->n_head_kv;
+            const int h = is_q ? u : is_k ? u - hp->n_head : u - hp->n_head - hp->n_head_kv;
+            float *dst = is_q ? ctx->q : is_k ? kc : vc;
+            const int ld = is_q ? Q : KV;
+            const float *w = is_q ? L->wq : is_k ? L->wk : L->wv;
+            matmul_rows(dst, ld, w, xn, E, E, h * hd, (h + 1) * hd, nt, 0);
+            if (is_q || is_k) {
+                for (int t = 0; t < nt; t++)
+                    rope_apply(dst + (size_t)t * ld + (size_t)h * hd,
+                               ctx->rope_cos + (size_t)(p0 + t) * half,
+                               ctx->rope_sin + (size_t)(p0 + t) * half, half);
+            }
         }
         pool_barrier(pool);
 
@@ -702,14 +698,12 @@ static void forward_worker(ws_context *ctx, int ith) {
         matmul_rows(ctx->x, E, L->wo, ctx->att, Q, Q, a, b, nt, 1);
         pool_barrier(pool);
 
-        split_range(nt, ith, nth, 1, &a, &b);
-        rmsnorm_rows(ctx->xn, ctx->x, L->ffn_norm, E, hp->rms_eps, a, b);
-        pool_barrier(pool);
+        rmsnorm_rows(xn, ctx->x, L->ffn_norm, E, hp->rms_eps, 0, nt);
 
         /* SwiGLU: hb = silu(gate x) * (up x) */
         split_range(F, ith, nth, 4, &a, &b);
-        matmul_rows(ctx->hb, F, L->w_gate, ctx->xn, E, E, a, b, nt, 0);
-        matmul_rows(ctx->hb2, F, L->w_up, ctx->xn, E, E, a, b, nt, 0);
+        matmul_rows(ctx->hb, F, L->w_gate, xn, E, E, a, b, nt, 0);
+        matmul_rows(ctx->hb2, F, L->w_up, xn, E, E, a, b, nt, 0);
         for (int t = 0; t < nt; t++) {
             float *g = ctx->hb + (size_t)t * F, *u = ctx->hb2 + (size_t)t * F;
             for (int i = a; i < b; i++) g[i] = ws_silu(g[i]) * u[i];
@@ -723,14 +717,11 @@ static void forward_worker(ws_context *ctx, int ith) {
 
     /* final norm and logits of the wanted tokens */
     if (on > 0) {
-        split_range(on, ith, nth, 1, &a, &b);
-        rmsnorm_rows(ctx->xn + (size_t)t0 * E, ctx->x + (size_t)t0 * E, m->w.output_norm, E,
-                     hp->rms_eps, a, b);
-        pool_barrier(pool);
+        rmsnorm_rows(xn + (size_t)t0 * E, ctx->x + (size_t)t0 * E, m->w.output_norm, E,
+                     hp->rms_eps, 0, on);
         const float *wout = m->w.output ? m->w.output : m->w.tok_embd;
         split_range(hp->n_vocab, ith, nth, 4, &a, &b);
-        matmul_rows(logits, hp->n_vocab, wout, ctx->xn + (size_t)t0 * E, E, E, a, b, on,
-                    0);
+        matmul_rows(logits, hp->n_vocab, wout, xn + (size_t)t0 * E, E, E, a, b, on, 0);
         pool_barrier(pool);
     }
 }
