@@ -89,8 +89,7 @@ static int32_t argmax(const float *x, int n) {
 
 static int is_greedy(const ws_sampling_params *sp) { return !(sp->temperature > 0.0f); }
 
-/* descending logit, ascending id: a strict order, so selection is deterministic */
-static const float *g_sort_keys; /* only used inside cmp_desc during a qsort call */
+/* descending value, ascending id: a strict order, so selection and sorting are deterministic */
 static int before(const float *v, int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); }
 
 static void select_top_k(const float *v, int32_t *ids, int n, int k) {
@@ -113,11 +112,25 @@ static void select_top_k(const float *v, int32_t *ids, int n, int k) {
     }
 }
 
-static int cmp_desc(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    if (before(g_sort_keys, x, y)) return -1;
-    if (before(g_sort_keys, y, x)) return 1;
-    return 0;
+/* heap sort of ids by `before` on v (no recursion, no global comparator state) */
+static void sift_down(const float *v, int32_t *ids, int root, int n) {
+    for (;;) {
+        int child = 2 * root + 1;
+        if (child >= n) return;
+        /* a max-heap on "comes later", so the array ends up in `before` order */
+        if (child + 1 < n && before(v, ids[child], ids[child + 1])) child++;
+        if (!before(v, ids[root], ids[child])) return;
+        int32_t t = ids[root]; ids[root] = ids[child]; ids[child] = t;
+        root = child;
+    }
+}
+
+static void sort_before(const float *v, int32_t *ids, int n) {
+    for (int i = n / 2 - 1; i >= 0; i--) sift_down(v, ids, i, n);
+    for (int end = n - 1; end > 0; end--) {
+        int32_t t = ids[0]; ids[0] = ids[end]; ids[end] = t;
+        sift_down(v, ids, 0, end);
+    }
 }
 
 /* fills probs (dense, n floats) with the sampling distribution of `logits` */
@@ -132,7 +145,6 @@ static void build_dist(ws_spec *s, const float *logits, const ws_sampling_params
     }
     /* candidates in ascending id order: every sum below runs in one fixed order */
     if (m < n) {
-        g_sort_keys = NULL;
         for (int i = 0; i < m; i++) {
             for (int j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
                 int32_t t = ids[j]; ids[j] = ids[j - 1]; ids[j - 1] = t;
@@ -170,9 +182,7 @@ static void build_dist(ws_spec *s, const float *logits, const ws_sampling_params
         for (int i = 0; i < m; i++) probs[ids[i]] = (float)(probs[ids[i]] / sum);
     }
     if (sp->top_p < 1.0f && m > 1) {
-        g_sort_keys = probs;
-        qsort(ids, (size_t)m, sizeof(int32_t), cmp_desc);
-        g_sort_keys = NULL;
+        sort_before(probs, ids, m);
         double cum = 0.0;
         int k = 0;
         while (k < m) {

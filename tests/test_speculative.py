@@ -353,3 +353,15 @@ def test_context_shape_mismatch_is_refused(pair: tuple[Path, Path, Path]) -> Non
             Context(tm, n_ctx=32) as tc, Context(dm, n_ctx=64) as dc:
         with pytest.raises(InvalidArgumentError, match="must match"):
             SpecDecoder(tc, dc)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=1.0, top_p=1e-6),
+    SamplingParams(temperature=1.0, min_p=0.9999),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=5.0, top_k=50, top_p=1e-6, min_p=0.5),
+])
+def test_filters_that_keep_one_token_are_greedy(dec: SpecDecoder, greedy_reference: list[int],
+                                                sampling: SamplingParams) -> None:
+    dec.seed(0, 5)
+    assert dec.generate(0, PROMPT, 40, sampling, SpecParams(n_max=4)) == greedy_reference[:40]
