@@ -1,0 +1,45 @@
+"""`python -m inference_svc`: runs the inference service until SIGTERM / SIGINT.
+
+    python -m inference_svc --model models/target.gguf --draft models/draft.gguf \\
+        --slots 4 --port 50051 --slot-save-path var/slots
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+
+from inference_svc import config, log
+from inference_svc.core import CoreError
+from inference_svc.server import Server
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config.from_args(sys.argv[1:] if argv is None else argv)
+    logger = log.setup(cfg.log_level, cfg.log_format)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.info("signal", extra=log.fields(signal=signal.Signals(signum).name))
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    srv = Server(cfg)
+    try:
+        srv.start()
+        srv.load()
+    except (CoreError, OSError, ValueError) as exc:
+        logger.error("cannot start", extra=log.fields(error=str(exc)))
+        srv.stop(0)
+        return 1
+    while not stop.wait(1.0):
+        pass
+    srv.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

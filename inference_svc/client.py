@@ -1,0 +1,213 @@
+"""A small client of the inference service, as a library and a command line.
+
+    python -m inference_svc.client generate "def fibonacci(n):" --max-tokens 64
+    python -m inference_svc.client save 0 session-a
+    python -m inference_svc.client erase 0
+    python -m inference_svc.client restore 1 session-a
+    python -m inference_svc.client slots
+    python -m inference_svc.client info
+
+`--addr` (or WARMSLOT_ADDR) selects the server, default 127.0.0.1:50051.
+Every call has a deadline (`--timeout` seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from inference_svc.pb import inference_pb2 as pb
+from inference_svc.pb import inference_pb2_grpc as pb_grpc
+
+DEFAULT_ADDR = "127.0.0.1:50051"
+
+
+class InferenceClient:
+    """Thin wrapper over the stub: every call has a deadline."""
+
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout: float = 60.0) -> None:
+        self.addr = addr
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(addr)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def generate_stream(self, request: pb.GenerateRequest,
+                        timeout: float | None = None) -> Any:
+        """The response stream (iterate it; .cancel() stops the generation)."""
+        return self.stub.Generate(request, timeout=timeout or self.timeout)
+
+    def generate(self, prompt: str | list[int], timeout: float | None = None,
+                 **fields: Any) -> tuple[list[pb.GenerateResponse], pb.GenerateResponse]:
+        """Runs a whole generation: (all responses, the last one)."""
+        req = make_request(prompt, **fields)
+        responses = list(self.generate_stream(req, timeout))
+        return responses, responses[-1]
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).tokens)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.stub.Detokenize(pb.DetokenizeRequest(tokens=tokens),
+                                    timeout=self.timeout).text
+
+    def info(self) -> pb.GetInfoResponse:
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout)
+
+    def slots(self) -> list[pb.SlotInfo]:
+        return list(self.stub.ListSlots(pb.ListSlotsRequest(), timeout=self.timeout).slots)
+
+    def save(self, id_slot: int, filename: str) -> pb.SaveSlotResponse:
+        return self.stub.SaveSlot(pb.SaveSlotRequest(id_slot=id_slot, filename=filename),
+                                  timeout=self.timeout)
+
+    def restore(self, id_slot: int, filename: str) -> pb.RestoreSlotResponse:
+        return self.stub.RestoreSlot(pb.RestoreSlotRequest(id_slot=id_slot, filename=filename),
+                                     timeout=self.timeout)
+
+    def erase(self, id_slot: int) -> pb.EraseSlotResponse:
+        return self.stub.EraseSlot(pb.EraseSlotRequest(id_slot=id_slot), timeout=self.timeout)
+
+
+def make_request(prompt: str | list[int], *, max_tokens: int | None = None,
+                 id_slot: int | None = None, cache_prompt: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, min_p: float | None = None,
+                 seed: int | None = None, speculative: bool | None = None,
+                 n_max: int | None = None, n_min: int | None = None,
+                 p_min: float | None = None, stop: list[str] | None = None,
+                 truncate_prompt: bool = False) -> pb.GenerateRequest:
+    """A GenerateRequest; None leaves a field unset (the server's default)."""
+    req = pb.GenerateRequest(stop=stop or [], truncate_prompt=truncate_prompt)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_tokens.extend(prompt)
+    for name, value in (("max_tokens", max_tokens), ("id_slot", id_slot),
+                        ("cache_prompt", cache_prompt)):
+        if value is not None:
+            setattr(req, name, value)
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                        ("min_p", min_p), ("seed", seed)):
+        if value is not None:
+            setattr(req.sampling, name, value)
+    for name, value in (("enabled", speculative), ("n_max", n_max), ("n_min", n_min),
+                        ("p_min", p_min)):
+        if value is not None:
+            setattr(req.speculative, name, value)
+    return req
+
+
+def _show(msg: Any) -> None:
+    print(json.dumps(json_format.MessageToDict(msg, always_print_fields_with_no_presence=True),
+                     indent=2))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m inference_svc.client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--addr", default=os.environ.get("WARMSLOT_ADDR", DEFAULT_ADDR))
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline of each call (s)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream a completion")
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--slot", type=int, help="slot id (default: any)")
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--no-spec", action="store_true", help="no speculative decoding")
+    g.add_argument("--n-max", type=int, help="tokens drafted per step")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--no-cache", action="store_true", help="do not reuse the slot's prefix")
+    g.add_argument("--truncate", action="store_true", help="drop old prompt tokens to fit")
+    g.add_argument("--json", action="store_true", help="print the last response as JSON")
+    for name, hlp in (("save", "save a slot"), ("restore", "restore a slot")):
+        s = sub.add_parser(name, help=hlp)
+        s.add_argument("slot", type=int)
+        s.add_argument("filename")
+    e = sub.add_parser("erase", help="erase a slot")
+    e.add_argument("slot", type=int)
+    t = sub.add_parser("tokenize", help="text to token ids")
+    t.add_argument("text")
+    sub.add_parser("slots", help="list the slots")
+    sub.add_parser("info", help="models, slots, formats")
+    return p
+
+
+def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
+    req = make_request(a.prompt, max_tokens=a.max_tokens, id_slot=a.slot,
+                       cache_prompt=False if a.no_cache else None, temperature=a.temperature,
+                       top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                       speculative=False if a.no_spec else None, n_max=a.n_max, stop=a.stop,
+                       truncate_prompt=a.truncate)
+    last = None
+    stream: Iterator[pb.GenerateResponse] = c.generate_stream(req)
+    if not a.json:
+        sys.stdout.write(a.prompt)
+    for r in stream:
+        if not a.json:
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+        last = r
+    if last is None:
+        return
+    if a.json:
+        _show(last)
+        return
+    t = last.timings
+    print(f"\n\n[slot {t.id_slot}] {pb.StopReason.Name(last.stop_reason).lower()}: "
+          f"prompt {t.prompt_n} processed + {t.cache_n} cached in {t.prompt_ms:.1f} ms; "
+          f"{t.predicted_n} generated in {t.predicted_ms:.1f} ms "
+          f"({t.predicted_per_second:.1f} tokens/s); draft {t.draft_n_accepted}/{t.draft_n} "
+          f"accepted, draft prefill {t.draft_prompt_n}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    with InferenceClient(a.addr, a.timeout) as c:
+        try:
+            if a.cmd == "generate":
+                _generate(c, a)
+            elif a.cmd == "save":
+                _show(c.save(a.slot, a.filename))
+            elif a.cmd == "restore":
+                _show(c.restore(a.slot, a.filename))
+            elif a.cmd == "erase":
+                _show(c.erase(a.slot))
+            elif a.cmd == "tokenize":
+                print(c.tokenize(a.text))
+            elif a.cmd == "slots":
+                for s in c.slots():
+                    print(json.dumps(json_format.MessageToDict(
+                        s, always_print_fields_with_no_presence=True)))
+            elif a.cmd == "info":
+                _show(c.info())
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

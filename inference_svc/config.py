@@ -1,0 +1,177 @@
+"""The service's configuration: one frozen dataclass built from command-line flags,
+each of which can also come from an environment variable `WARMSLOT_<FLAG>`
+(`--slot-save-path` <- `WARMSLOT_SLOT_SAVE_PATH`). A flag beats its variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "models" / "target.gguf"
+DEFAULT_DRAFT = ROOT / "models" / "draft.gguf"
+ENV_PREFIX = "WARMSLOT_"
+DRAFT_POLICIES = ("reprefill", "empty")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Request defaults for sampling (llama.cpp's defaults)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Request defaults for speculative decoding (on when a draft model is loaded)."""
+
+    n_max: int = 8
+    n_min: int = 0
+    p_min: float = 0.0
+
+
+@dataclass(frozen=True)
+class Config:
+    model: Path = DEFAULT_MODEL
+    draft: Path | None = DEFAULT_DRAFT  # None: no draft model, no speculative decoding
+    slots: int = 4
+    ctx: int | None = None  # None: the target model's training context
+    threads: int = 2
+    batch: int = 512  # prompt tokens per decode call (one engine step)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    slot_save_path: Path | None = None
+    draft_restore_policy: str = "reprefill"
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_host: str = "127.0.0.1"
+    sampling: Sampling = Sampling()
+    speculative: Speculative = Speculative()
+    default_max_tokens: int = 256
+    max_queue_wait: float = 60.0  # seconds a request waits for a busy slot
+    max_queue: int = 64  # requests waiting for a slot, beyond which RESOURCE_EXHAUSTED
+    seed: int | None = None  # seeds the slots' RNGs at start-up (None: random)
+    shutdown_grace: float = 10.0  # seconds running requests get on SIGTERM / SIGINT
+    workers: int = 16  # gRPC handler threads
+    log_level: str = "info"
+    log_format: str = "json"  # json | text
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.slots < 1:
+            problems.append(f"--slots {self.slots} must be >= 1")
+        if self.ctx is not None and self.ctx < 2:
+            problems.append(f"--ctx {self.ctx} must be >= 2")
+        if self.threads < 1:
+            problems.append(f"--threads {self.threads} must be >= 1")
+        if self.batch < 1:
+            problems.append(f"--batch {self.batch} must be >= 1")
+        if self.draft_restore_policy not in DRAFT_POLICIES:
+            problems.append(f"--draft-restore-policy {self.draft_restore_policy!r} is not one "
+                            f"of {', '.join(DRAFT_POLICIES)}")
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            problems.append("ports must be in 0..65535")
+        if self.default_max_tokens < 0:
+            problems.append("--default-max-tokens must be >= 0")
+        if self.log_format not in ("json", "text"):
+            problems.append(f"--log-format {self.log_format!r} is not json or text")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def _path_or_none(value: str) -> Path | None:
+    return None if value.strip().lower() in ("", "none") else Path(value)
+
+
+def _int_or_none(value: str) -> int | None:
+    return None if value.strip().lower() in ("", "none", "auto") else int(value, 0)
+
+
+def parser() -> argparse.ArgumentParser:
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="python -m inference_svc",
+        description="Warmslot inference service (gRPC). Every flag can also be set with "
+                    "the environment variable WARMSLOT_<FLAG>, e.g. WARMSLOT_SLOT_SAVE_PATH.")
+    a = p.add_argument
+    a("--model", type=Path, default=d.model, help="target model GGUF file")
+    a("--draft", type=_path_or_none, default=d.draft,
+      help="draft model GGUF file for speculative decoding ('none': no draft)")
+    a("--slots", type=int, default=d.slots, help="number of slots (parallel sessions)")
+    a("--ctx", type=_int_or_none, default=d.ctx,
+      help="context size per slot (default: the target model's)")
+    a("--threads", type=int, default=d.threads, help="decoding threads")
+    a("--batch", type=int, default=d.batch, help="prompt tokens per decode call")
+    a("--host", default=d.host, help="address to listen on")
+    a("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
+    a("--slot-save-path", type=_path_or_none, default=d.slot_save_path,
+      help="directory of the local slot store (SaveSlot / RestoreSlot)")
+    a("--draft-restore-policy", choices=DRAFT_POLICIES, default=d.draft_restore_policy,
+      help="draft of a restored slot without a usable .drft: re-prefill it from the tokens "
+           "or start it empty")
+    a("--metrics-port", type=int, default=d.metrics_port,
+      help="Prometheus metrics HTTP port (0: none)")
+    a("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
+    a("--temperature", type=float, default=d.sampling.temperature,
+      help="default sampling temperature (0: greedy)")
+    a("--top-k", type=int, default=d.sampling.top_k, help="default top-k (0: off)")
+    a("--top-p", type=float, default=d.sampling.top_p, help="default top-p (1: off)")
+    a("--min-p", type=float, default=d.sampling.min_p, help="default min-p (0: off)")
+    a("--spec-n-max", type=int, default=d.speculative.n_max,
+      help="default tokens drafted per step (0: no speculative decoding by default)")
+    a("--spec-n-min", type=int, default=d.speculative.n_min, help="default minimum draft")
+    a("--spec-p-min", type=float, default=d.speculative.p_min,
+      help="default draft confidence below which drafting stops")
+    a("--default-max-tokens", type=int, default=d.default_max_tokens,
+      help="max_tokens of a request that sets none")
+    a("--max-queue-wait", type=float, default=d.max_queue_wait,
+      help="seconds a request waits for a busy slot before RESOURCE_EXHAUSTED")
+    a("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot at most")
+    a("--seed", type=_int_or_none, default=d.seed,
+      help="seed of the slots' RNGs at start-up (default: random)")
+    a("--shutdown-grace", type=float, default=d.shutdown_grace,
+      help="seconds running requests get to finish on SIGTERM / SIGINT")
+    a("--workers", type=int, default=d.workers, help="gRPC handler threads")
+    a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    a("--log-format", default=d.log_format, choices=("json", "text"))
+    return p
+
+
+def _env_args(p: argparse.ArgumentParser, env: Mapping[str, str]) -> list[str]:
+    """`--flag value` for every WARMSLOT_FLAG set in the environment."""
+    out: list[str] = []
+    for action in p._actions:
+        flag = next((s for s in action.option_strings if s.startswith("--")), None)
+        if flag is None or flag == "--help":
+            continue
+        var = ENV_PREFIX + flag[2:].replace("-", "_").upper()
+        if var in env:
+            out += [flag, env[var]]
+    return out
+
+
+def from_args(argv: Sequence[str] | None = None,
+              env: Mapping[str, str] | None = None) -> Config:
+    """The configuration from flags, then environment variables, then defaults."""
+    p = parser()
+    env = os.environ if env is None else env
+    ns = p.parse_args([*_env_args(p, env), *(argv if argv is not None else [])])
+    try:
+        return Config(
+            model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,
+            batch=ns.batch, host=ns.host, port=ns.port, slot_save_path=ns.slot_save_path,
+            draft_restore_policy=ns.draft_restore_policy, metrics_port=ns.metrics_port,
+            metrics_host=ns.metrics_host,
+            sampling=Sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p),
+            speculative=Speculative(ns.spec_n_max, ns.spec_n_min, ns.spec_p_min),
+            default_max_tokens=ns.default_max_tokens, max_queue_wait=ns.max_queue_wait,
+            max_queue=ns.max_queue, seed=ns.seed, shutdown_grace=ns.shutdown_grace,
+            workers=ns.workers, log_level=ns.log_level, log_format=ns.log_format)
+    except ValueError as exc:
+        p.error(str(exc))
+        raise  # unreachable: p.error exits

@@ -1,0 +1,340 @@
+"""The gRPC server: thin handlers over the engine and the slot manager, one
+interceptor that maps exceptions to status codes, health, reflection,
+metrics, and a graceful stop."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inference_svc import __version__, log, slotfile
+from inference_svc.config import DEFAULT_DRAFT, Config
+from inference_svc.core import Model
+from inference_svc.engine import Engine, GenJob
+from inference_svc.errors import Unavailable, status_of
+from inference_svc.metrics import Metrics
+from inference_svc.pb import inference_pb2 as pb
+from inference_svc.pb import inference_pb2_grpc as pb_grpc
+from inference_svc.slots import SlotManager
+from inference_svc.store import LocalStore, SlotStore
+from inference_svc.types import (
+    Chunk,
+    Finished,
+    GenerateParams,
+    RequestContext,
+    check_tokens,
+)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks (issue 6)
+
+
+def _time_remaining(context: grpc.ServicerContext) -> float | None:
+    t = context.time_remaining()
+    return None if t is None or t > 1e7 else max(float(t), 0.0)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Turns any exception of a handler into its status code (errors.status_of) and
+    counts calls by method and code."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.log = log.get()
+
+    def _fail(self, method: str, exc: BaseException, context: grpc.ServicerContext) -> None:
+        code, message = status_of(exc)
+        self.metrics.requests.labels(method, code.name).inc()
+        if code is grpc.StatusCode.INTERNAL:
+            self.log.error("handler failed", exc_info=exc, extra=log.fields(method=method))
+        else:
+            self.log.debug("request failed", extra=log.fields(
+                method=method, code=code.name, error=message))
+        context.abort(code, message)
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    resp = inner(request, context)
+                except Exception as exc:
+                    self._fail(method, exc, context)
+                    raise  # unreachable: abort raises
+                self.metrics.requests.labels(method, "OK").inc()
+                return resp
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from inner_stream(request, context)
+                except GeneratorExit:
+                    self.metrics.requests.labels(method, "CANCELLED").inc()
+                    raise
+                except Exception as exc:
+                    self._fail(method, exc, context)
+                    raise  # unreachable: abort raises
+                self.metrics.requests.labels(method, "OK").inc()
+
+            return handler._replace(unary_stream=stream)
+        return handler
+
+
+@dataclass
+class Runtime:
+    """What the handlers need once the models are loaded."""
+
+    engine: Engine
+    slots: SlotManager
+    rc: RequestContext
+    store: SlotStore | None
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.runtime: Runtime | None = None  # None while the models load
+
+    def _rt(self) -> Runtime:
+        rt = self.runtime
+        if rt is None:
+            raise Unavailable("the server is loading its models")
+        return rt
+
+    def Generate(self, request: pb.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        rt = self._rt()
+        params = GenerateParams.from_pb(request, rt.rc)
+        job = rt.engine.generate(params, _time_remaining(context))
+        context.add_callback(job.cancel)
+        try:
+            yield from _responses(job)
+        finally:
+            job.cancel()
+
+    def Tokenize(self, request: pb.TokenizeRequest,
+                 context: grpc.ServicerContext) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(tokens=self._rt().rc.tokenizer.encode(request.text))
+
+    def Detokenize(self, request: pb.DetokenizeRequest,
+                   context: grpc.ServicerContext) -> pb.DetokenizeResponse:
+        rc = self._rt().rc
+        tokens = list(request.tokens)
+        check_tokens(tokens, rc.n_vocab, "tokens")
+        return pb.DetokenizeResponse(text=rc.tokenizer.decode(tokens))
+
+    def GetInfo(self, request: pb.GetInfoRequest,
+                context: grpc.ServicerContext) -> pb.GetInfoResponse:
+        rt = self._rt()
+        eng, cfg = rt.engine, self.cfg
+        s, sp = cfg.sampling, cfg.speculative
+        tok = eng.tokenizer
+        resp = pb.GetInfoResponse(
+            model=_model_info(eng.target, cfg.model), n_slots=eng.n_slots, n_ctx=eng.n_ctx,
+            n_vocab=eng.target.n_vocab, slot_file_version=slotfile.TARGET_VERSION,
+            draft_file_version=slotfile.DRAFT_VERSION,
+            snapshot_protocol_min=SNAPSHOT_PROTOCOL[0], snapshot_protocol_max=SNAPSHOT_PROTOCOL[1],
+            store_configured=rt.store is not None,
+            store=rt.store.describe() if rt.store is not None else "",
+            draft_restore_policy=cfg.draft_restore_policy,
+            default_sampling=pb.SamplingParams(temperature=s.temperature, top_k=s.top_k,
+                                               top_p=s.top_p, min_p=s.min_p),
+            default_speculative=pb.SpeculativeParams(
+                enabled=eng.has_draft, n_max=sp.n_max, n_min=sp.n_min, p_min=sp.p_min),
+            default_max_tokens=cfg.default_max_tokens, server_version=__version__,
+            eos_id=-1 if tok.eos_id is None else tok.eos_id,
+            bos_id=-1 if tok.bos_id is None else tok.bos_id)
+        if eng.draft is not None and cfg.draft is not None:
+            resp.draft.CopyFrom(_model_info(eng.draft, cfg.draft))
+        return resp
+
+    def ListSlots(self, request: pb.ListSlotsRequest,
+                  context: grpc.ServicerContext) -> pb.ListSlotsResponse:
+        return pb.ListSlotsResponse(slots=[s.to_pb() for s in self._rt().engine.list_slots()])
+
+    def SaveSlot(self, request: pb.SaveSlotRequest,
+                 context: grpc.ServicerContext) -> pb.SaveSlotResponse:
+        return self._rt().slots.save(request.id_slot, request.filename,
+                                     _time_remaining(context)).to_pb()
+
+    def RestoreSlot(self, request: pb.RestoreSlotRequest,
+                    context: grpc.ServicerContext) -> pb.RestoreSlotResponse:
+        return self._rt().slots.restore(request.id_slot, request.filename,
+                                        _time_remaining(context)).to_pb()
+
+    def EraseSlot(self, request: pb.EraseSlotRequest,
+                  context: grpc.ServicerContext) -> pb.EraseSlotResponse:
+        n = self._rt().slots.erase(request.id_slot, _time_remaining(context))
+        return pb.EraseSlotResponse(id_slot=request.id_slot, n_erased=n)
+
+
+def _model_info(model: Model, path: Any) -> pb.ModelInfo:
+    hp = model.hparams
+    return pb.ModelInfo(name=model.name, fingerprint=model.fingerprint, path=str(path),
+                        n_vocab=hp.n_vocab, n_embd=hp.n_embd, n_layer=hp.n_layer,
+                        n_head=hp.n_head, n_head_kv=hp.n_head_kv, n_ctx_train=hp.n_ctx_train)
+
+
+def _responses(job: GenJob) -> Iterator[pb.GenerateResponse]:
+    """One response per batch of engine output: whatever is queued when the stream
+    is ready to send is merged into one message."""
+    while True:
+        items = [job.out.get()]
+        while True:
+            try:
+                items.append(job.out.get_nowait())
+            except queue.Empty:
+                break
+        tokens: list[int] = []
+        text: list[str] = []
+        final: Finished | None = None
+        error: BaseException | None = None
+        for it in items:
+            if isinstance(it, Chunk):
+                tokens += it.tokens
+                text.append(it.text)
+            elif isinstance(it, Finished):
+                final = it
+            else:
+                error = it
+        if tokens or any(text) or final is not None:
+            resp = pb.GenerateResponse(text="".join(text), tokens=tokens, id_slot=job.slot)
+            if final is not None:
+                resp.done = True
+                resp.stop_reason = int(final.reason)
+                resp.timings.CopyFrom(final.timings.to_pb())
+                resp.stop_string = final.stop_string
+                if final.seed is not None:
+                    resp.seed = final.seed
+            yield resp
+        if error is not None:
+            raise error
+        if final is not None:
+            return
+
+
+class Server:
+    """One service instance: start() listens (health NOT_SERVING), load() brings up the
+    models and the engine (SERVING), stop() shuts down gracefully."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.log = log.get()
+        self.metrics = Metrics()
+        self.servicer = InferenceServicer(cfg)
+        self.health = health.HealthServicer()
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_stop: Callable[[], None] | None = None
+        self._grpc: grpc.Server | None = None
+        self._models: list[Model] = []
+        self._stopped = threading.Event()
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def start(self) -> int:
+        cfg = self.cfg
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers,
+                                                        thread_name_prefix="grpc"),
+                             interceptors=[ErrorInterceptor(self.metrics)],
+                             options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
+        server.start()
+        self._grpc = server
+        if cfg.metrics_port:
+            self.metrics_port, self._metrics_stop = self.metrics.serve(cfg.metrics_host,
+                                                                       cfg.metrics_port)
+        self.log.info("listening", extra=log.fields(
+            host=cfg.host, port=self.port, metrics_port=self.metrics_port or None))
+        return self.port
+
+    def load(self) -> None:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        target = Model.load(cfg.model)
+        self._models.append(target)
+        draft = None
+        if cfg.draft is not None:
+            if not cfg.draft.exists() and cfg.draft == DEFAULT_DRAFT:
+                self.log.warning("no draft model: speculative decoding is off",
+                                 extra=log.fields(draft=str(cfg.draft)))
+            else:
+                draft = Model.load(cfg.draft)
+                self._models.append(draft)
+        engine = Engine(cfg, target, draft, self.metrics)
+        store = LocalStore(cfg.slot_save_path) if cfg.slot_save_path is not None else None
+        rc = RequestContext(cfg, engine.tokenizer, target.n_vocab, engine.n_ctx, engine.n_slots,
+                            engine.has_draft)
+        slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
+        self.servicer.runtime = Runtime(engine, slots, rc, store)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.log.info("serving", extra=log.fields(
+            model=target.name, fingerprint=target.fingerprint[:16],
+            draft=draft.name if draft else None, slots=engine.n_slots, n_ctx=engine.n_ctx,
+            store=store.describe() if store else None,
+            load_ms=round(1e3 * (time.perf_counter() - t0), 1)))
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stops taking requests, lets running generations finish for `grace` seconds
+        (then cuts them at a step boundary), and frees everything."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.cfg.shutdown_grace if grace is None else grace
+        self.log.info("stopping", extra=log.fields(grace_s=grace))
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        rt = self.servicer.runtime
+        if rt is not None:
+            rt.engine.drain(grace)
+        if self._grpc is not None:
+            self._grpc.stop(grace=1.0).wait()
+        if rt is not None:
+            self.servicer.runtime = None
+            rt.engine.close()
+        for m in reversed(self._models):
+            m.close()
+        self._models.clear()
+        if self._metrics_stop is not None:
+            self._metrics_stop()
+        self.log.info("stopped")
+
+
+def serve(cfg: Config) -> Server:
+    """Starts a server and loads its models (tests, embedding)."""
+    srv = Server(cfg)
+    srv.start()
+    try:
+        srv.load()
+    except BaseException:
+        srv.stop(0)
+        raise
+    return srv
+

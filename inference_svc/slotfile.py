@@ -1,0 +1,418 @@
+"""Slot files: the target file `<name>` and its draft sidecar `<name>.drft`.
+
+Pure functions between bytes and objects: no I/O and no decoding-core calls,
+so the local store, the snapshot client and tools share them. The byte layout
+is specified in docs/formats.md; keep the two in step.
+
+Checks are split in two:
+- `decode_target` / `decode_draft` check a file on its own (magic, format
+  version, digest trailer, structure) and raise `CorruptSlotFile` (DATA_LOSS)
+  or `UnsupportedSlotFile` (FAILED_PRECONDITION, a newer format);
+- `check_target` / `check_draft` check it against the running models and
+  context and raise `IncompatibleSlotFile` (FAILED_PRECONDITION) or
+  `CorruptSlotFile` (token ids outside the vocabulary).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+TARGET_MAGIC = b"WSLT"
+DRAFT_MAGIC = b"WSLD"
+TARGET_VERSION = 1  # the version this code writes and the newest it reads
+DRAFT_VERSION = 1
+HEADER_LEN = 128  # v1 header length of both files (a reader trusts the file's own)
+DIGEST_LEN = 32
+SECTION_HEADER = struct.Struct("<4sIQ")  # tag, flags, payload length
+FLAG_REQUIRED = 1  # a reader that does not know the section must refuse the file
+
+TAG_TOKENS = b"TOKS"  # target: int32[n_tokens]
+TAG_KV = b"KVCA"  # target: per layer K f32[n][kv_dim] then V f32[n][kv_dim]
+TAG_DRAFT_STATE = b"DSTA"  # draft: the core's draft state (WSSP), verbatim
+
+DTYPE_F32 = 0
+DTYPE_NAMES = {DTYPE_F32: "f32"}
+DTYPE_SIZES = {DTYPE_F32: 4}
+
+# target header after the magic: version, header_len, flags, fingerprint, n_layer,
+# n_head_kv, head_dim, dtype, n_ctx, n_vocab, n_tokens, n_sections
+_TARGET_HEAD = struct.Struct("<4sIII32s8I")
+# draft header: version, header_len, flags, target digest, fingerprint, n_layer,
+# n_head_kv, head_dim, dtype, n_ctx, n_vocab, n_tokens, offset, n_sections
+_DRAFT_HEAD = struct.Struct("<4sIII32s32s9I")
+_PREFIX = struct.Struct("<4sII")  # magic, version, header_len: common to every version
+
+# the decoding core's slot state (ws_slot_state_get): 8 x u32 header
+CORE_KV_MAGIC = 0x564B5357  # "WSKV"
+CORE_KV_VERSION = 1
+_CORE_KV_HEAD = struct.Struct("<8I")
+# the core's draft state (ws_spec_state_get) v1: magic, version, d_off, lag_ok,
+# rng[4] u64, counters (4 + 2 x 16) u64, then the draft's WSKV slot state
+CORE_SPEC_MAGIC = 0x50535357  # "WSSP"
+CORE_SPEC_VERSION = 1
+_CORE_SPEC_HEAD = struct.Struct("<4I4Q36Q")
+
+
+class SlotFileError(ValueError):
+    """A slot file that cannot be restored; the message says why."""
+
+
+class CorruptSlotFile(SlotFileError):
+    """Truncated, bit-flipped or malformed (DATA_LOSS)."""
+
+
+class UnsupportedSlotFile(SlotFileError):
+    """A newer format version or an unknown required section (FAILED_PRECONDITION)."""
+
+
+class IncompatibleSlotFile(SlotFileError):
+    """Made by another model, with another KV layout, or too big for the context
+    (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of a model's KV cache: per layer, per token, K and V of kv_dim values."""
+
+    n_layer: int
+    n_head_kv: int
+    head_dim: int
+    dtype: int = DTYPE_F32
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.n_layer * self.kv_dim * DTYPE_SIZES[self.dtype]
+
+    def __str__(self) -> str:
+        return (f"{self.n_layer} layers x {self.n_head_kv} kv heads x {self.head_dim} "
+                f"{DTYPE_NAMES.get(self.dtype, f'dtype {self.dtype}')}")
+
+
+@dataclass(frozen=True)
+class Section:
+    """A tagged section this reader does not know (kept so it can be written back)."""
+
+    tag: bytes
+    flags: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class TargetFile:
+    """The target file's content. `kv` holds per layer K then V for the tokens."""
+
+    fingerprint: str  # hex SHA-256 of the target model
+    layout: KVLayout
+    n_ctx: int  # context size of the process that wrote it
+    n_vocab: int
+    tokens: tuple[int, ...]
+    kv: bytes | memoryview
+    extra: tuple[Section, ...] = ()
+    version: int = TARGET_VERSION
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class DraftFile:
+    """The draft sidecar's content: the core's draft state for one target file."""
+
+    target_digest: str  # hex SHA-256 of the whole target file it belongs to
+    fingerprint: str  # hex SHA-256 of the draft model
+    layout: KVLayout
+    n_ctx: int
+    n_vocab: int
+    n_tokens: int  # tokens in the draft's KV
+    offset: int  # target position of the draft's first token
+    state: bytes | memoryview  # ws_spec_state_get bytes (WSSP)
+    extra: tuple[Section, ...] = ()
+    version: int = DRAFT_VERSION
+
+
+@dataclass(frozen=True)
+class SlotFileMeta:
+    """What the fixed header says, without verifying the file (listings, snapshots)."""
+
+    kind: str  # "target" or "draft"
+    version: int
+    fingerprint: str
+    n_tokens: int
+    target_digest: str = ""  # draft only
+
+
+def digest(data: bytes | memoryview) -> str:
+    """Hex SHA-256 of a whole file: the target digest a sidecar records."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fp_bytes(fingerprint: str, what: str) -> bytes:
+    try:
+        raw = bytes.fromhex(fingerprint)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(f"{what} {fingerprint!r} is not a hex SHA-256")
+    return raw
+
+
+def _sections(parts: list[tuple[bytes, int, bytes | memoryview]]) -> list[bytes | memoryview]:
+    out: list[bytes | memoryview] = []
+    for tag, flags, payload in parts:
+        out += [SECTION_HEADER.pack(tag, flags, len(payload)), payload]
+    return out
+
+
+def _seal(chunks: list[bytes | memoryview]) -> bytes:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c)
+    return b"".join([*chunks, h.digest()])
+
+
+def encode_target(t: TargetFile) -> bytes:
+    """The bytes of a target file (version TARGET_VERSION)."""
+    lay = t.layout
+    if len(t.kv) != t.n_tokens * lay.bytes_per_token:
+        raise ValueError(f"KV of {len(t.kv)} bytes does not hold {t.n_tokens} tokens of {lay}")
+    sections = [(TAG_TOKENS, FLAG_REQUIRED, struct.pack(f"<{t.n_tokens}i", *t.tokens)),
+                (TAG_KV, FLAG_REQUIRED, t.kv)]
+    sections += [(s.tag, s.flags, s.payload) for s in t.extra]
+    head = _TARGET_HEAD.pack(TARGET_MAGIC, TARGET_VERSION, HEADER_LEN, 0,
+                             _fp_bytes(t.fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
+                             lay.head_dim, lay.dtype, t.n_ctx, t.n_vocab, t.n_tokens,
+                             len(sections))
+    head += bytes(HEADER_LEN - len(head))
+    return _seal([head, *_sections(sections)])
+
+
+def encode_draft(d: DraftFile) -> bytes:
+    """The bytes of a draft sidecar (version DRAFT_VERSION)."""
+    lay = d.layout
+    sections = [(TAG_DRAFT_STATE, FLAG_REQUIRED, d.state)]
+    sections += [(s.tag, s.flags, s.payload) for s in d.extra]
+    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, DRAFT_VERSION, HEADER_LEN, 0,
+                            _fp_bytes(d.target_digest, "target digest"),
+                            _fp_bytes(d.fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
+                            lay.head_dim, lay.dtype, d.n_ctx, d.n_vocab, d.n_tokens, d.offset,
+                            len(sections))
+    head += bytes(HEADER_LEN - len(head))
+    return _seal([head, *_sections(sections)])
+
+
+def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
+          head: struct.Struct) -> memoryview:
+    """Checks magic, version, header length and digest; returns the file without trailer."""
+    view = memoryview(data).cast("B")
+    if len(view) < _PREFIX.size:
+        raise CorruptSlotFile(f"{kind} is {len(view)} bytes long: truncated")
+    got_magic, version, header_len = _PREFIX.unpack_from(view)
+    if got_magic != magic:
+        other = {TARGET_MAGIC: "a target file", DRAFT_MAGIC: "a draft sidecar"}.get(got_magic)
+        what = f"it is {other}" if other else f"magic {got_magic!r} is not {magic!r}"
+        raise CorruptSlotFile(f"not a warmslot {kind}: {what}")
+    if version > newest:
+        raise UnsupportedSlotFile(
+            f"{kind} format version {version} is newer than this server reads ({newest}); "
+            f"restore it with a newer warmslot")
+    if version < 1:
+        raise CorruptSlotFile(f"{kind} format version {version} is invalid")
+    if header_len < head.size or len(view) < header_len + DIGEST_LEN:
+        raise CorruptSlotFile(f"{kind} of {len(view)} bytes with a header of {header_len} bytes: "
+                              f"truncated or corrupt")
+    body = view[:-DIGEST_LEN]
+    if hashlib.sha256(body).digest() != bytes(view[-DIGEST_LEN:]):
+        raise CorruptSlotFile(f"{kind} digest mismatch: the file is truncated or corrupt")
+    return body
+
+
+def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
+                   kind: str) -> tuple[dict[bytes, memoryview], tuple[Section, ...]]:
+    found: dict[bytes, memoryview] = {}
+    extra: list[Section] = []
+    pos = start
+    for _ in range(count):
+        if pos + SECTION_HEADER.size > len(body):
+            raise CorruptSlotFile(f"{kind}: section header at byte {pos} past the end")
+        tag, flags, length = SECTION_HEADER.unpack_from(body, pos)
+        pos += SECTION_HEADER.size
+        if pos + length > len(body):
+            raise CorruptSlotFile(f"{kind}: section {tag!r} of {length} bytes past the end")
+        payload = body[pos:pos + length]
+        pos += length
+        if tag in known:
+            if tag in found:
+                raise CorruptSlotFile(f"{kind}: section {tag!r} appears twice")
+            found[tag] = payload
+        elif flags & FLAG_REQUIRED:
+            raise UnsupportedSlotFile(f"{kind} has a required section {tag!r} this server does "
+                                      f"not know; restore it with a newer warmslot")
+        else:
+            extra.append(Section(bytes(tag), flags, bytes(payload)))
+    if pos != len(body):
+        raise CorruptSlotFile(f"{kind}: {len(body) - pos} stray bytes after the sections")
+    missing = known - found.keys()
+    if missing:
+        raise CorruptSlotFile(f"{kind} lacks section(s) {sorted(missing)}")
+    return found, tuple(extra)
+
+
+def decode_target(data: bytes | memoryview) -> TargetFile:
+    """Parses and verifies a target file on its own (not against a model)."""
+    kind = "slot file"
+    body = _open(data, TARGET_MAGIC, TARGET_VERSION, kind, _TARGET_HEAD)
+    (_, version, header_len, _flags, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx, n_vocab,
+     n_tokens, n_sections) = _TARGET_HEAD.unpack_from(body)
+    if dtype not in DTYPE_SIZES:
+        raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype}")
+    layout = KVLayout(n_layer, n_head_kv, head_dim, dtype)
+    found, extra = _read_sections(body, header_len, n_sections, {TAG_TOKENS, TAG_KV}, kind)
+    toks, kv = found[TAG_TOKENS], found[TAG_KV]
+    if len(toks) != 4 * n_tokens:
+        raise CorruptSlotFile(f"{kind}: {len(toks)} token bytes for {n_tokens} tokens")
+    if len(kv) != n_tokens * layout.bytes_per_token:
+        raise CorruptSlotFile(f"{kind}: KV of {len(kv)} bytes, {n_tokens} tokens of {layout} "
+                              f"need {n_tokens * layout.bytes_per_token}")
+    tokens = struct.unpack(f"<{n_tokens}i", toks)
+    return TargetFile(fp.hex(), layout, n_ctx, n_vocab, tokens, kv, extra, version)
+
+
+def decode_draft(data: bytes | memoryview) -> DraftFile:
+    """Parses and verifies a draft sidecar on its own (not against a model)."""
+    kind = "draft sidecar"
+    body = _open(data, DRAFT_MAGIC, DRAFT_VERSION, kind, _DRAFT_HEAD)
+    (_, version, header_len, _flags, tdig, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx,
+     n_vocab, n_tokens, offset, n_sections) = _DRAFT_HEAD.unpack_from(body)
+    if dtype not in DTYPE_SIZES:
+        raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype}")
+    found, extra = _read_sections(body, header_len, n_sections, {TAG_DRAFT_STATE}, kind)
+    state = found[TAG_DRAFT_STATE]
+    inner = _core_spec_fields(state)
+    if inner is not None and inner != (offset, n_tokens):
+        raise CorruptSlotFile(f"{kind}: header says {n_tokens} tokens from {offset}, its state "
+                              f"{inner[1]} from {inner[0]}")
+    return DraftFile(tdig.hex(), fp.hex(), KVLayout(n_layer, n_head_kv, head_dim, dtype), n_ctx,
+                     n_vocab, n_tokens, offset, state, extra, version)
+
+
+def read_meta(data: bytes | memoryview) -> SlotFileMeta:
+    """The fixed header of either file, unverified (for listings and snapshot metadata)."""
+    view = memoryview(data).cast("B")
+    if len(view) >= _TARGET_HEAD.size and bytes(view[:4]) == TARGET_MAGIC:
+        f = _TARGET_HEAD.unpack_from(view)
+        return SlotFileMeta("target", f[1], f[4].hex(), f[11])
+    if len(view) >= _DRAFT_HEAD.size and bytes(view[:4]) == DRAFT_MAGIC:
+        f = _DRAFT_HEAD.unpack_from(view)
+        return SlotFileMeta("draft", f[1], f[5].hex(), f[12], target_digest=f[4].hex())
+    raise CorruptSlotFile("not a warmslot slot file")
+
+
+# --------------------------------------------------------------------------------------
+# checks against the running models
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a slot file must match: one loaded model in a context of n_ctx."""
+
+    fingerprint: str
+    name: str
+    layout: KVLayout
+    n_vocab: int
+    n_ctx: int
+
+
+def _short(fp: str) -> str:
+    return fp[:12]
+
+
+def check_target(t: TargetFile, model: ModelSpec) -> None:
+    """Raises unless the target file restores into a slot of this model and context."""
+    if t.fingerprint != model.fingerprint:
+        raise IncompatibleSlotFile(
+            f"slot file was made by another model (fingerprint {_short(t.fingerprint)}...), "
+            f"this server runs {model.name!r} ({_short(model.fingerprint)}...)")
+    if t.layout != model.layout or t.n_vocab != model.n_vocab:
+        raise CorruptSlotFile(f"slot file KV layout {t.layout} / vocabulary {t.n_vocab} does not "
+                              f"match its model's {model.layout} / {model.n_vocab}")
+    if t.n_tokens > model.n_ctx:
+        raise IncompatibleSlotFile(f"slot file holds {t.n_tokens} tokens (made with n_ctx "
+                                   f"{t.n_ctx}), the context here is {model.n_ctx}")
+    bad = next((x for x in t.tokens if not 0 <= x < model.n_vocab), None)
+    if bad is not None:
+        raise CorruptSlotFile(f"slot file holds token id {bad}, outside the vocabulary of "
+                              f"{model.n_vocab}")
+
+
+def check_draft(d: DraftFile, target_digest: str, target: TargetFile, draft: ModelSpec) -> None:
+    """Raises unless the sidecar belongs to this target file and fits this draft model."""
+    if d.target_digest != target_digest:
+        raise IncompatibleSlotFile("draft sidecar belongs to another save of the target file")
+    if d.fingerprint != draft.fingerprint:
+        raise IncompatibleSlotFile(
+            f"draft sidecar was made by another draft model (fingerprint "
+            f"{_short(d.fingerprint)}...), this server runs {draft.name!r} "
+            f"({_short(draft.fingerprint)}...)")
+    if d.layout != draft.layout or d.n_vocab != draft.n_vocab:
+        raise CorruptSlotFile(f"draft sidecar KV layout {d.layout} / vocabulary {d.n_vocab} does "
+                              f"not match its model's {draft.layout} / {draft.n_vocab}")
+    if d.offset + d.n_tokens > target.n_tokens:
+        raise CorruptSlotFile(f"draft sidecar holds {d.n_tokens} tokens from position "
+                              f"{d.offset}, past the target's {target.n_tokens}")
+
+
+# --------------------------------------------------------------------------------------
+# conversion from and to the decoding core's state bytes
+
+
+def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
+    """A target file from `Context.get_state(slot)` bytes (WSKV v1)."""
+    view = memoryview(state).cast("B")
+    magic, version, n_layer, n_embd_k, n_embd_v, dtype, n, _ = _CORE_KV_HEAD.unpack_from(view)
+    lay = model.layout
+    if magic != CORE_KV_MAGIC or version != CORE_KV_VERSION:
+        raise ValueError(f"core state magic 0x{magic:08x} version {version} is not WSKV v1")
+    if (n_layer, n_embd_k, n_embd_v, dtype) != (lay.n_layer, lay.kv_dim, lay.kv_dim, lay.dtype):
+        raise ValueError(f"core state layout ({n_layer}, {n_embd_k}, {n_embd_v}, {dtype}) is not "
+                         f"the model's {lay}")
+    start = _CORE_KV_HEAD.size
+    tokens = struct.unpack_from(f"<{n}i", view, start)
+    kv = view[start + 4 * n:]
+    return TargetFile(model.fingerprint, lay, model.n_ctx, model.n_vocab, tokens, kv)
+
+
+def core_from_target(t: TargetFile) -> bytes:
+    """`Context.set_state` bytes (WSKV v1) of a target file."""
+    lay = t.layout
+    head = _CORE_KV_HEAD.pack(CORE_KV_MAGIC, CORE_KV_VERSION, lay.n_layer, lay.kv_dim,
+                              lay.kv_dim, lay.dtype, t.n_tokens, 0)
+    return b"".join([head, struct.pack(f"<{t.n_tokens}i", *t.tokens), t.kv])
+
+
+def _core_spec_fields(state: bytes | memoryview) -> tuple[int, int] | None:
+    """(offset, n_tokens) of a WSSP v1 draft state; None for another format."""
+    need = _CORE_SPEC_HEAD.size + _CORE_KV_HEAD.size
+    if len(state) < need:
+        return None
+    head = _CORE_SPEC_HEAD.unpack_from(state)
+    if head[0] != CORE_SPEC_MAGIC or head[1] != CORE_SPEC_VERSION:
+        return None
+    return head[2], _CORE_KV_HEAD.unpack_from(state, _CORE_SPEC_HEAD.size)[6]
+
+
+def draft_from_core(state: bytes | memoryview, target_digest: str,
+                    model: ModelSpec) -> DraftFile:
+    """A draft sidecar from `SpecDecoder.draft_state(slot)` bytes (WSSP v1)."""
+    view = memoryview(state).cast("B")
+    fields = _core_spec_fields(view)
+    if fields is None:
+        raise ValueError("draft state is not WSSP v1")
+    return DraftFile(target_digest, model.fingerprint, model.layout, model.n_ctx, model.n_vocab,
+                     fields[1], fields[0], view)

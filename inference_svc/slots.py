@@ -1,0 +1,151 @@
+"""Slot save / restore / erase over the engine and a slot store.
+
+The engine thread only captures or applies core state (fast); encoding,
+digests and file I/O run on the caller's thread, so other slots keep
+generating meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+
+from inference_svc import log
+from inference_svc.core import BadStateError
+from inference_svc.engine import Engine
+from inference_svc.errors import DataLoss, FailedPrecondition, ServiceError
+from inference_svc.metrics import Metrics
+from inference_svc.names import validate_name
+from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
+from inference_svc.store import SlotStore
+from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
+
+
+class SlotManager:
+    def __init__(self, engine: Engine, store: SlotStore | None, draft_policy: str,
+                 metrics: Metrics) -> None:
+        self.engine = engine
+        self.store = store
+        self.draft_policy = DraftPolicy.EMPTY if draft_policy == "empty" else DraftPolicy.REPREFILL
+        self.metrics = metrics
+        self.log = log.get()
+
+    def _need_store(self) -> SlotStore:
+        if self.store is None:
+            raise FailedPrecondition("no slot store is configured: start the server with "
+                                     "--slot-save-path DIR")
+        return self.store
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, id_slot: int, filename: str, time_remaining: float | None = None) -> SaveResult:
+        eng = self.engine
+        check_slot_id(id_slot, eng.n_slots)
+        name = validate_name(filename)
+        store = self._need_store()
+        t0 = time.perf_counter()
+        try:
+            tstate, dstate = eng.slot_op(id_slot, self._capture, time_remaining)
+            enc = encode_slot(tstate, dstate, eng.target_spec, eng.draft_spec)
+            n_written = store.save(name, enc.target, enc.draft)
+        except BaseException as exc:
+            self.metrics.saves.labels("error").inc()
+            self.log.warning("slot save failed", extra=log.fields(
+                slot=id_slot, filename=name, error=str(exc)))
+            raise
+        ms = 1e3 * (time.perf_counter() - t0)
+        self.metrics.saves.labels("ok").inc()
+        self.metrics.save_seconds.observe(ms / 1e3)
+        self.metrics.save_bytes.inc(n_written)
+        self.log.info("slot saved", extra=log.fields(
+            slot=id_slot, filename=name, n_tokens=enc.n_tokens, bytes=n_written,
+            draft_saved=enc.draft is not None, ms=round(ms, 2)))
+        return SaveResult(id_slot, name, enc.n_tokens, n_written, enc.draft is not None, ms,
+                          enc.target_sha256)
+
+    def _capture(self, slot: int) -> tuple[bytes, bytes | None]:
+        """On the engine thread: the slot's target state and draft state bytes."""
+        eng = self.engine
+        eng.dec.commit(slot)  # idle slots hold no pending token; this is a no-op then
+        draft = eng.dec.draft_state(slot) if eng.has_draft else None
+        return eng.tctx.get_state(slot), draft
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, id_slot: int, filename: str,
+                time_remaining: float | None = None) -> RestoreResult:
+        """Replaces the slot's content with the saved one. Every check runs before the
+        slot is touched; on any failure the slot is left empty."""
+        eng = self.engine
+        check_slot_id(id_slot, eng.n_slots)
+        t0 = time.perf_counter()
+        prepared: PreparedRestore | None = None
+        error: BaseException | None = None
+        name = filename
+        try:
+            name = validate_name(filename)
+            prepared = prepare_restore(self._need_store(), name, eng.target_spec, eng.draft_spec)
+        except (ServiceError, ValueError) as exc:
+            error = exc
+        try:
+            policy, note = eng.slot_op(id_slot, lambda s: self._apply(s, prepared, error),
+                                       time_remaining)
+        except BaseException as exc:
+            self.metrics.restores.labels("error", "").inc()
+            self.log.warning("slot restore failed", extra=log.fields(
+                slot=id_slot, filename=name, error=str(exc)))
+            raise
+        assert prepared is not None
+        ms = 1e3 * (time.perf_counter() - t0)
+        m = self.metrics
+        m.restores.labels("ok", policy.label).inc()
+        m.restore_seconds.observe(ms / 1e3)
+        m.restore_bytes.inc(prepared.n_read)
+        self.log.info("slot restored", extra=log.fields(
+            slot=id_slot, filename=name, n_tokens=prepared.n_tokens, bytes=prepared.n_read,
+            draft_policy=policy.label, draft_note=note, ms=round(ms, 2)))
+        return RestoreResult(id_slot, name, prepared.n_tokens, prepared.n_read,
+                             policy is DraftPolicy.SIDECAR, policy, ms, note)
+
+    def _apply(self, slot: int, prepared: PreparedRestore | None,
+               error: BaseException | None) -> tuple[DraftPolicy, str]:
+        """On the engine thread: empties the slot, then loads the checked state."""
+        eng = self.engine
+        dec = eng.dec
+        dec.clear(slot)
+        if error is not None:
+            raise error
+        assert prepared is not None
+        try:
+            eng.tctx.set_state(slot, prepared.target_state)
+        except BadStateError as exc:
+            dec.clear(slot)
+            raise DataLoss(f"slot file rejected by the decoding core: {exc}") from exc
+        if not eng.has_draft:
+            return DraftPolicy.NONE, prepared.draft_note
+        note = prepared.draft_note
+        if prepared.draft_state is not None:
+            try:
+                dec.set_draft_state(slot, prepared.draft_state)
+                return DraftPolicy.SIDECAR, ""
+            except BadStateError as exc:
+                note = f"draft sidecar rejected by the decoding core: {exc}"
+        if self.draft_policy is DraftPolicy.EMPTY:
+            dec.draft_reset(slot, prepared.n_tokens)
+        else:
+            dec.draft_reset(slot, 0)
+        return self.draft_policy, note
+
+    # ------------------------------------------------------------------ erase
+
+    def erase(self, id_slot: int, time_remaining: float | None = None) -> int:
+        eng = self.engine
+        check_slot_id(id_slot, eng.n_slots)
+
+        def erase(slot: int) -> int:
+            n = eng.dec.n_tokens(slot)
+            eng.dec.clear(slot)
+            return n
+
+        n = eng.slot_op(id_slot, erase, time_remaining)
+        self.log.info("slot erased", extra=log.fields(slot=id_slot, n_tokens=n))
+        return n

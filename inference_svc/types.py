@@ -1,0 +1,268 @@
+"""Domain types of the service, each with `from_pb` / `to_pb` for its messages.
+
+Handlers stay thin: they convert a request with `from_pb`, call the engine and
+convert the result with `to_pb`. Every check of a request's content is here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from inference_svc.config import Config
+from inference_svc.core import Tokenizer
+from inference_svc.core.speculative import MAX_DRAFT, Counters, SamplingParams, SpecParams
+from inference_svc.errors import InvalidArgument
+from inference_svc.pb import inference_pb2 as pb
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 256
+
+
+class StopReason(enum.IntEnum):
+    EOS = pb.STOP_REASON_EOS
+    MAX_TOKENS = pb.STOP_REASON_MAX_TOKENS
+    STOP_STRING = pb.STOP_REASON_STOP_STRING
+
+
+class DraftPolicy(enum.IntEnum):
+    NONE = pb.DRAFT_POLICY_NONE
+    SIDECAR = pb.DRAFT_POLICY_SIDECAR
+    REPREFILL = pb.DRAFT_POLICY_REPREFILL
+    EMPTY = pb.DRAFT_POLICY_EMPTY
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What checking a request needs to know about the running service."""
+
+    config: Config
+    tokenizer: Tokenizer
+    n_vocab: int
+    n_ctx: int
+    n_slots: int
+    has_draft: bool
+
+
+def check_slot_id(id_slot: int, n_slots: int, allow_any: bool = False) -> int:
+    if allow_any and id_slot == -1:
+        return -1
+    if not 0 <= id_slot < n_slots:
+        allowed = "-1 (any) or " if allow_any else ""
+        raise InvalidArgument(f"id_slot {id_slot} is out of range: {allowed}0..{n_slots - 1}")
+    return id_slot
+
+
+def check_tokens(tokens: list[int], n_vocab: int, what: str) -> None:
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise InvalidArgument(
+            f"{what} holds token id {bad}, outside the vocabulary 0..{n_vocab - 1}")
+
+
+def _check_range(name: str, value: float, ok: bool, rule: str) -> None:
+    if not ok or (isinstance(value, float) and math.isnan(value)):
+        raise InvalidArgument(f"{name} {value:g} is outside {rule}")
+
+
+def sampling_from_pb(m: pb.SamplingParams, cfg: Config) -> tuple[SamplingParams, int | None]:
+    d = cfg.sampling
+    t = m.temperature if m.HasField("temperature") else d.temperature
+    k = m.top_k if m.HasField("top_k") else d.top_k
+    p = m.top_p if m.HasField("top_p") else d.top_p
+    mp = m.min_p if m.HasField("min_p") else d.min_p
+    _check_range("temperature", t, 0.0 <= t <= 100.0, "[0, 100]")
+    _check_range("top_k", k, k >= 0, "[0, inf)")
+    _check_range("top_p", p, 0.0 < p <= 1.0, "(0, 1]")
+    _check_range("min_p", mp, 0.0 <= mp < 1.0, "[0, 1)")
+    return SamplingParams(t, k, p, mp), (m.seed if m.HasField("seed") else None)
+
+
+def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
+                        has_draft: bool) -> SpecParams | None:
+    """The request's speculative parameters; None: plain target-only decoding."""
+    d = cfg.speculative
+    n_max = m.n_max if m.HasField("n_max") else d.n_max
+    n_min = m.n_min if m.HasField("n_min") else d.n_min
+    p_min = m.p_min if m.HasField("p_min") else d.p_min
+    _check_range("speculative.n_max", n_max, 0 <= n_max <= MAX_DRAFT, f"0..{MAX_DRAFT}")
+    _check_range("speculative.n_min", n_min, 0 <= n_min <= n_max, f"0..n_max ({n_max})")
+    _check_range("speculative.p_min", p_min, 0.0 <= p_min <= 1.0, "[0, 1]")
+    enabled = m.enabled if m.HasField("enabled") else has_draft
+    if enabled and not has_draft:
+        raise InvalidArgument("speculative decoding needs a draft model; this server has none")
+    if not enabled or n_max == 0:
+        return None
+    return SpecParams(n_max, n_min, p_min)
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    id_slot: int  # -1: any
+    cache_prompt: bool
+    sampling: SamplingParams
+    seed: int | None
+    spec: SpecParams | None  # None: no speculative decoding
+    stop: tuple[str, ...] = ()
+    n_truncated: int = 0  # prompt tokens dropped to fit the context
+
+    @classmethod
+    def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
+        cfg = rc.config
+        if req.prompt and req.prompt_tokens:
+            raise InvalidArgument("set prompt or prompt_tokens, not both")
+        if req.prompt_tokens:
+            prompt = list(req.prompt_tokens)
+            check_tokens(prompt, rc.n_vocab, "prompt_tokens")
+        else:
+            prompt = rc.tokenizer.encode(req.prompt)
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: at least one token is needed")
+        id_slot = check_slot_id(req.id_slot if req.HasField("id_slot") else -1, rc.n_slots,
+                                allow_any=True)
+        if req.HasField("max_tokens"):
+            max_tokens = req.max_tokens
+            if max_tokens < 0:
+                raise InvalidArgument(f"max_tokens {max_tokens} is negative")
+        else:  # the default, capped to the room the prompt leaves
+            room = rc.n_ctx - (1 if req.truncate_prompt else len(prompt))
+            max_tokens = min(cfg.default_max_tokens, max(room, 1))
+        n_truncated = 0
+        if len(prompt) + max_tokens > rc.n_ctx:
+            if not req.truncate_prompt or max_tokens >= rc.n_ctx:
+                raise InvalidArgument(
+                    f"the prompt of {len(prompt)} tokens plus max_tokens {max_tokens} exceed the "
+                    f"context of {rc.n_ctx} tokens"
+                    + ("" if req.truncate_prompt else " (set truncate_prompt to drop the oldest "
+                                                      "prompt tokens)"))
+            n_truncated = len(prompt) + max_tokens - rc.n_ctx
+            prompt = prompt[n_truncated:]
+        stop = tuple(req.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidArgument(f"{len(stop)} stop strings, at most {MAX_STOP_STRINGS}")
+        for s in stop:
+            if not s or len(s.encode()) > MAX_STOP_BYTES:
+                raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
+        sampling, seed = sampling_from_pb(req.sampling, cfg)
+        spec = speculative_from_pb(req.speculative, cfg, rc.has_draft)
+        return cls(tuple(prompt), max_tokens, id_slot,
+                   req.cache_prompt if req.HasField("cache_prompt") else True,
+                   sampling, seed, spec, stop, n_truncated)
+
+
+@dataclass
+class Timings:
+    id_slot: int = -1
+    prompt_n: int = 0
+    cache_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    draft_prompt_n: int = 0
+    n_steps: int = 0
+    n_truncated: int = 0
+    queue_ms: float = 0.0
+
+    def add_counters(self, c: Counters) -> None:
+        self.draft_n, self.draft_n_accepted = c.n_drafted, c.n_accepted
+        self.draft_prompt_n, self.n_steps = c.n_draft_prefill, c.n_steps
+
+    @property
+    def prompt_per_second(self) -> float:
+        return 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        """Tokens of the decoding steps (all but the prompt's first token) per second."""
+        n = self.predicted_n - 1
+        return 1e3 * n / self.predicted_ms if n > 0 and self.predicted_ms > 0 else 0.0
+
+    def to_pb(self) -> pb.Timings:
+        return pb.Timings(
+            prompt_n=self.prompt_n, cache_n=self.cache_n, prompt_ms=self.prompt_ms,
+            predicted_n=self.predicted_n, predicted_ms=self.predicted_ms, draft_n=self.draft_n,
+            draft_n_accepted=self.draft_n_accepted, draft_prompt_n=self.draft_prompt_n,
+            id_slot=self.id_slot, prompt_per_second=self.prompt_per_second,
+            predicted_per_second=self.predicted_per_second, n_truncated=self.n_truncated,
+            n_steps=self.n_steps, queue_ms=self.queue_ms)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New output of a generation: token ids and the text they complete."""
+
+    tokens: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: StopReason
+    timings: Timings
+    stop_string: str = ""
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    id: int
+    n_tokens: int
+    busy: bool
+    draft_n_tokens: int
+    draft_offset: int
+    counters: Counters = field(default_factory=Counters)
+    last_used_unix_ms: int = 0
+
+    def to_pb(self) -> pb.SlotInfo:
+        c = self.counters
+        return pb.SlotInfo(
+            id=self.id, n_tokens=self.n_tokens, busy=self.busy,
+            draft_n_tokens=self.draft_n_tokens, draft_offset=self.draft_offset,
+            counters=pb.SlotCounters(n_steps=c.n_steps, n_drafted=c.n_drafted,
+                                     n_accepted=c.n_accepted, n_draft_prefill=c.n_draft_prefill),
+            last_used_unix_ms=self.last_used_unix_ms)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    id_slot: int
+    filename: str
+    n_saved: int
+    n_written: int
+    draft_saved: bool
+    save_ms: float
+    target_sha256: str
+
+    def to_pb(self) -> pb.SaveSlotResponse:
+        return pb.SaveSlotResponse(id_slot=self.id_slot, filename=self.filename,
+                                   n_saved=self.n_saved, n_written=self.n_written,
+                                   draft_saved=self.draft_saved, save_ms=self.save_ms,
+                                   target_sha256=self.target_sha256)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    id_slot: int
+    filename: str
+    n_restored: int
+    n_read: int
+    draft_restored: bool
+    draft_policy: DraftPolicy
+    restore_ms: float
+    draft_note: str = ""
+
+    def to_pb(self) -> pb.RestoreSlotResponse:
+        return pb.RestoreSlotResponse(
+            id_slot=self.id_slot, filename=self.filename, n_restored=self.n_restored,
+            n_read=self.n_read, draft_restored=self.draft_restored,
+            draft_policy_applied=int(self.draft_policy), restore_ms=self.restore_ms,
+            draft_note=self.draft_note)
