@@ -37,7 +37,7 @@ class SnapshotConfig:
     max_protocol: int = PROTOCOL_MAX  # 1: behave exactly as a protocol-1 server
     max_snapshot_bytes: int = 2 << 30  # per part
     metrics_port: int = 0  # Prometheus HTTP endpoint on host; 0: off
-    workers: int = 16  # concurrent RPCs (each stream holds one)
+    workers: int = 32  # threads serving calls (a stream holds one while it runs)
     grace_s: float = 10.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
     stage_ttl_s: float = 300.0  # how long a staged target waits for its draft
     log_level: str = "info"
@@ -73,7 +73,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _flag(p, env, "--max-snapshot-bytes", parse_size, d.max_snapshot_bytes,
           "largest part stored (bytes, or 512M, 2G...)")
     _flag(p, env, "--metrics-port", int, d.metrics_port, "Prometheus metrics port; 0 = off")
-    _flag(p, env, "--workers", int, d.workers, "concurrent calls")
+    _flag(p, env, "--workers", int, d.workers, "threads serving calls; more calls wait")
     _flag(p, env, "--grace", float, d.grace_s, "seconds in-flight calls get on shutdown")
     _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
           "seconds a staged target waits for its draft")

@@ -336,11 +336,11 @@ class SnapshotServer:
         self.store = Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
                            stage_ttl_s=config.stage_ttl_s)
         self.metrics = Metrics(self.store.usage)
-        self._executor = futures.ThreadPoolExecutor(max_workers=config.workers + 4,
+        # calls beyond `workers` wait for a thread (they are not refused)
+        self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
                                                     thread_name_prefix="snapshot-rpc")
         self._grpc = grpc.server(
             self._executor, interceptors=[StatusInterceptor(self._draining, self.metrics)],
-            maximum_concurrent_rpcs=config.workers,
             options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
                      ("grpc.so_reuseport", 0)])
         add_snapshot_servicer(SnapshotServicer(config, self.store, self.metrics), self._grpc)

@@ -53,7 +53,8 @@ class ServerProcess:
     """`python -m snapshot_svc` in a child process, its JSON log lines collected.
 
     The constructor waits for the "serving" line (port 0 by default: the line says
-    which port). Extra arguments are passed through; `env` adds variables."""
+    which port, so keep --log-level at info). Extra arguments are passed through;
+    `env` adds variables."""
 
     def __init__(self, data_dir: Path | None, *args: str, env: dict[str, str] | None = None,
                  start_timeout: float = 30.0) -> None:

@@ -657,3 +657,31 @@ def test_config_from_flags_and_environment(tmp_path: Path) -> None:
         parse_config([], {**env, "WARMSLOT_SNAPSHOT_PORT": "nope"})
     assert [parse_size(s) for s in ("10", "1k", "2M", "3GiB", "1mb")] == [
         10, 1024, 2 << 20, 3 << 30, 1 << 20]
+
+
+def test_ctl_moves_files_between_stores(server: SnapshotServer, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from snapshot_svc import ctl
+
+    local, other = tmp_path / "slots", tmp_path / "restored"
+    local.mkdir()
+    other.mkdir()
+    t, d = blob(1, 2 * MAX_CHUNK_BYTES + 3), blob(2, 999)
+    (local / "chat 1").write_bytes(t)
+    (local / "chat 1.drft").write_bytes(d)
+    addr = ["--addr", server.address]
+    assert ctl.main(addr + ["put", "chat 1", "--dir", str(local), "--n-tokens", "12"]) == 0
+    put = json.loads(capsys.readouterr().out)
+    assert put["target"]["size"] == len(t) and put["draft"]["size"] == len(d)
+    assert ctl.main(addr + ["get", "chat 1", "--dir", str(other)]) == 0
+    capsys.readouterr()
+    assert (other / "chat 1").read_bytes() == t and (other / "chat 1.drft").read_bytes() == d
+    assert sorted(p.name for p in other.iterdir()) == ["chat 1", "chat 1.drft"]
+    assert ctl.main(addr + ["ls", "chat"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [s["name"] for s in listed] == ["chat 1"]
+    assert listed[0]["target"]["meta"]["n_tokens"] == 12
+    assert ctl.main(addr + ["rm", "chat 1"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_freed"] == len(t) + len(d)
+    assert ctl.main(addr + ["stat", "chat 1"]) == 1
+    assert json.loads(capsys.readouterr().err)["error"] == "NOT_FOUND"
