@@ -138,78 +138,84 @@ static inline float dot(const float *w, const float *x, int n) {
     return dot_tail(l8_sum(a), w, x, n8, n);
 }
 
+/* 4 rows x 2 tokens sharing their loads; out[t*ldo + r] (+)= dot(W[r], X[t]) */
+static inline void tile_4x2(float *out, int ldo, const float *W, const float *X, int ldx, int n,
+                            int r, int t, int add) {
+    const int n8 = n & ~7;
+    const float *x0 = X + (size_t)t * ldx, *x1 = x0 + ldx;
+    const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+    lanes8 a00 = l8_zero(), a10 = l8_zero(), a20 = l8_zero(), a30 = l8_zero();
+    lanes8 a01 = l8_zero(), a11 = l8_zero(), a21 = l8_zero(), a31 = l8_zero();
+    for (int k = 0; k < n8; k += 8) {
+        lanes8 xv0 = l8_load(x0 + k), xv1 = l8_load(x1 + k);
+        lanes8 wv = l8_load(w0 + k);
+        a00 = l8_fma(wv, xv0, a00); a01 = l8_fma(wv, xv1, a01);
+        wv = l8_load(w1 + k);
+        a10 = l8_fma(wv, xv0, a10); a11 = l8_fma(wv, xv1, a11);
+        wv = l8_load(w2 + k);
+        a20 = l8_fma(wv, xv0, a20); a21 = l8_fma(wv, xv1, a21);
+        wv = l8_load(w3 + k);
+        a30 = l8_fma(wv, xv0, a30); a31 = l8_fma(wv, xv1, a31);
+    }
+    float s[8] = {
+        dot_tail(l8_sum(a00), w0, x0, n8, n), dot_tail(l8_sum(a10), w1, x0, n8, n),
+        dot_tail(l8_sum(a20), w2, x0, n8, n), dot_tail(l8_sum(a30), w3, x0, n8, n),
+        dot_tail(l8_sum(a01), w0, x1, n8, n), dot_tail(l8_sum(a11), w1, x1, n8, n),
+        dot_tail(l8_sum(a21), w2, x1, n8, n), dot_tail(l8_sum(a31), w3, x1, n8, n),
+    };
+    float *o0 = out + (size_t)t * ldo + r, *o1 = o0 + ldo;
+    for (int i = 0; i < 4; i++) {
+        o0[i] = add ? o0[i] + s[i] : s[i];
+        o1[i] = add ? o1[i] + s[4 + i] : s[4 + i];
+    }
+}
+
+/* 4 rows x 1 token */
+static inline void tile_4x1(float *out, int ldo, const float *W, const float *X, int ldx, int n,
+                            int r, int t, int add) {
+    const int n8 = n & ~7;
+    const float *x = X + (size_t)t * ldx;
+    const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+    lanes8 a0 = l8_zero(), a1 = l8_zero(), a2 = l8_zero(), a3 = l8_zero();
+    for (int k = 0; k < n8; k += 8) {
+        lanes8 xv = l8_load(x + k);
+        a0 = l8_fma(l8_load(w0 + k), xv, a0);
+        a1 = l8_fma(l8_load(w1 + k), xv, a1);
+        a2 = l8_fma(l8_load(w2 + k), xv, a2);
+        a3 = l8_fma(l8_load(w3 + k), xv, a3);
+    }
+    float s[4] = {dot_tail(l8_sum(a0), w0, x, n8, n), dot_tail(l8_sum(a1), w1, x, n8, n),
+                  dot_tail(l8_sum(a2), w2, x, n8, n), dot_tail(l8_sum(a3), w3, x, n8, n)};
+    float *o = out + (size_t)t * ldo + r;
+    for (int i = 0; i < 4; i++) o[i] = add ? o[i] + s[i] : s[i];
+}
+
 /*
  * out[t*ldo + r] = dot(W[r], X[t]) for rows r in [r0, r1) and tokens t in
- * [0, nt). W: [rows][n] row-major; X: [nt][ldx]. Tiles of 4 rows x 2 tokens
- * share their loads; edges fall back to the single dot. mode 1 adds the
- * product to out (residual connection) instead of storing it.
+ * [0, nt). W: [rows][n] row-major; X: [nt][ldx]. A block of 4 weight rows is
+ * loaded once and used for every token of a block of up to 64 tokens, so a
+ * verification batch reads the weights once, not once per token. mode `add`
+ * adds the product to out (residual connection) instead of storing it. Every
+ * output element is the same `dot` sequence whatever tile computed it.
  */
+#define WS_TOKEN_BLOCK 64
 static void matmul_rows(float *out, int ldo, const float *W, const float *X, int ldx, int n,
                         int r0, int r1, int nt, int add) {
-    const int n8 = n & ~7;
-    int t = 0;
-    for (; t + 2 <= nt; t += 2) {
-        const float *x0 = X + (size_t)t * ldx, *x1 = x0 + ldx;
+    for (int tb = 0; tb < nt; tb += WS_TOKEN_BLOCK) {
+        const int te = tb + WS_TOKEN_BLOCK < nt ? tb + WS_TOKEN_BLOCK : nt;
         int r = r0;
         for (; r + 4 <= r1; r += 4) {
-            const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-            lanes8 a00 = l8_zero(), a10 = l8_zero(), a20 = l8_zero(), a30 = l8_zero();
-            lanes8 a01 = l8_zero(), a11 = l8_zero(), a21 = l8_zero(), a31 = l8_zero();
-            for (int k = 0; k < n8; k += 8) {
-                lanes8 xv0 = l8_load(x0 + k), xv1 = l8_load(x1 + k);
-                lanes8 wv = l8_load(w0 + k);
-                a00 = l8_fma(wv, xv0, a00); a01 = l8_fma(wv, xv1, a01);
-                wv = l8_load(w1 + k);
-                a10 = l8_fma(wv, xv0, a10); a11 = l8_fma(wv, xv1, a11);
-                wv = l8_load(w2 + k);
-                a20 = l8_fma(wv, xv0, a20); a21 = l8_fma(wv, xv1, a21);
-                wv = l8_load(w3 + k);
-                a30 = l8_fma(wv, xv0, a30); a31 = l8_fma(wv, xv1, a31);
-            }
-            float s[8] = {
-                dot_tail(l8_sum(a00), w0, x0, n8, n), dot_tail(l8_sum(a10), w1, x0, n8, n),
-                dot_tail(l8_sum(a20), w2, x0, n8, n), dot_tail(l8_sum(a30), w3, x0, n8, n),
-                dot_tail(l8_sum(a01), w0, x1, n8, n), dot_tail(l8_sum(a11), w1, x1, n8, n),
-                dot_tail(l8_sum(a21), w2, x1, n8, n), dot_tail(l8_sum(a31), w3, x1, n8, n),
-            };
-            float *o0 = out + (size_t)t * ldo + r, *o1 = o0 + ldo;
-            for (int i = 0; i < 4; i++) {
-                o0[i] = add ? o0[i] + s[i] : s[i];
-                o1[i] = add ? o1[i] + s[4 + i] : s[4 + i];
-            }
+            int t = tb;
+            for (; t + 2 <= te; t += 2) tile_4x2(out, ldo, W, X, ldx, n, r, t, add);
+            if (t < te) tile_4x1(out, ldo, W, X, ldx, n, r, t, add);
         }
         for (; r < r1; r++) {
             const float *w = W + (size_t)r * n;
-            float s0 = dot(w, x0, n), s1 = dot(w, x1, n);
-            float *o0 = out + (size_t)t * ldo + r, *o1 = o0 + ldo;
-            *o0 = add ? *o0 + s0 : s0;
-            *o1 = add ? *o1 + s1 : s1;
-        }
-    }
-    for (; t < nt; t++) {
-        const float *x = X + (size_t)t * ldx;
-        float *o = out + (size_t)t * ldo;
-        int r = r0;
-        for (; r + 4 <= r1; r += 4) {
-            const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-            lanes8 a0 = l8_zero(), a1 = l8_zero(), a2 = l8_zero(), a3 = l8_zero();
-            for (int k = 0; k < n8; k += 8) {
-                lanes8 xv = l8_load(x + k);
-                a0 = l8_fma(l8_load(w0 + k), xv, a0);
-                a1 = l8_fma(l8_load(w1 + k), xv, a1);
-                a2 = l8_fma(l8_load(w2 + k), xv, a2);
-                a3 = l8_fma(l8_load(w3 + k), xv, a3);
+            for (int t = tb; t < te; t++) {
+                float sv = dot(w, X + (size_t)t * ldx, n);
+                float *o = out + (size_t)t * ldo + r;
+                *o = add ? *o + sv : sv;
             }
-            float s0 = dot_tail(l8_sum(a0), w0, x, n8, n), s1 = dot_tail(l8_sum(a1), w1, x, n8, n);
-            float s2 = dot_tail(l8_sum(a2), w2, x, n8, n), s3 = dot_tail(l8_sum(a3), w3, x, n8, n);
-            o[r] = add ? o[r] + s0 : s0;
-            o[r + 1] = add ? o[r + 1] + s1 : s1;
-            o[r + 2] = add ? o[r + 2] + s2 : s2;
-            o[r + 3] = add ? o[r + 3] + s3 : s3;
-        }
-        for (; r < r1; r++) {
-            float s = dot(W + (size_t)r * n, x, n);
-            o[r] = add ? o[r] + s : s;
         }
     }
 }
