@@ -1,0 +1,228 @@
+"""Scheduling through real gRPC: concurrent clients on fewer slots, interleaving,
+busy slots, a full queue, cancellation and disconnects, EOS, long prompts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_svc.client import InferenceClient, make_request
+from inference_svc.pb import inference_pb2 as pb
+from inference_svc.server import Server
+from tests.factory import Shape
+from tests.fixtures.servicekit import Reference, model_pair, running, service_config
+
+# a few ms per token on one thread: long generations take long enough to overlap
+SLOW = Shape(n_vocab=300, n_embd=384, n_layer=4, n_head=8, n_head_kv=4, n_ff=768, n_ctx=512)
+LONG = 450  # tokens of a generation that must still be running when we look
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return model_pair(tmp_path_factory.getbasetemp(), "slow", shape=SLOW)
+
+
+@pytest.fixture(scope="module")
+def ref(pair: tuple[Path, Path]) -> Reference:
+    return Reference(*pair, n_ctx=512)
+
+
+@pytest.fixture(scope="module")
+def server(pair: tuple[Path, Path]) -> Iterator[Server]:
+    with running(service_config(*pair, ctx=512, max_queue_wait=0.15, max_queue=3)) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def client(server: Server) -> Iterator[InferenceClient]:
+    with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
+        for i in range(server.cfg.slots):
+            c.erase(i)
+        yield c
+
+
+def prompt_of(i: int) -> list[int]:
+    return [(31 * i + 7 * k) % 250 + 1 for k in range(10 + i)]
+
+
+def tokens_of(rs: list[pb.GenerateResponse]) -> list[int]:
+    return [t for r in rs for t in r.tokens]
+
+
+def wait_idle(c: InferenceClient, slot: int, timeout: float = 5.0) -> float:
+    t0 = time.monotonic()
+    while c.slots()[slot].busy:
+        assert time.monotonic() - t0 < timeout, f"slot {slot} still busy"
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+def test_four_clients_on_two_slots(client: InferenceClient, ref: Reference,
+                                   server: Server) -> None:
+    results: dict[int, tuple[list[int], pb.GenerateResponse] | BaseException] = {}
+
+    def run(i: int) -> None:
+        # waiting for a slot may take a while: this server's max_queue_wait is short, so
+        # the clients retry on RESOURCE_EXHAUSTED, as a client of a busy server should
+        with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
+            for _ in range(100):
+                try:
+                    rs, last = c.generate(prompt_of(i), max_tokens=24, temperature=0.0)
+                    results[i] = (tokens_of(rs), last)
+                    return
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        results[i] = exc
+                        return
+                    time.sleep(0.01)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [0, 1, 2, 3]
+    for i, res in results.items():
+        assert not isinstance(res, BaseException), res
+        toks, last = res
+        assert toks == ref.generate(prompt_of(i), 24), i
+        assert last.timings.id_slot in (0, 1)
+        assert last.timings.prompt_n + last.timings.cache_n == len(prompt_of(i))
+
+
+def test_concurrent_requests_interleave(client: InferenceClient, server: Server,
+                                        ref: Reference) -> None:
+    events: dict[int, list[float]] = {0: [], 1: []}
+    toks: dict[int, list[int]] = {}
+
+    def run(slot: int) -> None:
+        with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
+            out = []
+            for r in c.generate_stream(make_request(prompt_of(slot), max_tokens=200,
+                                                    id_slot=slot, temperature=0.0,
+                                                    speculative=False)):
+                events[slot].append(time.monotonic())
+                out += r.tokens
+            toks[slot] = out
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for s in (0, 1):
+        assert toks[s] == ref.generate(prompt_of(s), 200)
+    # each stream's first output arrived before the other one finished
+    assert events[1][0] < events[0][-1] and events[0][0] < events[1][-1]
+
+
+def test_busy_slot_waits_then_resource_exhausted(client: InferenceClient) -> None:
+    stream = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
+                                                 temperature=0.0, speculative=False))
+    next(stream)  # slot 0 is busy now
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt_of(1), max_tokens=4, id_slot=0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "slot 0 stayed busy" in err.value.details()
+    assert 0.1 < time.monotonic() - t0 < 5
+    # slot ops wait for the slot too
+    with pytest.raises(grpc.RpcError) as err:
+        client.erase(0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # with a deadline shorter than the server's wait: one of the two codes
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt_of(1), max_tokens=4, id_slot=0, timeout=0.05)
+    assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert client.slots()[0].busy, "the long generation should still be running"
+    # another slot is free meanwhile
+    _, last = client.generate(prompt_of(1), max_tokens=4, id_slot=-1)
+    assert last.timings.id_slot == 1
+    stream.cancel()
+    wait_idle(client, 0)
+
+
+def test_full_queue_is_resource_exhausted(client: InferenceClient, server: Server) -> None:
+    streams = [client.generate_stream(make_request(prompt_of(s), max_tokens=LONG, id_slot=s,
+                                                   speculative=False)) for s in (0, 1)]
+    for s in streams:
+        next(s)
+    waiting = [client.generate_stream(make_request(prompt_of(2), max_tokens=2, id_slot=0))
+               for _ in range(server.cfg.max_queue)]
+    time.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt_of(3), max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "already waiting" in err.value.details()
+    for s in streams + waiting:
+        s.cancel()
+    wait_idle(client, 0)
+    wait_idle(client, 1)
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+def test_cancellation_frees_the_slot(client: InferenceClient, server: Server, how: str) -> None:
+    p = prompt_of(4)
+    c2 = InferenceClient(f"127.0.0.1:{server.port}", timeout=60)
+    stream = c2.generate_stream(make_request(p, max_tokens=LONG, id_slot=0, temperature=0.0))
+    got = tokens_of([next(stream), next(stream)])
+    if how == "cancel":
+        stream.cancel()
+    else:
+        c2.close()
+    assert wait_idle(client, 0) < 1.0
+    if how == "cancel":
+        c2.close()
+    kept = client.slots()[0].n_tokens
+    assert len(p) + len(got) <= kept < len(p) + LONG  # what was processed stays
+    # the continuation reuses it
+    _, last = client.generate(p + got, max_tokens=4, id_slot=0, temperature=0.0)
+    assert (last.timings.prompt_n, last.timings.cache_n) == (1, len(p) + len(got) - 1)
+
+
+def test_request_cancelled_while_waiting(client: InferenceClient) -> None:
+    running = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
+                                                  speculative=False))
+    next(running)
+    waiting = client.generate_stream(make_request(prompt_of(1), max_tokens=4, id_slot=0))
+    time.sleep(0.02)
+    waiting.cancel()
+    running.cancel()
+    wait_idle(client, 0)
+    _, last = client.generate(prompt_of(1), max_tokens=4, id_slot=0)
+    assert last.done
+
+
+def test_long_prompt_in_chunks(client: InferenceClient, ref: Reference, server: Server) -> None:
+    p = [(13 * k) % 290 + 1 for k in range(server.cfg.batch * 3 + 5)]
+    rs, last = client.generate(p, max_tokens=16, id_slot=0, temperature=0.0)
+    assert last.timings.prompt_n == len(p)
+    assert last.timings.draft_prompt_n == len(p)
+    assert tokens_of(rs) == ref.generate(p, 16)
+
+
+def test_eos_stops_and_is_not_kept(tmp_path_factory: pytest.TempPathFactory) -> None:
+    pair = model_pair(tmp_path_factory.getbasetemp(), "eos", eos_scale=3.0)
+    ref = Reference(*pair)
+    with running(service_config(*pair)) as srv, InferenceClient(f"127.0.0.1:{srv.port}") as c:
+        eos = c.info().eos_id
+        n_eos = 0
+        for i in range(12):
+            p = prompt_of(i)
+            expected = ref.generate(p, 30)
+            rs, last = c.generate(p, max_tokens=30, id_slot=0, temperature=0.0)
+            assert tokens_of(rs) == expected and eos not in expected
+            if len(expected) < 30:
+                n_eos += 1
+                assert last.stop_reason == pb.STOP_REASON_EOS
+                assert last.timings.predicted_n == len(expected)
+            else:
+                assert last.stop_reason == pb.STOP_REASON_MAX_TOKENS
+            assert c.slots()[0].n_tokens == len(p) + len(expected)
+        assert n_eos >= 3
