@@ -41,6 +41,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import TypeVar
 
 import grpc
@@ -185,13 +186,18 @@ class SnapshotClient:
     # --- put --------------------------------------------------------------------------
 
     def put(self, name: str, target: bytes, draft: bytes | None = None,
-            target_meta: PartMeta | None = None, draft_meta: PartMeta | None = None) -> PutResult:
+            target_meta: PartMeta | None = None, draft_meta: PartMeta | None = None, *,
+            target_sha256: str | None = None, draft_sha256: str | None = None) -> PutResult:
         """Saves a snapshot: the target bytes and, with protocol 2, the draft sidecar,
-        committed together. With protocol 1 the draft is skipped (`draft_skipped`)."""
+        committed together. With protocol 1 the draft is skipped (`draft_skipped`).
+
+        `target_sha256` / `draft_sha256`: the hex SHA-256 of the bytes when the caller
+        already has it (the slot encoder computes the target's for the sidecar); it
+        saves hashing them here. The server verifies it either way (DataLoss if wrong)."""
         validate_name(name)
         info = self.server_info()
         target_meta = target_meta or PartMeta()
-        t_sha = _sha256(target)
+        t_sha = target_sha256 or _sha256(target)
         if draft is None or info.protocol < 2:
             skipped = draft is not None
             r = self._put_part(name, Part.TARGET, target, t_sha, target_meta)
@@ -200,7 +206,7 @@ class SnapshotClient:
                     "(target files only)" if skipped else "")
             return PutResult(name, r.commit_id, info.protocol, t_info, None, skipped, note)
         draft_meta = draft_meta or PartMeta()
-        d_sha = _sha256(draft)
+        d_sha = draft_sha256 or _sha256(draft)
         for attempt in range(2):
             self._put_part(name, Part.TARGET, target, t_sha, target_meta, draft_follows=True)
             try:
@@ -285,20 +291,23 @@ class SnapshotClient:
             chunks: list[memoryview | bytes] = []
             h = hashlib.sha256()
             received = 0
-            for msg in stream:  # chunks arrive as memoryviews (wire.py)
-                if header is None:
-                    if isinstance(msg, memoryview) or msg.WhichOneof("msg") != "header":
-                        raise DataLoss(f"Get of {name!r}: the stream did not start with a header")
-                    header = msg.header
-                    continue
-                chunk = msg if isinstance(msg, memoryview) else msg.chunk
-                received += len(chunk)
-                if received > header.info.size:
-                    stream.cancel()
-                    raise DataLoss(f"Get of {name!r}: more than the {header.info.size} bytes "
-                                   "announced")
-                h.update(chunk)
-                chunks.append(chunk)
+            # one thread hashes chunk k (hashlib releases the GIL) while chunk k+1 arrives
+            with futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-verify") as hasher:
+                for msg in stream:  # chunks arrive as memoryviews (wire.py)
+                    if header is None:
+                        if isinstance(msg, memoryview) or msg.WhichOneof("msg") != "header":
+                            raise DataLoss(f"Get of {name!r}: the stream did not start with "
+                                           "a header")
+                        header = msg.header
+                        continue
+                    chunk = msg if isinstance(msg, memoryview) else msg.chunk
+                    received += len(chunk)
+                    if received > header.info.size:
+                        stream.cancel()
+                        raise DataLoss(f"Get of {name!r}: more than the {header.info.size} "
+                                       "bytes announced")
+                    hasher.submit(h.update, chunk)
+                    chunks.append(chunk)
             if header is None:
                 raise DataLoss(f"Get of {name!r}: empty stream")
             if received != header.info.size:

@@ -123,6 +123,18 @@ def test_round_trip_is_byte_identical(client: SnapshotClient, server: SnapshotSe
     assert stored_files(server)["tmp"] == []
 
 
+def test_put_with_the_callers_digests(client: SnapshotClient, server: SnapshotServer) -> None:
+    t, d = blob(1, 3 * MAX_CHUNK_BYTES), blob(2, 500)
+    res = client.put("s", t, d, target_sha256=sha(t), draft_sha256=sha(d))
+    assert res.target.sha256 == sha(t) and res.draft is not None
+    before = stored_files(server)
+    with pytest.raises(DataLoss):  # a wrong digest from the caller is caught by the server
+        client.put("s", blob(3, 1000), target_sha256=sha(b"something else"))
+    assert stored_files(server) == before
+    got = client.get("s")
+    assert (got.target, got.draft) == (t, d)
+
+
 def test_target_only_save_replaces_the_pair(client: SnapshotClient,
                                             server: SnapshotServer) -> None:
     old_t, old_d, new_t = blob(1, 5000), blob(2, 700), blob(3, 6000)
