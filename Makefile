@@ -20,7 +20,7 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 
-.PHONY: all setup proto native native-asan run test test-fast test-asan lint bench models clean distclean
+.PHONY: all setup proto native native-asan run test test-fast test-asan test-deploy lint bench models clean distclean
 
 all: setup
 
@@ -59,9 +59,16 @@ lint: $(DEPS_STAMP)
 test: setup $(NATIVE_ASAN_SO) lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-asan
+	$(MAKE) --no-print-directory test-deploy
 
 test-asan: setup $(NATIVE_ASAN_SO)
 	$(ASAN_ENV) $(PY) -m pytest -m native -p no:cacheprovider $(PYTEST_ARGS)
+
+# the compose deployment in docker (deploy/): installs and starts the engine when it can
+# (else the tests skip and say why), builds the image offline, runs tests/deploy
+test-deploy: setup
+	deploy/build-offline.sh || [ $$? -eq 3 ]
+	WARMSLOT_DEPLOY_TEST=1 $(PY) -m pytest -p no:cacheprovider tests/deploy $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -x -q $(PYTEST_ARGS)

@@ -1,0 +1,193 @@
+"""Helpers for the deployment tests: the docker engine (Python SDK), compose projects
+on host networking with free loopback ports, gRPC health from the host, timings."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+IMAGE = os.environ.get("WARMSLOT_IMAGE", "warmslot:latest")
+PROJECT_PREFIX = "wsdeploytest"
+UNAVAILABLE_FILE = ROOT / "build" / "deploy-engine-unavailable"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compose_command() -> list[str] | None:
+    """`docker compose` (v2 plugin) when the client has it, else `docker-compose` (v1)."""
+    if shutil.which("docker"):
+        r = subprocess.run(["docker", "compose", "version"], capture_output=True)
+        if r.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def health(addr: str, timeout: float = 2.0) -> str:
+    """grpc.health.v1 status of the whole server at `addr`, or 'UNREACHABLE'."""
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=timeout)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError:
+        return "UNREACHABLE"
+
+
+def parse_docker_time(text: str) -> float:
+    """Unix time of a docker timestamp such as 2026-11-29T16:52:03.290123456Z."""
+    head, _, frac = text.rstrip("Z").partition(".")
+    base = dt.datetime.fromisoformat(head).replace(tzinfo=dt.UTC).timestamp()
+    return base + (float("0." + frac) if frac else 0.0)
+
+
+@dataclass
+class Service:
+    """One service of a test project: its host-network port and instance id."""
+
+    name: str
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    hostname: str | None = None
+    volumes: list[str] = field(default_factory=list)
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+class Project:
+    """A compose project made of deploy/docker-compose.yml plus a test override that puts
+    every service on host networking with free loopback ports. Unique name; `down -v`
+    removes everything it made."""
+
+    def __init__(self, engine: Any, workdir: Path, tag: str,
+                 services: list[Service]) -> None:
+        self.engine = engine
+        self.name = f"{PROJECT_PREFIX}{tag}{secrets.token_hex(3)}"
+        self.services = {s.name: s for s in services}
+        self.override = workdir / f"{self.name}.override.json"
+        self.override.write_text(json.dumps(self._override(), indent=2))
+        cmd = compose_command()
+        assert cmd is not None
+        self.cmd = [*cmd, "-p", self.name, "-f", str(DEPLOY / "docker-compose.yml"),
+                    "-f", str(self.override)]
+
+    def _override(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        snapshot = self.services.get("snapshot")
+        for s in self.services.values():
+            env = {"WARMSLOT_SNAPSHOT_HOST": "127.0.0.1",
+                   "WARMSLOT_SNAPSHOT_PORT": str(s.port),
+                   "WARMSLOT_SNAPSHOT_METRICS_PORT": "0"} if s.name == "snapshot" else {
+                   "WARMSLOT_HOST": "127.0.0.1", "WARMSLOT_PORT": str(s.port),
+                   "WARMSLOT_METRICS_PORT": "0"}
+            if s.name != "snapshot" and snapshot is not None:
+                env["WARMSLOT_SNAPSHOT_ADDR"] = snapshot.addr
+            if s.hostname:
+                env["WARMSLOT_INSTANCE_ID"] = s.hostname
+            env.update(s.env)
+            svc: dict[str, Any] = {
+                "image": IMAGE, "network_mode": "host", "environment": env,
+                "healthcheck": {"interval": "1s", "timeout": "3s", "retries": 2,
+                                "start_period": "2s"}}
+            if s.hostname:
+                svc["hostname"] = s.hostname
+            if s.volumes:
+                svc["volumes"] = s.volumes
+            out[s.name] = svc
+        return {"services": out}
+
+    def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([*self.cmd, *args], capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+        return r
+
+    def container(self, service: str) -> Any:
+        found = self.engine.containers.list(all=True, filters={"label": [
+            f"com.docker.compose.project={self.name}", f"com.docker.compose.service={service}"]})
+        assert found, f"no container for {service} in {self.name}"
+        found[0].reload()
+        return found[0]
+
+    def logs(self, service: str) -> str:
+        return self.container(service).logs().decode(errors="replace")
+
+    def wait_serving(self, service: str, timeout: float = 300) -> float:
+        """Seconds from the container's start to its first SERVING answer."""
+        addr = self.services[service].addr
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if health(addr, timeout=1.0) == "SERVING":
+                now = time.time()
+                started = parse_docker_time(self.container(service).attrs["State"]["StartedAt"])
+                return round(now - started, 2)
+            c = self.container(service)
+            if c.status not in ("created", "running", "restarting"):
+                raise AssertionError(f"{service} is {c.status}:\n{self.logs(service)[-3000:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"{service} not SERVING after {timeout} s:\n"
+                             f"{self.logs(service)[-3000:]}")
+
+    def wait_docker_health(self, service: str, want: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        status = None
+        while time.monotonic() < deadline:
+            status = self.container(service).attrs["State"].get("Health", {}).get("Status")
+            if status == want:
+                return
+            time.sleep(0.25)
+        raise AssertionError(f"{service}: docker health {status!r}, wanted {want!r}:\n"
+                             f"{self.logs(service)[-3000:]}")
+
+    def down(self) -> None:
+        subprocess.run([*self.cmd, "down", "-v", "--remove-orphans", "-t", "60"],
+                       capture_output=True, timeout=300)
+        self.override.unlink(missing_ok=True)
+
+
+def sweep_leftovers(engine: Any) -> None:
+    """Removes what earlier runs killed mid-test left behind (containers, volumes and
+    networks of PROJECT_PREFIX* projects)."""
+    for c in engine.containers.list(all=True, filters={"label": "com.docker.compose.project"}):
+        if c.labels.get("com.docker.compose.project", "").startswith(PROJECT_PREFIX):
+            c.remove(force=True)
+    for v in engine.volumes.list():
+        if v.name.startswith(PROJECT_PREFIX):
+            v.remove(force=True)
+    for n in engine.networks.list():
+        if n.name.startswith(PROJECT_PREFIX):
+            n.remove()
+
+
+def error_lines(logs: str) -> list[dict[str, Any]]:
+    """The JSON log lines at level error."""
+    out = []
+    for line in logs.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("level") == "error":
+            out.append(rec)
+    return out

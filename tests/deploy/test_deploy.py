@@ -1,0 +1,372 @@
+"""The compose deployment, in docker: deploy/docker-compose.yml plus a test override that
+puts every container on host networking with free loopback ports.
+
+Run by `make test-deploy` (and `make test`), which builds the image first with
+deploy/build-offline.sh; skipped, with the reason, when no docker engine can be started.
+
+- the image: non-root, size;
+- bad input: a missing model, an unreachable snapshot service -> one log line, health
+  NOT_SERVING, the container neither exits nor restarts;
+- the stack: snapshot healthy, then inference healthy; a generation through the port;
+- restart of the inference container: a long session on slot 0 resumes (the next turn
+  processes only its new tokens, output identical to a control computed before);
+- `down` (volume kept) and `up`: the snapshot volume and the session are still there;
+- a second replica restores the first one's saved session by name.
+
+The session checks need restart-resume (--snapshot-addr, --instance-id, auto-save and
+auto-restore in the inference service); without it they skip and say so.
+Figures (image size, start-to-SERVING times, stop times) go to build/deploy-report.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.deploy.stack import (
+    IMAGE,
+    ROOT,
+    UNAVAILABLE_FILE,
+    Project,
+    Service,
+    compose_command,
+    error_lines,
+    free_port,
+    health,
+    sweep_leftovers,
+)
+
+pytestmark = [pytest.mark.timeout(1500)]
+
+REPORT: dict[str, Any] = {}
+GEN = 32  # tokens generated per turn
+NEW = 100  # new prompt tokens of a checked turn
+
+
+# --- engine, image, models -----------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def engine() -> Any:
+    if os.environ.get("WARMSLOT_DEPLOY_TEST") != "1":
+        pytest.skip("deployment tests: run by `make test-deploy` (and `make test`), which "
+                    "builds the image first")
+    import docker
+
+    if compose_command() is None:
+        pytest.skip("deployment tests: neither `docker compose` nor `docker-compose` found")
+    try:
+        client = docker.from_env(version="auto", timeout=300)
+        client.ping()
+    except Exception as exc:  # any failure here means: no engine
+        why = UNAVAILABLE_FILE.read_text().strip() if UNAVAILABLE_FILE.exists() else str(exc)
+        pytest.skip(f"deployment tests: no docker engine ({why})")
+    try:
+        client.images.get(IMAGE)
+    except docker.errors.ImageNotFound:
+        pytest.skip(f"deployment tests: image {IMAGE} not built (deploy/build-offline.sh)")
+    sweep_leftovers(client)
+    return client
+
+
+@pytest.fixture(scope="session")
+def features(engine: Any) -> set[str]:
+    """The inference service's flags, as the image has them."""
+    out = engine.containers.run(IMAGE, ["python3", "-m", "inference_svc", "--help"],
+                                remove=True).decode()
+    return {w.strip(",[]") for w in out.split() if w.startswith("--")}
+
+
+def require_resume(features: set[str]) -> None:
+    missing = {"--snapshot-addr", "--instance-id"} - features
+    if missing:
+        pytest.skip(f"restart-resume (issue 7) not in the image yet: the inference service "
+                    f"has no {', '.join(sorted(missing))}")
+
+
+@dataclass
+class Models:
+    env: dict[str, str]
+    volumes: list[str]
+    session_tokens: int
+    note: str
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    """The bundled models when they exist; else a random pair mounted into the container."""
+    want = int(os.environ.get("WARMSLOT_DEPLOY_SESSION_TOKENS", "0"))
+    if (ROOT / "models" / "target.gguf").exists() and (ROOT / "models" / "draft.gguf").exists():
+        return Models({}, [], want or 3500, "bundled models")
+    from tests.factory import Shape
+    from tests.fixtures.servicekit import write_pair
+
+    d = tmp_path_factory.mktemp("deploy-models")
+    write_pair(d, Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96,
+                        n_ctx=2048))
+    d.chmod(0o755)
+    for f in d.iterdir():
+        f.chmod(0o644)
+    return Models({"WARMSLOT_MODEL": "/test-models/target.gguf",
+                   "WARMSLOT_DRAFT": "/test-models/draft.gguf"},
+                  [f"{d}:/test-models:ro"], want or 1500,
+                  "random test models (models/target.gguf is not in the repository yet)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report() -> Iterator[dict[str, Any]]:
+    """Writes the figures to build/deploy-report.json (conftest.py prints them)."""
+    yield REPORT
+    if REPORT:
+        out = ROOT / "build" / "deploy-report.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(REPORT, indent=2) + "\n")
+
+
+def test_image_runs_as_non_root_user(engine: Any) -> None:
+    image = engine.images.get(IMAGE)
+    assert image.attrs["Config"]["User"] == "10001:10001"
+    REPORT["image"] = {"tag": IMAGE, "size_mb": round(image.attrs["Size"] / 1e6, 1)}
+    out = engine.containers.run(IMAGE, ["id", "-u"], remove=True).decode().strip()
+    assert out == "10001"
+
+
+# --- bad input -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def bad_stack(engine: Any, models: Models, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[Project]:
+    """Two inference containers with no snapshot container: one told to load a model file
+    that does not exist, one pointed at a snapshot address where nothing listens."""
+    project = Project(engine, tmp_path_factory.mktemp("bad"), "bad", [
+        Service("inference", free_port(), hostname="bad-model",
+                env={"WARMSLOT_MODEL": "/app/models/no-such-model.gguf",
+                     "WARMSLOT_SNAPSHOT_ADDR": f"127.0.0.1:{free_port()}"}),
+        Service("inference-1", free_port(), hostname="bad-snapshot",
+                env={**models.env, "WARMSLOT_SNAPSHOT_ADDR": f"127.0.0.1:{free_port()}",
+                     "WARMSLOT_DEPLOY_SNAPSHOT_WAIT": "2"}, volumes=models.volumes)])
+    try:
+        project.compose("up", "-d", "--no-deps", "inference", "inference-1")
+        yield project
+    finally:
+        project.down()
+
+
+def _assert_held_not_serving(project: Project, service: str, phrase: str) -> dict[str, Any]:
+    project.wait_docker_health(service, "unhealthy", timeout=90)
+    assert health(project.services[service].addr) == "NOT_SERVING"
+    time.sleep(3)  # a crash loop would show by now
+    c = project.container(service)
+    assert c.status == "running" and c.attrs["RestartCount"] == 0, c.attrs["State"]
+    errors = error_lines(project.logs(service))
+    assert len(errors) == 1, errors
+    assert phrase in errors[0]["message"], errors[0]
+    return errors[0]
+
+
+class TestBadInput:
+    def test_missing_model_is_one_line_and_not_serving(self, bad_stack: Project) -> None:
+        line = _assert_held_not_serving(bad_stack, "inference", "not found")
+        assert "/app/models/no-such-model.gguf" in line["message"]
+
+    def test_unreachable_snapshot_is_one_line_and_not_serving(self, bad_stack: Project
+                                                              ) -> None:
+        line = _assert_held_not_serving(bad_stack, "inference-1", "unreachable")
+        assert line["snapshot_addr"] == bad_stack.services["inference-1"].env[
+            "WARMSLOT_SNAPSHOT_ADDR"]
+
+
+# --- the stack -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(engine: Any, models: Models, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Project]:
+    common = {**models.env, "WARMSLOT_SLOTS": "2", "WARMSLOT_LOG_FORMAT": "json"}
+    project = Project(engine, tmp_path_factory.mktemp("stack"), "stack", [
+        Service("snapshot", free_port()),
+        Service("inference", free_port(), hostname="ws-a", env=common,
+                volumes=models.volumes),
+        Service("inference-1", free_port(), hostname="ws-b", env=common,
+                volumes=models.volumes)])
+    REPORT["models"] = models.note
+    try:
+        project.compose("up", "-d", "snapshot", "inference")
+        REPORT["start_to_serving_s"] = {
+            "snapshot": project.wait_serving("snapshot"),
+            "inference_cold": project.wait_serving("inference")}
+        yield project
+    finally:
+        project.down()
+
+
+def client(project: Project, service: str = "inference") -> Any:
+    from inference_svc.client import InferenceClient
+
+    return InferenceClient(project.services[service].addr, timeout=600)
+
+
+def test_stack_is_healthy_and_serves_through_the_port(stack: Project) -> None:
+    stack.wait_docker_health("snapshot", "healthy")
+    stack.wait_docker_health("inference", "healthy")
+    with client(stack) as c:
+        info = c.info()
+        assert info.n_slots == 2
+        _, last = c.generate("def add(a, b):", max_tokens=8, temperature=0.0)
+        assert last.done and last.timings.predicted_n > 0
+
+
+# --- the session -----------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """A long conversation on slot 0, fed with token chunks of the repository's sources."""
+
+    stream: list[int]
+    history: list[int] = field(default_factory=list)
+    pos: int = 0
+
+    def take(self, n: int) -> list[int]:
+        if self.pos + n > len(self.stream):
+            self.pos = 0
+        chunk = self.stream[self.pos:self.pos + n]
+        self.pos += n
+        return chunk
+
+
+def turn(c: Any, prompt: list[int], slot: int, cache: bool = True) -> tuple[list[int], Any]:
+    responses, last = c.generate(prompt, id_slot=slot, max_tokens=GEN, temperature=0.0,
+                                 cache_prompt=cache)
+    return [t for r in responses for t in r.tokens], last.timings
+
+
+@pytest.fixture(scope="module")
+def session(stack: Project, models: Models, features: set[str]) -> Session:
+    require_resume(features)
+    text = "\n".join(p.read_text() for d in ("inference_svc", "snapshot_svc")
+                     for p in sorted((ROOT / d).glob("*.py")))
+    with client(stack) as c:
+        s = Session(c.tokenize(text))
+        s.history = s.take(1000)
+        while len(s.history) < models.session_tokens:
+            prompt = s.history + s.take(min(500, models.session_tokens - len(s.history)))
+            out, _ = turn(c, prompt, 0)
+            s.history = prompt + out
+    REPORT["session_tokens"] = len(s.history)
+    return s
+
+
+def control_then_erase(c: Any, s: Session) -> tuple[list[int], list[int], Any, int]:
+    """The next turn's prompt, its output and timings computed on slot 1 from scratch
+    (the reference), then slot 1 erased; and slot 0's token count."""
+    prompt = s.history + s.take(NEW)
+    out, timings = turn(c, prompt, 1, cache=False)
+    c.erase(1)
+    n0 = next(x.n_tokens for x in c.slots() if x.id == 0)
+    return prompt, out, timings, n0
+
+
+def check_resumed_turn(c: Any, s: Session, prompt: list[int], expected: list[int],
+                       control: Any, n0: int, what: str) -> None:
+    slot0 = next(x for x in c.slots() if x.id == 0)
+    assert slot0.n_tokens == n0, f"{what}: slot 0 holds {slot0.n_tokens} tokens, not {n0}"
+    out, t = turn(c, prompt, 0)
+    assert out == expected, f"{what}: output differs from the control"
+    new = len(prompt) - n0
+    assert t.prompt_n <= new + 1, f"{what}: {t.prompt_n} prompt tokens processed, not ~{new}"
+    assert t.draft_prompt_n <= new + 1, f"{what}: draft processed {t.draft_prompt_n} tokens"
+    REPORT.setdefault("resumed_turns", {})[what] = {
+        "session_tokens": n0, "new_tokens": new, "prompt_n": t.prompt_n,
+        "draft_prompt_n": t.draft_prompt_n, "prompt_ms": round(t.prompt_ms, 1),
+        "control_prompt_n": control.prompt_n, "control_prompt_ms": round(control.prompt_ms, 1),
+        "draft_accepted": f"{t.draft_n_accepted}/{t.draft_n}",
+        "control_draft_accepted": f"{control.draft_n_accepted}/{control.draft_n}"}
+    s.history = prompt + out
+
+
+def session_if_resume(request: pytest.FixtureRequest, features: set[str]) -> Session | None:
+    """The long session when the image can resume it; None otherwise (the test then
+    checks what it can without one, and skips the rest)."""
+    if {"--snapshot-addr", "--instance-id"} <= features:
+        return request.getfixturevalue("session")
+    return None
+
+
+def test_restart_resumes_the_session(stack: Project, features: set[str],
+                                     request: pytest.FixtureRequest) -> None:
+    """Stop + start of the inference container: SIGTERM saves the slots, the start
+    restores them before SERVING."""
+    session = session_if_resume(request, features)
+    if session is not None:
+        with client(stack) as c:
+            prompt, expected, control, n0 = control_then_erase(c, session)
+    t0 = time.monotonic()
+    stack.compose("stop", "inference")
+    stop_s = round(time.monotonic() - t0, 2)
+    c_state = stack.container("inference").attrs["State"]
+    assert c_state["ExitCode"] == 0, stack.logs("inference")[-3000:]
+    stack.compose("start", "inference")
+    serving = stack.wait_serving("inference")
+    key = "restart" if session is None else f"restart_with_{n0}_token_session"
+    REPORT.setdefault("stop_s", {})[key] = stop_s
+    REPORT["start_to_serving_s"][f"inference_{key}"] = serving
+    require_resume(features)
+    assert session is not None
+    with client(stack) as c:
+        check_resumed_turn(c, session, prompt, expected, control, n0, "after restart")
+
+
+def test_down_and_up_keeps_the_volume_and_the_session(stack: Project, features: set[str],
+                                                      request: pytest.FixtureRequest) -> None:
+    from snapshot_svc.client import SnapshotClient
+
+    marker = os.urandom(4096)
+    with SnapshotClient(stack.services["snapshot"].addr) as sc:
+        sc.put("deploy-marker", marker)
+    session = session_if_resume(request, features)
+    if session is not None:
+        with client(stack) as c:
+            prompt, expected, control, n0 = control_then_erase(c, session)
+    stack.compose("down")  # keeps the named volume
+    stack.compose("up", "-d", "snapshot", "inference")
+    REPORT["start_to_serving_s"]["snapshot_after_down_up"] = stack.wait_serving("snapshot")
+    REPORT["start_to_serving_s"]["inference_after_down_up"] = stack.wait_serving("inference")
+    with SnapshotClient(stack.services["snapshot"].addr) as sc:
+        assert sc.get("deploy-marker").target == marker
+    require_resume(features)
+    assert session is not None
+    with client(stack) as c:
+        check_resumed_turn(c, session, prompt, expected, control, n0, "after down and up")
+
+
+def test_second_replica_restores_the_first_replicas_session(session: Session,
+                                                            stack: Project) -> None:
+    stack.compose("up", "-d", "--no-deps", "inference-1")
+    REPORT["start_to_serving_s"]["inference_replica_cold"] = stack.wait_serving("inference-1")
+    with client(stack) as a, client(stack, "inference-1") as b:
+        saved = a.save(0, "session-a")
+        restored = b.restore(0, "session-a")
+        assert restored.n_restored == saved.n_saved
+        assert restored.draft_restored
+        prompt = session.history + session.take(NEW)
+        expected, control = turn(a, prompt, 0)  # the replica that never moved it
+        out, t = turn(b, prompt, 0)
+        assert out == expected
+        assert t.prompt_n <= len(prompt) - saved.n_saved + 1
+        REPORT["migration"] = {"tokens": saved.n_saved, "restore_ms": round(
+            restored.restore_ms, 1), "prompt_n": t.prompt_n, "control_prompt_n": control.prompt_n}
+    # each replica auto-saves under its own instance id
+    stack.compose("stop", "inference", "inference-1")
+    from snapshot_svc.client import SnapshotClient
+
+    with SnapshotClient(stack.services["snapshot"].addr) as sc:
+        names = {i.name for i in sc.list("auto-")}
+    assert {"auto-ws-a-slot0", "auto-ws-b-slot0"} <= names, names
