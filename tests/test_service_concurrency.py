@@ -14,11 +14,8 @@ import pytest
 from inference_svc.client import InferenceClient, make_request
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
-from tests.factory import Shape
-from tests.fixtures.servicekit import Reference, model_pair, running, service_config
+from tests.fixtures.servicekit import SLOW, Reference, model_pair, running, service_config
 
-# a few ms per token on one thread: long generations take long enough to overlap
-SLOW = Shape(n_vocab=300, n_embd=384, n_layer=4, n_head=8, n_head_kv=4, n_ff=768, n_ctx=512)
 LONG = 450  # tokens of a generation that must still be running when we look
 
 
