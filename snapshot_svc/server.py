@@ -403,23 +403,27 @@ class SnapshotServer:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level)
-    try:
-        server = SnapshotServer(config)
-        server.start()
-    except SnapshotError as exc:
-        log_event(log, logging.ERROR, "start_failed", error=exc.message)
-        return 1
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
         log_event(log, logging.INFO, "signal", signal=signal.Signals(signum).name)
         stop.set()
 
+    # before "serving" is logged: from then on a signal means a graceful stop
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        server = SnapshotServer(config)
+        server.start()
+    except SnapshotError as exc:
+        log_event(log, logging.ERROR, "start_failed", error=exc.message)
+        return 1
     while not stop.wait(0.5):
         pass
     server.stop()
+    # stopped cleanly: a repeated signal during interpreter exit must not kill us
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return 0
 
 

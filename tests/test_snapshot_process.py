@@ -87,7 +87,12 @@ def test_client_killed_mid_upload_leaves_nothing(tmp_path: Path, mode: str) -> N
             child.kill()
             child.wait(10)
         wait_until(lambda: files(data / "tmp") == [], what="temporary file removed")
-        server.wait_for("rpc_cancelled")
+        # grpc reports the lost client as a cancellation or as a stream that ended
+        # early (then the size check refuses it): either way nothing is stored
+        wait_until(lambda: any(
+            r.get("event") == "rpc_cancelled"
+            or (r.get("event") == "rpc_failed" and "truncated" in r.get("message", ""))
+            for r in list(server.lines)), what="upload abandoned")
         got = c.get("s")
         assert (got.target, got.draft) == (b"old-target", b"old-draft")
         assert [s.name for s in c.list()] == ["s"]
