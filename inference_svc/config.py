@@ -58,6 +58,8 @@ class Config:
     seed: int | None = None  # seeds the slots' RNGs at start-up (None: random)
     shutdown_grace: float = 10.0  # seconds running requests get on SIGTERM / SIGINT
     workers: int = 16  # gRPC handler threads
+    # at most one Generate response per interval x generations running (0: one per step)
+    stream_interval_ms: float = 10.0
     log_level: str = "info"
     log_format: str = "json"  # json | text
 
@@ -76,6 +78,8 @@ class Config:
                             f"of {', '.join(DRAFT_POLICIES)}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             problems.append("ports must be in 0..65535")
+        if self.stream_interval_ms < 0:
+            problems.append("--stream-interval-ms must be >= 0")
         if self.default_max_tokens < 0:
             problems.append("--default-max-tokens must be >= 0")
         if self.log_format not in ("json", "text"):
@@ -137,6 +141,10 @@ def parser() -> argparse.ArgumentParser:
     a("--shutdown-grace", type=float, default=d.shutdown_grace,
       help="seconds running requests get to finish on SIGTERM / SIGINT")
     a("--workers", type=int, default=d.workers, help="gRPC handler threads")
+    a("--stream-interval-ms", type=float, default=d.stream_interval_ms,
+      help="after the first tokens, a Generate stream sends at most one response per "
+           "interval x generations running; the tokens of the steps in between are merged "
+           "(0: one response per step)")
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     a("--log-format", default=d.log_format, choices=("json", "text"))
     return p
@@ -171,7 +179,8 @@ def from_args(argv: Sequence[str] | None = None,
             speculative=Speculative(ns.spec_n_max, ns.spec_n_min, ns.spec_p_min),
             default_max_tokens=ns.default_max_tokens, max_queue_wait=ns.max_queue_wait,
             max_queue=ns.max_queue, seed=ns.seed, shutdown_grace=ns.shutdown_grace,
-            workers=ns.workers, log_level=ns.log_level, log_format=ns.log_format)
+            workers=ns.workers, stream_interval_ms=ns.stream_interval_ms,
+            log_level=ns.log_level, log_format=ns.log_format)
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

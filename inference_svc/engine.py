@@ -131,6 +131,7 @@ class GenJob(Job):
         super().__init__(params.id_slot, wait_until, rpc_deadline)
         self.params = params
         self.out: queue.SimpleQueue[Chunk | Finished | BaseException] = queue.SimpleQueue()
+        self.ended = threading.Event()  # set once the last item (Finished or an error) is out
         self.text = text
         self.todo: list[int] | None = None  # prompt tokens left to process; None: decoding
         self.emitted = 0
@@ -140,6 +141,7 @@ class GenJob(Job):
 
     def fail(self, exc: BaseException) -> None:
         self.out.put(exc)
+        self.ended.set()
 
 
 class SlotOp(Job, Generic[T]):
@@ -290,6 +292,10 @@ class Engine:
             raise c.error
         return c.result
 
+    def n_running(self) -> int:
+        """Generations running now (read without locking: a hint)."""
+        return len(self._active)
+
     def list_slots(self) -> list[SlotInfo]:
         return self.call(self._slot_infos)
 
@@ -339,7 +345,6 @@ class Engine:
                     now = time.monotonic()
                     wake = min((j.wait_until for j in self._waiting), default=None)
                     self._cond.wait(None if wake is None else max(wake - now, 0.0) + 0.001)
-                self.metrics.queue_depth.set(len(self._waiting))
                 if self._closed and not calls:
                     for job in self._active:
                         self._stop(job, Unavailable("the server is shutting down"))
@@ -358,7 +363,9 @@ class Engine:
                     self._stop(job, Unavailable("the server is shutting down"))
                 else:
                     self._unit(job)
-            self.metrics.slots_busy.set(sum(s.job is not None for s in self._slots))
+            if admitted or not self._active:
+                self.metrics.slots_busy.set(sum(s.job is not None for s in self._slots))
+                self.metrics.queue_depth.set(len(self._waiting))
             if not self._active:
                 with self._cond:
                     self._cond.notify_all()  # drain() waits for this
@@ -511,10 +518,10 @@ class Engine:
             if job.emitted >= p.max_tokens:
                 reason = StopReason.MAX_TOKENS
                 break
-        if out:
-            job.out.put(Chunk(out, "".join(text)))
         if reason is not None:
-            self._finish(job, reason, stop)
+            self._finish(job, reason, stop, out, "".join(text))
+        elif out:
+            job.out.put(Chunk(out, "".join(text)))
 
     def _close_out(self, job: GenJob) -> Timings:
         """Commits the pending token, releases the slot and completes the timings."""
@@ -546,12 +553,15 @@ class Engine:
                 m.decode_speed.observe(tm.predicted_per_second)
         return tm
 
-    def _finish(self, job: GenJob, reason: StopReason, stop: str = "") -> None:
-        rest = job.text.flush() if reason is not StopReason.STOP_STRING else ""
+    def _finish(self, job: GenJob, reason: StopReason, stop: str = "",
+                tokens: list[int] | None = None, text: str = "") -> None:
+        """Ends a generation: its last tokens and text go out with the timings."""
+        if reason is not StopReason.STOP_STRING:
+            text += job.text.flush()
         tm = self._close_out(job)
-        if rest:
-            job.out.put(Chunk([], rest))
-        job.out.put(Finished(reason, tm, stop, job.params.seed))
+        last = Chunk(tokens or [], text) if tokens or text else None
+        job.out.put(Finished(reason, tm, stop, job.params.seed, last))
+        job.ended.set()
         self.log.info("generate", extra=log.fields(
             slot=job.slot, stop_reason=reason.name.lower(), prompt_n=tm.prompt_n,
             cache_n=tm.cache_n, predicted_n=tm.predicted_n, prompt_ms=round(tm.prompt_ms, 2),

@@ -126,7 +126,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         job = rt.engine.generate(params, _time_remaining(context))
         context.add_callback(job.cancel)
         try:
-            yield from _responses(job)
+            yield from _responses(job, self.cfg.stream_interval_ms / 1e3,
+                                  rt.engine.n_running)
         finally:
             job.cancel()
 
@@ -193,11 +194,19 @@ def _model_info(model: Model, path: Any) -> pb.ModelInfo:
                         n_head=hp.n_head, n_head_kv=hp.n_head_kv, n_ctx_train=hp.n_ctx_train)
 
 
-def _responses(job: GenJob) -> Iterator[pb.GenerateResponse]:
-    """One response per batch of engine output: whatever is queued when the stream
-    is ready to send is merged into one message."""
+def _responses(job: GenJob, interval: float,
+               n_streams: Callable[[], int]) -> Iterator[pb.GenerateResponse]:
+    """Responses from the engine's output: the first new tokens at once, then at most
+    one message per `interval` x (generations running) seconds carrying everything
+    generated meanwhile, and the last one as soon as the generation ends. (Sending a
+    message costs more CPU than a decoding step of a small model; this keeps the
+    service's messages per second about constant whatever the number of streams.)"""
+    last_sent = 0.0
     while True:
         items = [job.out.get()]
+        if interval > 0 and last_sent:
+            wait = last_sent + interval * max(1, n_streams()) - time.monotonic()
+            job.ended.wait(max(0.0, wait))
         while True:
             try:
                 items.append(job.out.get_nowait())
@@ -213,6 +222,9 @@ def _responses(job: GenJob) -> Iterator[pb.GenerateResponse]:
                 text.append(it.text)
             elif isinstance(it, Finished):
                 final = it
+                if it.last is not None:
+                    tokens += it.last.tokens
+                    text.append(it.last.text)
             else:
                 error = it
         if tokens or any(text) or final is not None:
@@ -225,6 +237,7 @@ def _responses(job: GenJob) -> Iterator[pb.GenerateResponse]:
                 if final.seed is not None:
                     resp.seed = final.seed
             yield resp
+            last_sent = time.monotonic()
         if error is not None:
             raise error
         if final is not None:

@@ -210,6 +210,7 @@ class Finished:
     timings: Timings
     stop_string: str = ""
     seed: int | None = None
+    last: Chunk | None = None  # the final output, sent with the end in one message
 
 
 @dataclass(frozen=True)
