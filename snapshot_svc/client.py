@@ -73,13 +73,13 @@ T = TypeVar("T")
 
 CLIENT_FEATURES = ("sha256", "draft-sidecar", "paired-commit")
 DEFAULT_MAX_SNAPSHOT_BYTES = 2 << 30  # deadline basis when the server does not say (protocol 1)
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = (
     # reconnect quickly after a restart of the service (the defaults back off to minutes)
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
-]
+)
 
 
 def _sha256(data: bytes) -> str:
@@ -112,7 +112,7 @@ class SnapshotClient:
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self._channel = channel or grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self._channel = channel or grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
         self._stub = SnapshotStub(self._channel)  # chunks without extra copies
         self._lock = threading.Lock()
         self._info: ServerInfo | SnapshotError | None = None  # Hello's answer, once
@@ -197,7 +197,7 @@ class SnapshotClient:
         validate_name(name)
         info = self.server_info()
         target_meta = target_meta or PartMeta()
-        t_sha = target_sha256 or _sha256(target)
+        t_sha = (target_sha256 or _sha256(target)).lower()
         if draft is None or info.protocol < 2:
             skipped = draft is not None
             r = self._put_part(name, Part.TARGET, target, t_sha, target_meta)
@@ -206,7 +206,7 @@ class SnapshotClient:
                     "(target files only)" if skipped else "")
             return PutResult(name, r.commit_id, info.protocol, t_info, None, skipped, note)
         draft_meta = draft_meta or PartMeta()
-        d_sha = draft_sha256 or _sha256(draft)
+        d_sha = (draft_sha256 or _sha256(draft)).lower()
         for attempt in range(2):
             self._put_part(name, Part.TARGET, target, t_sha, target_meta, draft_follows=True)
             try:

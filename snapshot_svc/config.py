@@ -12,13 +12,14 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
 
 ENV_PREFIX = "WARMSLOT_SNAPSHOT_"
 DEFAULT_PORT = 50052
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_UNITS = MappingProxyType({"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40})
 
 
 def parse_size(text: str) -> int:

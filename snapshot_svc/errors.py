@@ -7,6 +7,9 @@ so callers catch `NotFound`, `DataLoss`... instead of inspecting RpcErrors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import grpc
 
 
@@ -56,17 +59,23 @@ class Unavailable(SnapshotError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Cancelled(SnapshotError):
+    """The caller went away (the server discards what it sent)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 class Internal(SnapshotError):
     """A bug or an unexpected I/O error on the server."""
 
     code = grpc.StatusCode.INTERNAL
 
 
-_BY_CODE: dict[grpc.StatusCode, type[SnapshotError]] = {
+_BY_CODE: Mapping[grpc.StatusCode, type[SnapshotError]] = MappingProxyType({
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, DataLoss, ResourceExhausted,
-                Unavailable, Internal)
-}
+                Unavailable, Cancelled, Internal)
+})
 
 
 def from_rpc_error(err: grpc.RpcError) -> SnapshotError:

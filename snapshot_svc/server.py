@@ -29,6 +29,7 @@ from prometheus_client import start_http_server
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import (
+    Cancelled,
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
@@ -144,10 +145,12 @@ class StatusInterceptor(grpc.ServerInterceptor):
             raise Unavailable("the snapshot service is shutting down")
 
     def _fail(self, method: str, context: grpc.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, grpc.RpcError) or not context.is_active():
+        if isinstance(exc, grpc.RpcError | Cancelled) or not context.is_active():
             self._metrics.rpcs.labels(method, "CANCELLED").inc()
             log_event(log, logging.INFO, "rpc_cancelled", method=method)
-            raise exc  # the client went away; grpc knows
+            if isinstance(exc, grpc.RpcError):
+                raise exc  # raised by grpc itself (the request stream broke): it knows
+            context.abort(grpc.StatusCode.CANCELLED, "the client went away")
         if isinstance(exc, SnapshotError):
             code, message = exc.code, exc.message
             log_event(log, logging.INFO, "rpc_failed", method=method, code=code.name,
@@ -246,7 +249,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                                           f"{MAX_CHUNK_BYTES}")
                 upload.write(chunk)
             if not context.is_active():
-                raise grpc.RpcError("client went away")
+                raise Cancelled("the client went away")
             out = self.store.finish_put(upload)
             upload = None
             self.metrics.bytes_received.labels(label).inc(out.info.size)
@@ -257,8 +260,8 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                                   sha256=out.info.sha256, commit_id=out.commit_id,
                                   committed=out.committed, has_draft=out.has_draft)
         except SnapshotError as exc:
-            code = exc.code.name
-            if isinstance(exc, DataLoss):
+            code = exc.code.name if context.is_active() else "CANCELLED"
+            if isinstance(exc, DataLoss) and context.is_active():
                 self.metrics.digest_failures.inc()
             raise
         except grpc.RpcError:
