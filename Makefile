@@ -49,8 +49,15 @@ $(NATIVE_ASAN_SO): $(DEPS_STAMP) $(NATIVE_SRC)
 native: $(NATIVE_SO)
 native-asan: $(NATIVE_ASAN_SO)
 
+# the inference service in the foreground on 127.0.0.1 (Ctrl-C stops it gracefully);
+# talk to it with `.venv/bin/python -m inference_svc.client ...` (README)
+RUN_PORT ?= 50051
+RUN_METRICS_PORT ?= 9090
+RUN_SLOT_DIR ?= var/slots
 run: setup
-	$(PY) -m inference_svc.complete --model $(MODEL) --prompt '$(PROMPT)' --max-tokens 96
+	$(PY) -m inference_svc --model $(MODEL) --draft $(DRAFT) --host 127.0.0.1 \
+		--port $(RUN_PORT) --metrics-port $(RUN_METRICS_PORT) --slot-save-path $(RUN_SLOT_DIR) \
+		--log-format text
 
 lint: $(DEPS_STAMP)
 	$(PY) -m ruff check .

@@ -176,7 +176,8 @@ def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
         _show(last)
         return
     t = last.timings
-    print(f"\n\n[slot {t.id_slot}] {pb.StopReason.Name(last.stop_reason).lower()}: "
+    reason = pb.StopReason.Name(last.stop_reason).removeprefix("STOP_REASON_").lower()
+    print(f"\n\n[slot {t.id_slot}] {reason}: "
           f"prompt {t.prompt_n} processed + {t.cache_n} cached in {t.prompt_ms:.1f} ms; "
           f"{t.predicted_n} generated in {t.predicted_ms:.1f} ms "
           f"({t.predicted_per_second:.1f} tokens/s); draft {t.draft_n_accepted}/{t.draft_n} "

@@ -296,7 +296,7 @@ class Server:
         self._models.append(target)
         draft = None
         if cfg.draft is not None:
-            if not cfg.draft.exists() and cfg.draft == DEFAULT_DRAFT:
+            if not cfg.draft.exists() and cfg.draft.resolve() == DEFAULT_DRAFT:
                 self.log.warning("no draft model: speculative decoding is off",
                                  extra=log.fields(draft=str(cfg.draft)))
             else:
