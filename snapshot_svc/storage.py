@@ -34,6 +34,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotI
 log = logging.getLogger("snapshot_svc.storage")
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_WRITEBACK_BYTES = 16 << 20  # a large upload starts writeback every this many bytes
 
 
 def _fsync_dir(path: Path) -> None:
@@ -110,13 +112,17 @@ class Upload:
     """
 
     def __init__(self, header: UploadHeader, path: Path, max_bytes: int,
-                 write: Callable[[int, memoryview], int]) -> None:
+                 write: Callable[[int, memoryview], int],
+                 flusher: futures.Executor | None = None) -> None:
         self.header = header
         self.path = path
         self.received = 0
         self._max_bytes = max_bytes
         self._hash = hashlib.sha256()
         self._write = write
+        self._flusher = flusher
+        self._flushing: futures.Future[None] | None = None
+        self._unflushed = 0
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
     def write(self, data: bytes | memoryview) -> None:
@@ -141,6 +147,23 @@ class Upload:
         except OSError as exc:
             raise _io_error(f"writing {self.header.name!r}", exc) from exc
         self.received = total
+        # start writing back what arrived so far, so the fsync at the end has little left
+        self._unflushed += n
+        if (self._flusher is not None and self._unflushed >= _WRITEBACK_BYTES
+                and (self._flushing is None or self._flushing.done())):
+            self._wait_flush()  # a writeback error is raised, never dropped (fsync reports
+            # it only once per file description)
+            self._flushing = self._flusher.submit(os.fdatasync, self._fd)
+            self._unflushed = 0
+
+    def _wait_flush(self) -> None:
+        if self._flushing is not None:
+            try:
+                self._flushing.result()
+            except OSError as exc:
+                raise _io_error(f"syncing {self.header.name!r}", exc) from exc
+            finally:
+                self._flushing = None
 
     def seal(self) -> None:
         """Checks size and digest, then fsyncs and closes the file (DATA_LOSS on mismatch)."""
@@ -154,6 +177,7 @@ class Upload:
                            f"received bytes {digest})")
         assert self._fd is not None
         try:
+            self._wait_flush()
             os.fsync(self._fd)
         except OSError as exc:
             raise _io_error(f"syncing {h.name!r}", exc) from exc
@@ -162,6 +186,10 @@ class Upload:
             self._fd = None
 
     def abort(self) -> None:
+        try:
+            self._wait_flush()
+        except Exception:  # noqa: BLE001 - discarding the upload anyway
+            pass
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -183,6 +211,8 @@ class Store:
         self._clock = clock
         self._write = write  # os.write; tests inject failures (ENOSPC)
         self._lock = threading.Lock()
+        self._flusher = futures.ThreadPoolExecutor(max_workers=4,
+                                                   thread_name_prefix="snapshot-writeback")
         self._index: dict[str, SnapshotInfo] = {}
         self._staged: dict[tuple[str, str], _Staged] = {}
         self._refs: Counter[str] = Counter()
@@ -248,6 +278,7 @@ class Store:
                   unreadable_manifests=bad, missing_blobs=len(missing))
 
     def close(self) -> None:
+        self._flusher.shutdown(wait=True)
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1
@@ -275,7 +306,7 @@ class Store:
     def begin_put(self, header: UploadHeader) -> Upload:
         path = self.tmp / f"put-{uuid.uuid4().hex}.tmp"
         try:
-            return Upload(header, path, self.max_snapshot_bytes, self._write)
+            return Upload(header, path, self.max_snapshot_bytes, self._write, self._flusher)
         except OSError as exc:
             raise _io_error(f"creating a temporary file for {header.name!r}", exc) from exc
 

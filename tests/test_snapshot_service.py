@@ -27,6 +27,7 @@ from snapshot_svc.errors import (
     FailedPrecondition,
     NotFound,
     ResourceExhausted,
+    SnapshotError,
     Unavailable,
 )
 from snapshot_svc.logs import JsonFormatter
@@ -700,3 +701,26 @@ def test_ctl_moves_files_between_stores(server: SnapshotServer, tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["bytes_freed"] == len(t) + len(d)
     assert ctl.main(addr + ["stat", "chat 1"]) == 1
     assert json.loads(capsys.readouterr().err)["error"] == "NOT_FOUND"
+
+
+def test_writeback_error_is_not_lost(server: SnapshotServer, client: SnapshotClient,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed background fdatasync fails the Put even if the final fsync succeeds."""
+    from snapshot_svc import storage
+
+    client.put("s", b"old")
+    before = stored_files(server)
+    monkeypatch.setattr(storage, "_WRITEBACK_BYTES", MAX_CHUNK_BYTES)
+    calls = [0]
+
+    def failing_fdatasync(fd: int) -> None:
+        calls[0] += 1
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(storage.os, "fdatasync", failing_fdatasync)
+    with pytest.raises(SnapshotError) as err:
+        client.put("s", blob(1, 4 * MAX_CHUNK_BYTES))
+    assert err.value.code == grpc.StatusCode.INTERNAL and "I/O error" in err.value.message
+    assert calls[0] >= 1
+    assert stored_files(server) == before
+    assert client.get("s").target == b"old"
