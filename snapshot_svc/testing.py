@@ -72,7 +72,11 @@ class ServerProcess:
         assert self.proc.stderr is not None
         self._reader = threading.Thread(target=self._read, args=(self.proc.stderr,), daemon=True)
         self._reader.start()
-        serving = self.wait_for("serving", timeout=start_timeout)
+        try:
+            serving = self.wait_for("serving", timeout=start_timeout)
+        except BaseException:
+            self.__exit__()  # never leave a half-started server behind
+            raise
         self.port = int(serving["port"])
         self.address = f"127.0.0.1:{self.port}"
 
