@@ -57,11 +57,15 @@ class Config:
     max_queue: int = 64  # requests waiting for a slot, beyond which RESOURCE_EXHAUSTED
     seed: int | None = None  # seeds the slots' RNGs at start-up (None: random)
     shutdown_grace: float = 10.0  # seconds running requests get on SIGTERM / SIGINT
-    workers: int = 16  # gRPC handler threads
+    workers: int = 0  # gRPC handler threads; 0: slots + max_queue + 8
     # at most one Generate response per interval x generations running (0: one per step)
     stream_interval_ms: float = 10.0
     log_level: str = "info"
     log_format: str = "json"  # json | text
+
+    @property
+    def grpc_workers(self) -> int:
+        return self.workers or self.slots + self.max_queue + 8
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,6 +82,8 @@ class Config:
                             f"of {', '.join(DRAFT_POLICIES)}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             problems.append("ports must be in 0..65535")
+        if self.workers < 0:
+            problems.append("--workers must be >= 0")
         if self.stream_interval_ms < 0:
             problems.append("--stream-interval-ms must be >= 0")
         if self.default_max_tokens < 0:
@@ -140,7 +146,9 @@ def parser() -> argparse.ArgumentParser:
       help="seed of the slots' RNGs at start-up (default: random)")
     a("--shutdown-grace", type=float, default=d.shutdown_grace,
       help="seconds running requests get to finish on SIGTERM / SIGINT")
-    a("--workers", type=int, default=d.workers, help="gRPC handler threads")
+    a("--workers", type=int, default=d.workers,
+      help="gRPC handler threads (0: slots + max-queue + 8, one per stream that can be "
+           "running or waiting, plus room for the other calls)")
     a("--stream-interval-ms", type=float, default=d.stream_interval_ms,
       help="after the first tokens, a Generate stream sends at most one response per "
            "interval x generations running; the tokens of the steps in between are merged "

@@ -346,8 +346,8 @@ class Engine:
                     wake = min((j.wait_until for j in self._waiting), default=None)
                     self._cond.wait(None if wake is None else max(wake - now, 0.0) + 0.001)
                 if self._closed and not calls:
-                    for job in self._active:
-                        self._stop(job, Unavailable("the server is shutting down"))
+                    for job in list(self._active):
+                        self._guarded(job, self._stop, Unavailable("the server is shutting down"))
                     return
             for c in calls:
                 try:
@@ -356,19 +356,36 @@ class Engine:
                     c.error = exc
                 c.done.set()
             for job in admitted:
-                self._begin(job)
+                self._guarded(job, self._begin)
             cut = self._cut_at is not None and time.monotonic() >= self._cut_at
             for job in list(self._active):
                 if cut:
-                    self._stop(job, Unavailable("the server is shutting down"))
+                    self._guarded(job, self._stop, Unavailable("the server is shutting down"))
                 else:
-                    self._unit(job)
+                    self._guarded(job, self._unit)
             if admitted or not self._active:
                 self.metrics.slots_busy.set(sum(s.job is not None for s in self._slots))
                 self.metrics.queue_depth.set(len(self._waiting))
             if not self._active:
                 with self._cond:
                     self._cond.notify_all()  # drain() waits for this
+
+    def _guarded(self, job: Job, fn: Callable[..., None], *args: Any) -> None:
+        """Runs fn(job, *args); a failure that escaped it fails the job and frees its slot
+        (emptied), so the engine thread never dies and no handler waits forever."""
+        try:
+            fn(job, *args)
+        except BaseException as exc:  # noqa: BLE001 - logged and handed to the request
+            self.log.error("engine failure", exc_info=exc, extra=log.fields(slot=job.slot))
+            if job in self._active:
+                self._active.remove(job)  # type: ignore[arg-type]
+            try:
+                self.dec.clear(job.slot)
+                self._release(job.slot)
+            except BaseException:  # noqa: BLE001
+                self._slots[job.slot].job = None
+                self._slots[job.slot].tokens = []
+            job.fail(exc)
 
     def _sweep_locked(self) -> None:
         now = time.monotonic()

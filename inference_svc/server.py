@@ -267,7 +267,7 @@ class Server:
 
     def start(self) -> int:
         cfg = self.cfg
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers,
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers,
                                                         thread_name_prefix="grpc"),
                              interceptors=[ErrorInterceptor(self.metrics)],
                              options=[("grpc.so_reuseport", 0)])

@@ -89,7 +89,8 @@ def proc(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path,
     else:
         target, draft = model_pair(tmp_path_factory.getbasetemp(), "slow", shape=SLOW)
     env = dict(os.environ, WARMSLOT_MODEL=str(target), WARMSLOT_DRAFT=str(draft),
-               WARMSLOT_SLOTS="2", WARMSLOT_CTX="256", WARMSLOT_PORT="0",
+               WARMSLOT_SLOTS="2", WARMSLOT_CTX="256" if grace == "5" else "512",
+               WARMSLOT_PORT="0",
                WARMSLOT_SLOT_SAVE_PATH=str(tmp_path / "slots"), WARMSLOT_LOG_FORMAT="json",
                WARMSLOT_SHUTDOWN_GRACE=grace)
     p = subprocess.Popen([sys.executable, "-m", "inference_svc", "--threads", "1",
@@ -140,23 +141,25 @@ def test_cli_client_against_the_process(proc: Proc,
     assert "generate" in proc.messages() and "slot saved" in proc.messages()
 
 
-@pytest.mark.parametrize("proc", ["5", "0.2"], indirect=True)
+@pytest.mark.parametrize("proc", ["5", "0.1"], indirect=True)
 def test_sigterm_stops_gracefully(proc: Proc) -> None:
-    """Grace 5 s: the running generation finishes. Grace 0.2 s with a slow model: it is
-    cut at a step boundary and gets UNAVAILABLE. Either way the process exits 0."""
+    """Grace 5 s: the running generation finishes. Grace 0.1 s with a slow model and 480
+    tokens to go: it is cut at a step boundary and gets UNAVAILABLE. Either way the
+    process exits 0."""
     outcome: dict[str, object] = {}
     started = threading.Event()
 
     def long_generation() -> None:
         with InferenceClient(f"127.0.0.1:{proc.port}") as c:
-            n = 0
+            got = 0
             try:
-                req = make_request("hello", max_tokens=240, speculative=False)
+                n = 240 if proc.grace == "5" else 480
+                req = make_request("hello", max_tokens=n, speculative=False)
                 for r in c.generate_stream(req):
                     started.set()
-                    n += len(r.tokens)
+                    got += len(r.tokens)
                     if r.done:
-                        outcome["done"] = n
+                        outcome["done"] = got
             except grpc.RpcError as exc:
                 outcome["error"] = exc.code()
 
