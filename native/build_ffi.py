@@ -9,6 +9,7 @@ preprocessor lines removed; the compiled module lands in inference_svc/core/.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import re
 import shutil
@@ -37,7 +38,15 @@ VARIANTS = {
 
 
 def arch_flags() -> list[str]:
-    """x86-64-v3 (AVX2 + FMA) when the CPU has it; the C code has a scalar path otherwise."""
+    """x86-64-v3 (AVX2 + FMA) when the CPU has it; the C code has a scalar path otherwise.
+
+    WARMSLOT_MARCH overrides the choice (an image built for other machines sets it):
+    a -march value such as `x86-64-v3`, or `none` for the compiler's default. The
+    results are the same bits either way (the scalar path uses fmaf), only slower.
+    """
+    forced = os.environ.get("WARMSLOT_MARCH")
+    if forced is not None:
+        return [] if forced in ("", "none") else [f"-march={forced}"]
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     try:
