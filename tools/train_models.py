@@ -109,6 +109,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="torch.compile (+~6%% here)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run of every stage")
+    p.add_argument(
+        "--reuse-checkpoints",
+        action="store_true",
+        help="skip training a model whose checkpoint and report are in --work-dir "
+        "(same flags as the run that made them), e.g. to redo export and evaluation",
+    )
     return p.parse_args(argv)
 
 
@@ -351,10 +357,19 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
         model = Llama(cfg)
         plan = make_plan(args, short, long, lr)
         log("model", role=role, **model_summary(model))
-        report = train_model(
-            model, plan, train_stream, valid_stream, args.seed + offset, args.compile
-        )
-        torch.save(model.state_dict(), args.work_dir / f"{role}.pt")
+        checkpoint = args.work_dir / f"{role}.pt"
+        saved_report = args.work_dir / f"{role}.report.json"
+        if args.reuse_checkpoints and checkpoint.exists() and saved_report.exists():
+            model.load_state_dict(torch.load(checkpoint))
+            report = json.loads(saved_report.read_text())
+            log("reused", role=role, checkpoint=str(checkpoint))
+        else:
+            report = train_model(
+                model, plan, train_stream, valid_stream, args.seed + offset, args.compile
+            )
+            torch.save(model.state_dict(), checkpoint)
+            saved_report.write_text(json.dumps(report))
+        model.eval()
         path = args.out_dir / f"{role}.gguf"
         export(model, path, vocab, f"Warmslot bundled {role}, trained on CPython stdlib sources")
         report["export_check"] = check_export(model, path, valid_stream[:300].tolist())
