@@ -1,0 +1,253 @@
+"""The slot store over the snapshot service (`--snapshot-addr HOST:PORT`, issue 6).
+
+    store = SnapshotStore("127.0.0.1:50052", timeout=30.0)
+    n = store.save("chat-42", enc.target, enc.draft)     # bytes stored
+    slot = store.load("chat-42")                          # StoredSlot(target, draft, note)
+    store.close()
+
+It implements `inference_svc.store.SlotStore` over `snapshot_svc.client.SnapshotClient`:
+
+- The bytes are stored verbatim, so a target file is the same whichever store holds
+  it. Each part is sent with the metadata the service records (format version,
+  model fingerprint, token count), read from the file's fixed header.
+- Target and draft of one save are committed together (protocol 2). With a
+  protocol-1 peer (a server started with `--max-protocol 1`, a server without
+  `Hello`, or `max_protocol=1` here) only the target is stored, one warning per
+  store says so, and `load` returns no draft: the restore applies its draft policy.
+- Errors are the inference service's own (`inference_svc.errors`), the same types
+  `LocalStore` raises for the same situations: NotFound, InvalidArgument (bad name),
+  ResourceExhausted (too big, disk full), DataLoss, Unavailable (unreachable,
+  shutting down, or no answer within the deadline), FailedPrecondition (no common
+  protocol version).
+- Every call has a deadline (`timeout` seconds, plus the transfer time at
+  `min_rate` bytes/s) and is retried with backoff on UNAVAILABLE only (`retries`
+  times); both are the client's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from inference_svc import errors, log, slotfile
+from inference_svc.names import validate_name
+from inference_svc.store import StoredSlot
+from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
+from snapshot_svc import errors as snap_errors
+from snapshot_svc.client import SnapshotClient
+from snapshot_svc.records import PartMeta
+
+# snapshot service error -> the inference service's error for the same situation
+_ERRORS: tuple[tuple[type[snap_errors.SnapshotError], type[errors.ServiceError]], ...] = (
+    (snap_errors.NotFound, errors.NotFound),
+    (snap_errors.InvalidArgument, errors.InvalidArgument),
+    (snap_errors.ResourceExhausted, errors.ResourceExhausted),
+    (snap_errors.DataLoss, errors.DataLoss),
+    (snap_errors.FailedPrecondition, errors.FailedPrecondition),
+    (snap_errors.Unavailable, errors.Unavailable),
+    (snap_errors.Cancelled, errors.Cancelled),
+)
+MAX_RETIRED = 4  # replaced clients kept open for their calls in flight
+# a draft that cannot be read costs the draft only (the target is fetched alone)
+_DRAFT_ONLY_ERRORS = (snap_errors.DataLoss, snap_errors.FailedPrecondition,
+                      snap_errors.Internal)
+
+
+def part_meta(data: bytes | memoryview) -> PartMeta:
+    """What the snapshot service records about a slot file, from its fixed header
+    (unverified). Bytes that are not a slot file get empty metadata: the store
+    keeps bytes, it does not judge them (restore does)."""
+    try:
+        m = slotfile.read_meta(data)
+    except slotfile.SlotFileError:
+        return PartMeta()
+    return PartMeta(format_version=m.version, fingerprint=m.fingerprint, n_tokens=m.n_tokens)
+
+
+class SnapshotStore:
+    """A `SlotStore` on a snapshot service. Thread-safe. See the module docstring.
+
+    addr:         "host:port" of the snapshot service (`--snapshot-addr`).
+    timeout:      deadline of each call in seconds (`--snapshot-timeout`); transfers
+                  get size / min_rate more.
+    max_protocol: 2 (target + draft) or 1 (behave as a protocol-1 peer, never send
+                  or fetch drafts; `--snapshot-max-protocol`).
+    retries, backoff: retries of an UNAVAILABLE call, and the first backoff in seconds
+                  (doubling up to 2 s); with the defaults a call waits about 3 s for a
+                  restarting service before it raises Unavailable.
+    min_rate:     slowest transfer rate in bytes/s the deadlines allow for.
+    logger:       where the one protocol-1 warning goes (default: the service's logger).
+    """
+
+    def __init__(self, addr: str, *, timeout: float = 30.0, max_protocol: int = PROTOCOL_MAX,
+                 retries: int = 5, backoff: float = 0.1, min_rate: float = 32 << 20,
+                 logger: logging.Logger | None = None) -> None:
+        if not addr or ":" not in addr:
+            raise ValueError(f"snapshot service address {addr!r} is not HOST:PORT")
+        if timeout <= 0:
+            raise ValueError(f"snapshot timeout must be positive, got {timeout}")
+        if not PROTOCOL_MIN <= max_protocol <= PROTOCOL_MAX:
+            raise ValueError(f"snapshot max protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}, "
+                             f"got {max_protocol}")
+        self.addr = addr
+        self.timeout = timeout
+        self.max_protocol = max_protocol
+        self.retries = retries
+        self.backoff = backoff
+        self.min_rate = min_rate
+        self.log = logger or log.get()
+        self._lock = threading.Lock()
+        self._client = self._new_client()
+        self._retired: list[SnapshotClient] = []  # replaced after a downgrade; closed last
+        self._protocol: int | None = None  # as of the last call that reached the service
+        self._warned = False
+        self._closed = False
+
+    def _new_client(self) -> SnapshotClient:
+        return SnapshotClient(self.addr, max_protocol=self.max_protocol, timeout=self.timeout,
+                              retries=self.retries, backoff=self.backoff,
+                              min_rate=self.min_rate)
+
+    # --- SlotStore --------------------------------------------------------------------
+
+    def describe(self) -> str:
+        return f"snapshot:{self.addr}"
+
+    @property
+    def negotiated_protocol(self) -> int | None:
+        """The protocol of the last save or load (1: target files only), None before
+        the first one; never calls the service (for GetInfo)."""
+        return self._protocol
+
+    def save(self, name: str, target: bytes, draft: bytes | None, *,
+             target_sha256: str | None = None) -> int:
+        """Stores both files as one save; returns the bytes stored (the target's alone
+        when a protocol-1 peer left the draft out). Without a draft, any draft of an
+        earlier save under the name is dropped. `target_sha256`: the target's hex
+        SHA-256 when the caller has it (EncodedSlot.target_sha256), saves hashing it."""
+        validate_name(name)
+        client = self._current()
+        t_meta = part_meta(target)
+        d_meta = part_meta(draft) if draft is not None else None
+        try:
+            try:
+                res = client.put(name, target, draft, t_meta, d_meta,
+                                 target_sha256=target_sha256)
+            except snap_errors.FailedPrecondition:
+                # a paired save refused: the service may have been replaced by a
+                # protocol-1 one since this channel said Hello. Negotiate again, once.
+                if draft is None:
+                    raise
+                client = self._renegotiate(client)
+                if client.protocol >= 2:
+                    raise
+                res = client.put(name, target, draft, t_meta, d_meta,
+                                 target_sha256=target_sha256)
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, name, "save") from exc
+        self._protocol = res.protocol
+        if res.draft_skipped:
+            self._warn_protocol_1(client)
+        return res.target.size + (res.draft.size if res.draft is not None else 0)
+
+    def load(self, name: str) -> StoredSlot:
+        """The stored bytes. A draft that cannot be read (corrupt, or a protocol-1
+        peer) leaves draft None with the reason in draft_note; NotFound when there is
+        no snapshot of that name."""
+        validate_name(name)
+        client = self._current()
+        try:
+            try:
+                snap = client.get(name)
+                note = snap.draft_note
+            except _DRAFT_ONLY_ERRORS as exc:
+                # the target alone may still be good: fetch it without the draft
+                snap = client.get(name, with_draft=False)
+                note = f"cannot read the draft sidecar: {exc.message}"
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, name, "load") from exc
+        self._protocol = snap.protocol
+        if snap.protocol < 2:
+            self._warn_protocol_1(client)
+            note = f"no draft: {self._protocol_1_reason(client)}"
+        return StoredSlot(snap.target, snap.draft, note if snap.draft is None else "")
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the connection; calls in flight fail (Unavailable or Cancelled)."""
+        with self._lock:
+            self._closed = True
+            clients = [self._client, *self._retired]
+            self._retired.clear()
+        for c in clients:
+            c.close()
+
+    def __enter__(self) -> SnapshotStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals --------------------------------------------------------------------
+
+    def _current(self) -> SnapshotClient:
+        with self._lock:
+            if self._closed:
+                raise errors.Unavailable(f"the snapshot store for {self.addr} is closed")
+            return self._client
+
+    def _renegotiate(self, old: SnapshotClient) -> SnapshotClient:
+        """A client on a new channel (a new Hello), unless another thread made one."""
+        with self._lock:
+            if self._closed:
+                raise errors.Unavailable(f"the snapshot store for {self.addr} is closed")
+            if self._client is old:
+                self._retired.append(old)  # calls in flight on it may still finish
+                self._client = self._new_client()
+            stale = self._retired[:-MAX_RETIRED]
+            del self._retired[:-MAX_RETIRED]
+            client = self._client
+        for c in stale:  # long replaced: nothing runs on them any more
+            c.close()
+        return client
+
+    def _protocol_1_reason(self, client: SnapshotClient) -> str:
+        if self.max_protocol < 2:
+            return ("this service is configured with --snapshot-max-protocol 1 (snapshot "
+                    "protocol 1: target files only)")
+        info = client.server_info()  # known by now: no call
+        if not info.hello_supported:
+            return (f"the snapshot service at {self.addr} answers Hello with UNIMPLEMENTED "
+                    "(protocol 1: target files only)")
+        return f"the snapshot service at {self.addr} speaks protocol 1 (target files only)"
+
+    def _warn_protocol_1(self, client: SnapshotClient) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        reason = self._protocol_1_reason(client)
+        self.log.warning(
+            f"drafts are not saved or restored: {reason}; restored slots rebuild their "
+            "draft by the draft restore policy", extra=log.fields(
+                snapshot_addr=self.addr, snapshot_protocol=1))
+
+    def _error(self, exc: snap_errors.SnapshotError, name: str,
+               op: str) -> errors.ServiceError:
+        """The inference service's error for a failed snapshot call."""
+        if isinstance(exc, snap_errors.NotFound):
+            return errors.NotFound(f"no slot file {name!r} in the snapshot service at "
+                                   f"{self.addr}")
+        where = f"snapshot service at {self.addr}"
+        for snap_cls, cls in _ERRORS:
+            if isinstance(exc, snap_cls):
+                return cls(f"cannot {op} {name!r}: {where}: {exc.message}")
+        if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return errors.Unavailable(f"cannot {op} {name!r}: the {where} did not answer "
+                                      f"within the deadline ({self.timeout:g} s and the "
+                                      f"transfer time): {exc.message}")
+        return errors.Internal(f"cannot {op} {name!r}: {where}: {exc.code.name}: "
+                               f"{exc.message}")
