@@ -37,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     while not stop.wait(1.0):
         pass
-    srv.stop()
-    return 0
+    return 0 if srv.stop() else 1
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +48,12 @@ class Config:
     host: str = "127.0.0.1"
     port: int = 50051
     slot_save_path: Path | None = None
+    snapshot_addr: str | None = None  # HOST:PORT of a snapshot service (instead of a directory)
+    snapshot_timeout: float = 30.0  # seconds per snapshot-service call
+    snapshot_client_max_protocol: int = 2  # 1: behave as a protocol-1 client (no drafts)
+    auto_save: bool = True  # save every slot on SIGTERM / SIGINT, restore them on start
+    instance_id: str = field(default_factory=socket.gethostname)  # auto-<id>-slot<N>
+    restore_timeout: float = 30.0  # seconds to wait for an unreachable store at start-up
     draft_restore_policy: str = "reprefill"
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
@@ -88,10 +95,30 @@ class Config:
             problems.append("--stream-interval-ms must be >= 0")
         if self.default_max_tokens < 0:
             problems.append("--default-max-tokens must be >= 0")
+        if self.slot_save_path is not None and self.snapshot_addr is not None:
+            problems.append("set one of --slot-save-path and --snapshot-addr, not both")
+        if self.snapshot_addr is not None and not _is_host_port(self.snapshot_addr):
+            problems.append(f"--snapshot-addr {self.snapshot_addr!r} is not HOST:PORT")
+        if self.snapshot_client_max_protocol not in (1, 2):
+            problems.append("--snapshot-client-max-protocol must be 1 or 2")
+        if self.snapshot_timeout <= 0 or self.restore_timeout < 0:
+            problems.append("--snapshot-timeout must be > 0 and --restore-timeout >= 0")
+        if not self.instance_id or not all(c.isalnum() or c in "-_." for c in self.instance_id):
+            problems.append(f"--instance-id {self.instance_id!r} must be letters, digits, "
+                            f"'-', '_' or '.'")
         if self.log_format not in ("json", "text"):
             problems.append(f"--log-format {self.log_format!r} is not json or text")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _str_or_none(value: str) -> str | None:
+    return None if value.strip().lower() in ("", "none") else value.strip()
 
 
 def _path_or_none(value: str) -> Path | None:
@@ -121,6 +148,21 @@ def parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
     a("--slot-save-path", type=_path_or_none, default=d.slot_save_path,
       help="directory of the local slot store (SaveSlot / RestoreSlot)")
+    a("--snapshot-addr", type=_str_or_none, default=d.snapshot_addr,
+      help="HOST:PORT of a snapshot service that holds the slot files (instead of "
+           "--slot-save-path)")
+    a("--snapshot-timeout", type=float, default=d.snapshot_timeout,
+      help="seconds each snapshot-service call may take (plus time for its size)")
+    a("--snapshot-client-max-protocol", type=int, choices=(1, 2),
+      default=d.snapshot_client_max_protocol,
+      help="highest snapshot protocol to speak (1: target files only, as an old client)")
+    a("--auto-save", action=argparse.BooleanOptionalAction, default=d.auto_save,
+      help="with a store configured, save every non-empty slot as auto-<instance>-slot<N> "
+           "on SIGTERM / SIGINT and restore them at start-up (--no-auto-save: neither)")
+    a("--instance-id", default=d.instance_id,
+      help="names this replica's auto-saved slots (default: the host name)")
+    a("--restore-timeout", type=float, default=d.restore_timeout,
+      help="seconds to retry an unreachable store at start-up before starting cold")
     a("--draft-restore-policy", choices=DRAFT_POLICIES, default=d.draft_restore_policy,
       help="draft of a restored slot without a usable .drft: re-prefill it from the tokens "
            "or start it empty")
@@ -166,7 +208,12 @@ def _env_args(p: argparse.ArgumentParser, env: Mapping[str, str]) -> list[str]:
         if flag is None or flag == "--help":
             continue
         var = ENV_PREFIX + flag[2:].replace("-", "_").upper()
-        if var in env:
+        if var not in env:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):  # WARMSLOT_AUTO_SAVE=0
+            off = env[var].strip().lower() in ("0", "false", "no", "off")
+            out.append("--no-" + flag[2:] if off else flag)
+        else:
             out += [flag, env[var]]
     return out
 
@@ -181,6 +228,10 @@ def from_args(argv: Sequence[str] | None = None,
         return Config(
             model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,
             batch=ns.batch, host=ns.host, port=ns.port, slot_save_path=ns.slot_save_path,
+            snapshot_addr=ns.snapshot_addr, snapshot_timeout=ns.snapshot_timeout,
+            snapshot_client_max_protocol=ns.snapshot_client_max_protocol,
+            auto_save=ns.auto_save, instance_id=ns.instance_id,
+            restore_timeout=ns.restore_timeout,
             draft_restore_policy=ns.draft_restore_policy, metrics_port=ns.metrics_port,
             metrics_host=ns.metrics_host,
             sampling=Sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p),

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc import __version__, log, slotfile
+from inference_svc import __version__, autosave, log, slotfile
 from inference_svc.config import DEFAULT_DRAFT, Config
 from inference_svc.core import Model
 from inference_svc.engine import Engine, GenJob
@@ -25,6 +25,7 @@ from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
 from inference_svc.slots import SlotManager
+from inference_svc.snapshot_store import SnapshotStore
 from inference_svc.store import LocalStore, SlotStore
 from inference_svc.types import (
     Chunk,
@@ -152,7 +153,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             model=_model_info(eng.target, cfg.model), n_slots=eng.n_slots, n_ctx=eng.n_ctx,
             n_vocab=eng.target.n_vocab, slot_file_version=slotfile.TARGET_VERSION,
             draft_file_version=slotfile.DRAFT_VERSION,
-            snapshot_protocol_min=SNAPSHOT_PROTOCOL[0], snapshot_protocol_max=SNAPSHOT_PROTOCOL[1],
+            snapshot_protocol_min=SNAPSHOT_PROTOCOL[0],
+            snapshot_protocol_max=min(SNAPSHOT_PROTOCOL[1], cfg.snapshot_client_max_protocol),
             store_configured=rt.store is not None,
             store=rt.store.describe() if rt.store is not None else "",
             draft_restore_policy=cfg.draft_restore_policy,
@@ -260,6 +262,8 @@ class Server:
         self._grpc: grpc.Server | None = None
         self._models: list[Model] = []
         self._stopped = threading.Event()
+        self._store: SlotStore | None = None
+        self._slots: SlotManager | None = None
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -303,10 +307,16 @@ class Server:
                 draft = Model.load(cfg.draft)
                 self._models.append(draft)
         engine = Engine(cfg, target, draft, self.metrics)
-        store = LocalStore(cfg.slot_save_path) if cfg.slot_save_path is not None else None
+        store = self._open_store()
         rc = RequestContext(cfg, engine.tokenizer, target.n_vocab, engine.n_ctx, engine.n_slots,
                             engine.has_draft)
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
+        self._slots = slots
+        if store is not None and cfg.auto_save:
+            rep = autosave.restore_all(slots, cfg.instance_id, cfg.restore_timeout)
+            self.log.info("auto-restore done", extra=log.fields(
+                instance_id=cfg.instance_id, restored=rep.restored, cold=rep.cold,
+                store_unreachable=rep.store_unreachable))
         self.servicer.runtime = Runtime(engine, slots, rc, store)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", extra=log.fields(
@@ -315,11 +325,22 @@ class Server:
             store=store.describe() if store else None,
             load_ms=round(1e3 * (time.perf_counter() - t0), 1)))
 
-    def stop(self, grace: float | None = None) -> None:
+    def _open_store(self) -> SlotStore | None:
+        cfg = self.cfg
+        if cfg.snapshot_addr is not None:
+            self._store = SnapshotStore(cfg.snapshot_addr, timeout=cfg.snapshot_timeout,
+                                        max_protocol=cfg.snapshot_client_max_protocol,
+                                        logger=self.log)
+        elif cfg.slot_save_path is not None:
+            self._store = LocalStore(cfg.slot_save_path)
+        return self._store
+
+    def stop(self, grace: float | None = None) -> bool:
         """Stops taking requests, lets running generations finish for `grace` seconds
-        (then cuts them at a step boundary), and frees everything."""
+        (then cuts them at a step boundary), saves every non-empty slot when auto-save
+        is on, and frees everything. False when an auto-save failed."""
         if self._stopped.is_set():
-            return
+            return True
         self._stopped.set()
         grace = self.cfg.shutdown_grace if grace is None else grace
         self.log.info("stopping", extra=log.fields(grace_s=grace))
@@ -329,15 +350,22 @@ class Server:
             rt.engine.drain(grace)
         if self._grpc is not None:
             self._grpc.stop(grace=1.0).wait()
+        saved = True
+        if rt is not None and self._slots is not None and self._store is not None \
+                and self.cfg.auto_save:
+            saved = autosave.save_all(self._slots, self.cfg.instance_id)
         if rt is not None:
             self.servicer.runtime = None
             rt.engine.close()
         for m in reversed(self._models):
             m.close()
         self._models.clear()
+        if self._store is not None and hasattr(self._store, "close"):
+            self._store.close()
         if self._metrics_stop is not None:
             self._metrics_stop()
-        self.log.info("stopped")
+        self.log.info("stopped", extra=log.fields(auto_save_ok=saved))
+        return saved
 
 
 def serve(cfg: Config) -> Server:

@@ -32,7 +32,7 @@ class SlotManager:
     def _need_store(self) -> SlotStore:
         if self.store is None:
             raise FailedPrecondition("no slot store is configured: start the server with "
-                                     "--slot-save-path DIR")
+                                     "--slot-save-path DIR or --snapshot-addr HOST:PORT")
         return self.store
 
     # ------------------------------------------------------------------ save
@@ -41,10 +41,27 @@ class SlotManager:
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
         name = validate_name(filename)
-        store = self._need_store()
+        self._need_store()
         t0 = time.perf_counter()
+        tstate, dstate = eng.slot_op(id_slot, self._capture, time_remaining)
+        return self._persist(id_slot, name, tstate, dstate, t0)
+
+    def save_on_engine(self, id_slot: int, name: str) -> SaveResult | None:
+        """Saves a slot whatever the engine's state (shutdown: it takes no jobs any more,
+        but runs calls between units); None when the slot is empty."""
+        t0 = time.perf_counter()
+        captured = self.engine.call(
+            lambda: self._capture(id_slot) if self.engine.dec.n_tokens(id_slot) else None)
+        if captured is None:
+            return None
+        return self._persist(id_slot, validate_name(name), captured[0], captured[1], t0)
+
+    def _persist(self, id_slot: int, name: str, tstate: bytes, dstate: bytes | None,
+                 t0: float) -> SaveResult:
+        """Encodes captured state and writes it (off the engine thread)."""
+        eng = self.engine
+        store = self._need_store()
         try:
-            tstate, dstate = eng.slot_op(id_slot, self._capture, time_remaining)
             enc = encode_slot(tstate, dstate, eng.target_spec, eng.draft_spec)
             n_written = store.save(name, enc.target, enc.draft)
         except BaseException as exc:
