@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from inference_svc import log
-from inference_svc.errors import NotFound, ServiceError, Unavailable
+from inference_svc.errors import NotFound, Unavailable
 from inference_svc.slots import SlotManager
 
 
@@ -40,7 +40,7 @@ def restore_all(slots: SlotManager, instance_id: str, restore_timeout: float) ->
             try:
                 if unreachable:
                     raise Unavailable("the store was unreachable for an earlier slot")
-                res = slots.restore(slot, name)
+                res = slots.restore(slot, name, log_failure=False)  # logged here
             except NotFound:
                 cold += 1
                 break
@@ -58,7 +58,7 @@ def restore_all(slots: SlotManager, instance_id: str, restore_timeout: float) ->
                 unreachable = True
                 cold += 1
                 break
-            except ServiceError as exc:
+            except Exception as exc:  # anything that does not fit: never a failed start
                 logger.warning("auto-restore skipped: cold start of the slot", extra=log.fields(
                     slot=slot, filename=name, error=str(exc)))
                 cold += 1

@@ -88,8 +88,8 @@ class SlotManager:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, id_slot: int, filename: str,
-                time_remaining: float | None = None) -> RestoreResult:
+    def restore(self, id_slot: int, filename: str, time_remaining: float | None = None,
+                log_failure: bool = True) -> RestoreResult:
         """Replaces the slot's content with the saved one. Every check runs before the
         slot is touched; on any failure the slot is left empty."""
         eng = self.engine
@@ -108,8 +108,9 @@ class SlotManager:
                                        time_remaining)
         except BaseException as exc:
             self.metrics.restores.labels("error", "").inc()
-            self.log.warning("slot restore failed", extra=log.fields(
-                slot=id_slot, filename=name, error=str(exc)))
+            if log_failure:
+                self.log.warning("slot restore failed", extra=log.fields(
+                    slot=id_slot, filename=name, error=str(exc)))
             raise
         assert prepared is not None
         ms = 1e3 * (time.perf_counter() - t0)

@@ -1,0 +1,124 @@
+"""Auto-save on stop and auto-restore on start, with everything that must not fit
+(issue 7, item 2): each is one warning and a cold start, never a failed start."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from snapshot_svc.testing import free_port
+from tests.fixtures.servicekit import model_pair
+from tests.resumekit import InferenceProcess, Session
+
+pytestmark = pytest.mark.slow
+
+
+def args(target: Path, draft: Path | None, *extra: str) -> tuple[str, ...]:
+    return ("--model", str(target), "--draft", str(draft) if draft else "none", "--slots", "2",
+            "--ctx", "256", "--threads", "1", "--instance-id", "t1", "--shutdown-grace", "5",
+            *extra)
+
+
+@pytest.fixture()
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> tuple[tuple[Path, Path], tuple[Path, Path]]:
+    base = tmp_path_factory.getbasetemp()
+    return model_pair(base), model_pair(base, "other", seed=11)
+
+
+def saved_session(target: Path, draft: Path, store: Path) -> int:
+    """Builds a 2-turn session on slot 0 and stops the service (auto-save)."""
+    with InferenceProcess(*args(target, draft, "--slot-save-path", str(store))) as p:
+        s = Session(max_tokens=10)
+        s.turn(p, list(range(1, 40)))
+        s.turn(p, list(range(40, 60)))
+        assert p.stop() == 0
+        return len(s.history)
+
+
+def warnings(p: InferenceProcess) -> list[str]:
+    return [str(r.get("msg")) for r in p.lines if r.get("level") == "warning"]
+
+
+def slot_tokens(p: InferenceProcess) -> list[int]:
+    return [s.n_tokens for s in p.client.slots()]
+
+
+def test_restores_after_restart_and_keeps_serving(pairs: tuple, tmp_path: Path) -> None:
+    (target, draft), _ = pairs
+    n = saved_session(target, draft, tmp_path)
+    assert (tmp_path / "auto-t1-slot0").is_file() and (tmp_path / "auto-t1-slot0.drft").is_file()
+    assert not (tmp_path / "auto-t1-slot1").exists()  # empty slots are not saved
+    with InferenceProcess(*args(target, draft, "--slot-save-path", str(tmp_path))) as p:
+        assert slot_tokens(p) == [n, 0]
+        assert warnings(p) == []
+        assert p.stop() == 0
+
+
+def test_other_model_is_a_cold_start(pairs: tuple, tmp_path: Path) -> None:
+    (target, draft), (other_t, other_d) = pairs
+    saved_session(target, draft, tmp_path)
+    with InferenceProcess(*args(other_t, other_d, "--slot-save-path", str(tmp_path))) as p:
+        assert slot_tokens(p) == [0, 0]
+        assert warnings(p) == ["auto-restore skipped: cold start of the slot"]
+        rec = next(r for r in p.lines if r.get("level") == "warning")
+        assert "fingerprint" in rec["error"] or "another model" in rec["error"]
+        Session(max_tokens=3).turn(p, [5, 6, 7])  # serving
+        assert p.stop() == 0
+
+
+def test_context_too_small_is_a_cold_start(pairs: tuple, tmp_path: Path) -> None:
+    (target, draft), _ = pairs
+    n = saved_session(target, draft, tmp_path)
+    small = list(args(target, draft, "--slot-save-path", str(tmp_path)))
+    small[small.index("--ctx") + 1] = str(n - 1)
+    with InferenceProcess(*small) as p:
+        assert slot_tokens(p) == [0, 0]
+        assert warnings(p) == ["auto-restore skipped: cold start of the slot"]
+
+
+def test_corrupt_file_is_a_cold_start(pairs: tuple, tmp_path: Path) -> None:
+    (target, draft), _ = pairs
+    saved_session(target, draft, tmp_path)
+    f = tmp_path / "auto-t1-slot0"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with InferenceProcess(*args(target, draft, "--slot-save-path", str(tmp_path))) as p:
+        assert slot_tokens(p) == [0, 0]
+        assert warnings(p) == ["auto-restore skipped: cold start of the slot"]
+
+
+def test_draft_from_another_draft_model(pairs: tuple, tmp_path: Path) -> None:
+    (target, draft), (_, other_d) = pairs
+    n = saved_session(target, draft, tmp_path)
+    with InferenceProcess(*args(target, other_d, "--slot-save-path", str(tmp_path))) as p:
+        assert slot_tokens(p) == [n, 0]
+        assert warnings(p) == ["auto-restore: draft not restored from its sidecar"]
+        rec = p.records("slot restored")[0]
+        assert rec["draft_policy"] == "reprefill"
+
+
+def test_unreachable_snapshot_service_starts_cold(pairs: tuple) -> None:
+    (target, draft), _ = pairs
+    addr = f"127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    with InferenceProcess(*args(target, draft, "--snapshot-addr", addr,
+                                "--restore-timeout", "6")) as p:
+        waited = time.monotonic() - t0
+        assert warnings(p) == ["slot store unreachable: starting cold"]
+        assert p.records("auto-restore done")[0]["store_unreachable"] is True
+        # each attempt is the client's own ~3 s of UNAVAILABLE retries, then backoff
+        assert len(p.records("slot store unreachable, retrying")) >= 1
+        assert 6 <= waited < 30
+        assert slot_tokens(p) == [0, 0]
+
+
+def test_no_auto_save_flag(pairs: tuple, tmp_path: Path) -> None:
+    (target, draft), _ = pairs
+    with InferenceProcess(*args(target, draft, "--slot-save-path", str(tmp_path),
+                                "--no-auto-save")) as p:
+        Session(max_tokens=3).turn(p, [5, 6, 7])
+        assert p.stop() == 0
+    assert list(tmp_path.iterdir()) == []
