@@ -53,11 +53,12 @@ native-asan: $(NATIVE_ASAN_SO)
 # talk to it with `.venv/bin/python -m inference_svc.client ...` (README)
 RUN_PORT ?= 50051
 RUN_METRICS_PORT ?= 9090
-RUN_SLOT_DIR ?= var/slots
+RUN_SNAPSHOT_PORT ?= 50052
+RUN_DATA ?= var/snapshots
+# the snapshot service and the inference service wired together, in the foreground
 run: setup
-	$(PY) -m inference_svc --model $(MODEL) --draft $(DRAFT) --host 127.0.0.1 \
-		--port $(RUN_PORT) --metrics-port $(RUN_METRICS_PORT) --slot-save-path $(RUN_SLOT_DIR) \
-		--log-format text
+	$(PY) tools/run_stack.py --port $(RUN_PORT) --snapshot-port $(RUN_SNAPSHOT_PORT) \
+		--metrics-port $(RUN_METRICS_PORT) --data $(RUN_DATA) -- --model $(MODEL) --draft $(DRAFT)
 
 lint: $(DEPS_STAMP)
 	$(PY) -m ruff check .
