@@ -30,10 +30,12 @@ from llama_torch import Llama, load_gguf_tensors  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 4096))
+# No trailing newline: the GPT-2 pre-tokenizer glues a newline to the indentation
+# after it, so a prompt ending in a bare "\n" token tells the model "column 0 next".
 SAMPLE_PROMPTS = (
-    "def fibonacci(n):\n",
-    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n',
-    "import os\n\n\ndef read_lines(path):\n",
+    "def fibonacci(n):",
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):',
+    "import os\n\n\ndef read_lines(path):",
 )
 LN2 = math.log(2.0)
 

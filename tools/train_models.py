@@ -392,6 +392,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> None:
     shipped = ("target.gguf", "draft.gguf", "tokenizer.json")
     train_log = {
         "command": command_line(argv),
+        "training_command": command_line([a for a in argv if a != "--reuse-checkpoints"]),
+        "reused_checkpoints": args.reuse_checkpoints,
         "seed": args.seed,
         "quick": args.quick,
         "python": platform.python_version(),
