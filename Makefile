@@ -20,7 +20,7 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 
-.PHONY: all setup proto native native-asan run test test-fast test-asan test-deploy lint bench models clean distclean
+.PHONY: all setup proto native native-asan run test test-fast test-asan test-deploy lint bench bench-resume demo models clean distclean
 
 all: setup
 
@@ -83,6 +83,14 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/core.py
+
+# restart-resume: time to first token after a restart, with restore vs full re-prefill
+bench-resume: setup
+	$(PY) bench/resume.py
+
+# a long session survives a restart of the inference service: before/after table
+demo: setup
+	$(PY) tools/demo.py
 
 models: $(DEPS_STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
