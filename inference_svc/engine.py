@@ -127,12 +127,12 @@ class GenJob(Job):
     """A generation. Output goes to `out`: Chunk..., then Finished or an exception."""
 
     def __init__(self, params: GenerateParams, wait_until: float, rpc_deadline: float | None,
-                 text: StopText) -> None:
+                 text: StopText | None) -> None:
         super().__init__(params.id_slot, wait_until, rpc_deadline)
         self.params = params
         self.out: queue.SimpleQueue[Chunk | Finished | BaseException] = queue.SimpleQueue()
         self.ended = threading.Event()  # set once the last item (Finished or an error) is out
-        self.text = text
+        self.text = text  # None: no stop strings, the reader decodes the tokens
         self.todo: list[int] | None = None  # prompt tokens left to process; None: decoding
         self.emitted = 0
         self.timings = Timings(n_truncated=params.n_truncated)
@@ -267,7 +267,7 @@ class Engine:
         """Queues a generation; read its output from job.out, call job.cancel() to stop it."""
         wait_until, rpc_deadline = self._deadlines(time_remaining)
         job = GenJob(params, wait_until, rpc_deadline,
-                     StopText(self.tokenizer, params.stop))
+                     StopText(self.tokenizer, params.stop) if params.stop else None)
         self._submit(job)
         return job
 
@@ -337,9 +337,11 @@ class Engine:
         while True:
             with self._cond:
                 while True:
-                    self._sweep_locked()
+                    admitted: list[Job] = []
+                    if self._waiting:
+                        self._sweep_locked()
+                        admitted = self._admit_locked()
                     calls, self._calls = self._calls, []
-                    admitted = self._admit_locked()
                     if calls or admitted or self._active or self._closed:
                         break
                     now = time.monotonic()
@@ -526,8 +528,11 @@ class Engine:
                 break
             out.append(t)
             job.emitted += 1
-            piece, matched = job.text.push(t)
-            text.append(piece)
+            if job.text is None:
+                matched = None
+            else:
+                piece, matched = job.text.push(t)
+                text.append(piece)
             if matched is not None:
                 self.dec.truncate(slot, self.dec.n_tokens(slot) - (len(toks) - i - 1))
                 reason, stop = StopReason.STOP_STRING, matched
@@ -535,10 +540,11 @@ class Engine:
             if job.emitted >= p.max_tokens:
                 reason = StopReason.MAX_TOKENS
                 break
+        joined = "".join(text) if job.text is not None else None
         if reason is not None:
-            self._finish(job, reason, stop, out, "".join(text))
+            self._finish(job, reason, stop, out, joined)
         elif out:
-            job.out.put(Chunk(out, "".join(text)))
+            job.out.put(Chunk(out, joined))
 
     def _close_out(self, job: GenJob) -> Timings:
         """Commits the pending token, releases the slot and completes the timings."""
@@ -571,10 +577,10 @@ class Engine:
         return tm
 
     def _finish(self, job: GenJob, reason: StopReason, stop: str = "",
-                tokens: list[int] | None = None, text: str = "") -> None:
+                tokens: list[int] | None = None, text: str | None = None) -> None:
         """Ends a generation: its last tokens and text go out with the timings."""
-        if reason is not StopReason.STOP_STRING:
-            text += job.text.flush()
+        if job.text is not None and reason is not StopReason.STOP_STRING:
+            text = (text or "") + job.text.flush()
         tm = self._close_out(job)
         last = Chunk(tokens or [], text) if tokens or text else None
         job.out.put(Finished(reason, tm, stop, job.params.seed, last))

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from inference_svc import __version__, autosave, log, slotfile
 from inference_svc.config import DEFAULT_DRAFT, Config
-from inference_svc.core import Model
+from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import Unavailable, status_of
 from inference_svc.metrics import Metrics
@@ -128,7 +128,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         context.add_callback(job.cancel)
         try:
             yield from _responses(job, self.cfg.stream_interval_ms / 1e3,
-                                  rt.engine.n_running)
+                                  rt.engine.n_running, rt.rc.tokenizer)
         finally:
             job.cancel()
 
@@ -196,14 +196,15 @@ def _model_info(model: Model, path: Any) -> pb.ModelInfo:
                         n_head=hp.n_head, n_head_kv=hp.n_head_kv, n_ctx_train=hp.n_ctx_train)
 
 
-def _responses(job: GenJob, interval: float,
-               n_streams: Callable[[], int]) -> Iterator[pb.GenerateResponse]:
+def _responses(job: GenJob, interval: float, n_streams: Callable[[], int],
+               tokenizer: Tokenizer) -> Iterator[pb.GenerateResponse]:
     """Responses from the engine's output: the first new tokens at once, then at most
     one message per `interval` x (generations running) seconds carrying everything
     generated meanwhile, and the last one as soon as the generation ends. (Sending a
     message costs more CPU than a decoding step of a small model; this keeps the
     service's messages per second about constant whatever the number of streams.)"""
     last_sent = 0.0
+    stream = StreamDecoder(tokenizer)  # for chunks the engine did not decode
     while True:
         items = [job.out.get()]
         if interval > 0 and last_sent:
@@ -219,15 +220,17 @@ def _responses(job: GenJob, interval: float,
         final: Finished | None = None
         error: BaseException | None = None
         for it in items:
-            if isinstance(it, Chunk):
-                tokens += it.tokens
-                text.append(it.text)
-            elif isinstance(it, Finished):
+            chunk = it.last if isinstance(it, Finished) else it
+            if isinstance(chunk, Chunk):
+                tokens += chunk.tokens
+                if chunk.text is not None:
+                    text.append(chunk.text)
+                else:
+                    text += [stream.push(t) for t in chunk.tokens]
+            if isinstance(it, Finished):
                 final = it
-                if it.last is not None:
-                    tokens += it.last.tokens
-                    text.append(it.last.text)
-            else:
+                text.append(stream.flush())
+            elif isinstance(it, BaseException):
                 error = it
         if tokens or any(text) or final is not None:
             resp = pb.GenerateResponse(text="".join(text), tokens=tokens, id_slot=job.slot)

@@ -198,10 +198,12 @@ class Timings:
 
 @dataclass(frozen=True)
 class Chunk:
-    """New output of a generation: token ids and the text they complete."""
+    """New output of a generation: token ids and the text they complete (None: the
+    engine did not decode it, as a request without stop strings needs no text there;
+    the reader decodes the tokens with a StreamDecoder)."""
 
     tokens: list[int]
-    text: str
+    text: str | None
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,7 @@ def test_generation_options(client: InferenceClient, pair: tuple[Path, Path]) ->
     for spec in (dict(speculative=False), dict(n_max=1), dict(n_max=16, p_min=0.2), {}):
         rs, last = client.generate(PROMPT, max_tokens=20, temperature=0.0, **spec)
         assert [t for r in rs for t in r.tokens] == greedy, spec
+        assert "".join(r.text for r in rs) == client.detokenize(greedy)
         if spec == dict(speculative=False):
             assert last.timings.draft_n == 0
         if spec == dict(n_max=1):
