@@ -91,7 +91,11 @@ def build(variant: str) -> Path:
     tmp = ROOT / "build" / f"ffi-{variant}"
     built = Path(ffi.compile(tmpdir=str(tmp), verbose=False))
     target = PACKAGE_DIR / built.name
-    shutil.copy2(built, target)
+    # a new inode, renamed over the old one: processes that have the old library
+    # mapped keep it intact (copying over it in place crashes them)
+    tmp_target = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copy2(built, tmp_target)
+    os.replace(tmp_target, target)
     return target
 
 
