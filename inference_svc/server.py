@@ -161,7 +161,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             default_sampling=pb.SamplingParams(temperature=s.temperature, top_k=s.top_k,
                                                top_p=s.top_p, min_p=s.min_p),
             default_speculative=pb.SpeculativeParams(
-                enabled=eng.has_draft, n_max=sp.n_max, n_min=sp.n_min, p_min=sp.p_min),
+                enabled=eng.has_draft and sp.enabled, n_max=sp.n_max, n_min=sp.n_min,
+                p_min=sp.p_min),
             default_max_tokens=cfg.default_max_tokens, server_version=__version__,
             eos_id=-1 if tok.eos_id is None else tok.eos_id,
             bos_id=-1 if tok.bos_id is None else tok.bos_id)

@@ -93,7 +93,7 @@ def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
     _check_range("speculative.n_max", n_max, 0 <= n_max <= MAX_DRAFT, f"0..{MAX_DRAFT}")
     _check_range("speculative.n_min", n_min, 0 <= n_min <= n_max, f"0..n_max ({n_max})")
     _check_range("speculative.p_min", p_min, 0.0 <= p_min <= 1.0, "[0, 1]")
-    enabled = m.enabled if m.HasField("enabled") else has_draft
+    enabled = m.enabled if m.HasField("enabled") else (has_draft and d.enabled)
     if enabled and not has_draft:
         raise InvalidArgument("speculative decoding needs a draft model; this server has none")
     if not enabled or n_max == 0:
