@@ -93,11 +93,13 @@ class Session:
     slot: int = 0
     max_tokens: int = 100
     n_max: int = 8
+    p_min: float = 0.0  # explicit: the tests do not depend on the server's defaults
     history: list[int] = field(default_factory=list)
 
     def turn(self, proc: InferenceProcess, new: list[int]) -> Turn:
         req = make_request(self.history + new, max_tokens=self.max_tokens, id_slot=self.slot,
-                           temperature=0.0, speculative=True, n_max=self.n_max)
+                           temperature=0.0, speculative=True, n_max=self.n_max,
+                           p_min=self.p_min)
         out: list[int] = []
         last = None
         for resp in proc.client.generate_stream(req):
