@@ -68,11 +68,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tm, dm = Model.load(args.target), Model.load(args.draft)
     n_ctx = args.prompt_tokens + args.new_tokens + 32
     tc = Context(tm, n_slots=1, n_ctx=n_ctx, n_threads=args.threads)
-    dc = Context(dm, n_slots=1, n_ctx=n_ctx, n_threads=args.threads)
+    dc = Context(dm, n_slots=1, n_ctx=n_ctx, n_threads=args.draft_threads)
     dec = SpecDecoder(tc, dc)
     prompts = held_out_prompts(tm.tokenizer, args.prompts, args.prompt_tokens)
-    configs = [("target_only", NO_SPEC)] + [(f"n_max_{n}", SpecParams(n_max=n))
-                                           for n in args.n_max]
+    configs = [("target_only", NO_SPEC)] + [
+        (f"n_max_{n}" + (f"_p_min_{p}" if p else ""), SpecParams(n_max=n, p_min=p))
+        for p in args.p_min for n in args.n_max]
     results: dict[str, Any] = {}
     for temp in args.temperatures:
         sp = SamplingParams(temperature=temp, top_k=40, top_p=0.95, min_p=0.05) if temp else \
@@ -107,6 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "target": str(args.target),
         "draft": str(args.draft),
         "threads": args.threads,
+        "draft_threads": args.draft_threads,
         "prompts": len(prompts),
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
@@ -121,8 +123,11 @@ def main() -> int:
     p.add_argument("--target", type=Path, default=ROOT / "models" / "target.gguf")
     p.add_argument("--draft", type=Path, default=ROOT / "models" / "draft.gguf")
     p.add_argument("--n-max", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--p-min", type=float, nargs="+", default=[0.0, 0.75],
+                   help="draft confidence thresholds (each with every n_max)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="target threads")
+    p.add_argument("--draft-threads", type=int, default=1, help="draft threads")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

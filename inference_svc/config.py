@@ -50,6 +50,9 @@ class Config:
     slots: int = 4
     ctx: int | None = None  # None: the target model's training context
     threads: int = 2
+    # the draft is small: one thread, so its pool and the target's do not fight
+    # over the two cores (a second spinning worker slowed drafting down 4x)
+    draft_threads: int = 1
     batch: int = 512  # prompt tokens per decode call (one engine step)
     host: str = "127.0.0.1"
     port: int = 50051
@@ -88,6 +91,8 @@ class Config:
             problems.append(f"--ctx {self.ctx} must be >= 2")
         if self.threads < 1:
             problems.append(f"--threads {self.threads} must be >= 1")
+        if self.draft_threads < 1:
+            problems.append(f"--draft-threads {self.draft_threads} must be >= 1")
         if self.batch < 1:
             problems.append(f"--batch {self.batch} must be >= 1")
         if self.draft_restore_policy not in DRAFT_POLICIES:
@@ -148,7 +153,8 @@ def parser() -> argparse.ArgumentParser:
     a("--slots", type=int, default=d.slots, help="number of slots (parallel sessions)")
     a("--ctx", type=_int_or_none, default=d.ctx,
       help="context size per slot (default: the target model's)")
-    a("--threads", type=int, default=d.threads, help="decoding threads")
+    a("--threads", type=int, default=d.threads, help="decoding threads (target)")
+    a("--draft-threads", type=int, default=d.draft_threads, help="decoding threads (draft)")
     a("--batch", type=int, default=d.batch, help="prompt tokens per decode call")
     a("--host", default=d.host, help="address to listen on")
     a("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
@@ -235,6 +241,7 @@ def from_args(argv: Sequence[str] | None = None,
     try:
         return Config(
             model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,
+            draft_threads=ns.draft_threads,
             batch=ns.batch, host=ns.host, port=ns.port, slot_save_path=ns.slot_save_path,
             snapshot_addr=ns.snapshot_addr, snapshot_timeout=ns.snapshot_timeout,
             snapshot_client_max_protocol=ns.snapshot_client_max_protocol,

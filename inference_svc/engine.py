@@ -211,7 +211,7 @@ class Engine:
         try:
             if draft is not None:
                 self.dctx = Context(draft, n_slots=cfg.slots, n_ctx=self.n_ctx,
-                                    n_threads=cfg.threads, n_batch=cfg.batch)
+                                    n_threads=cfg.draft_threads, n_batch=cfg.batch)
             self.dec = SpecDecoder(self.tctx, self.dctx)
         except BaseException:
             self._free()
