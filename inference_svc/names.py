@@ -1,4 +1,5 @@
-"""Slot file name rules (the same as the snapshot service's snapshot names).
+"""Slot file name rules: the snapshot service's name rules (one definition, in
+snapshot_svc.names), raised as this service's InvalidArgument.
 
 A name is 1-255 bytes of valid UTF-8 with no `/`, no `\\`, no control
 character (Unicode category Cc: C0, DEL, C1), no `..` anywhere, no leading or
@@ -7,36 +8,12 @@ trailing space and no trailing dot.
 
 from __future__ import annotations
 
-import unicodedata
-
 from inference_svc.errors import InvalidArgument
+from snapshot_svc.names import MAX_NAME_BYTES, name_problem
 
-MAX_NAME_BYTES = 255
+__all__ = ["DRAFT_SUFFIX", "MAX_NAME_BYTES", "name_problem", "validate_name"]
+
 DRAFT_SUFFIX = ".drft"
-
-
-def name_problem(name: str) -> str | None:
-    """Why `name` is not a valid slot file name, or None when it is."""
-    try:
-        raw = name.encode("utf-8", errors="strict")
-    except UnicodeEncodeError:
-        return "name is not valid UTF-8"
-    if not raw:
-        return "name is empty"
-    if len(raw) > MAX_NAME_BYTES:
-        return f"name is {len(raw)} bytes long, the limit is {MAX_NAME_BYTES}"
-    for ch in name:
-        if ch in "/\\":
-            return f"name contains a path separator {ch!r}"
-        if unicodedata.category(ch) == "Cc":
-            return f"name contains the control character U+{ord(ch):04X}"
-    if ".." in name:
-        return "name contains '..'"
-    if name[0] == " " or name[-1] == " ":
-        return "name starts or ends with a space"
-    if name[-1] == ".":
-        return "name ends with a dot"
-    return None
 
 
 def validate_name(name: str) -> str:

@@ -102,13 +102,13 @@ def _store(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, dtype: str) -> N
         raise ValueError(dtype)
 
 
-def write_model(path: Path, shape: Shape = Shape(), seed: int = 0,
-                arch: str = "llama") -> dict[str, np.ndarray]:
-    """Writes a random model; returns its weights as stored (after F16/BF16 rounding)."""
-    weights = random_weights(shape, seed)
-    tokens, merges, types = tokenizer_vocab(shape.n_vocab, seed)
+def write_weights(path: Path, shape: Shape, weights: dict[str, np.ndarray], tok_seed: int,
+                  name: str, arch: str = "llama") -> None:
+    """A GGUF file of these weights (stored as shape.dtype) with tokenizer_vocab's
+    tokenizer for (n_vocab, tok_seed)."""
+    tokens, merges, types = tokenizer_vocab(shape.n_vocab, tok_seed)
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"random-{seed}")
+    writer.add_name(name)
     writer.add_context_length(shape.n_ctx)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)
@@ -126,10 +126,17 @@ def write_model(path: Path, shape: Shape = Shape(), seed: int = 0,
     writer.add_token_merges(merges)
     writer.add_bos_token_id(len(tokens) - 1)
     writer.add_eos_token_id(len(tokens) - 1)
-    for name, arr in weights.items():
-        _store(writer, name, arr, shape.dtype)
+    for tname, arr in weights.items():
+        _store(writer, tname, arr, shape.dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_model(path: Path, shape: Shape = Shape(), seed: int = 0,
+                arch: str = "llama") -> dict[str, np.ndarray]:
+    """Writes a random model; returns its F32 weights (before any F16/BF16 storage)."""
+    weights = random_weights(shape, seed)
+    write_weights(path, shape, weights, seed, f"random-{seed}", arch)
     return weights
