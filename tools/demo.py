@@ -217,21 +217,23 @@ def run(a: argparse.Namespace, work: Path, stack: Stack) -> int:
     stop_inference(control)
 
     same = warm.tokens == cold.tokens
-    rows = [["next turn after the restart", "prompt tokens processed", "cached",
-             "draft prefill", "time to first token", "prefill (server)", "acceptance",
-             "identical output"]]
-    for label, res, ident in (("without restore (cold, re-prefill)", cold, "reference"),
-                              ("with restore (snapshot service)", warm,
-                               "yes" if same else "NO")):
+    rows = [["next turn, after a restart", "prompt tokens", "cached", "draft prefill",
+             "first token", "prefill", "acceptance", "identical"]]
+    for label, res, ident in (("without restore (re-prefill)", cold, "reference"),
+                              ("with restore", warm, "yes" if same else "NO")):
         t = res.timings
         rows.append([label, str(t.prompt_n), str(t.cache_n), str(t.draft_prompt_n),
                      f"{res.ttft_ms:.0f} ms", f"{t.prompt_ms:.0f} ms", acceptance(t), ident])
     say("")
     say(table(rows))
+    say("prompt tokens: processed by the target (draft prefill: by the draft); first token: "
+        "client side,\nrequest sent to first streamed token; prefill: the server's prompt_ms; "
+        "acceptance: drafted\ntokens the target accepted; identical: output tokens equal to "
+        "the re-prefill's.")
     say("")
     speedup = cold.ttft_ms / warm.ttft_ms if warm.ttft_ms else float("inf")
     say(f"time to first token: {speedup:.1f}x faster with restore "
-        f"({cold.ttft_ms:.0f} ms -> {warm.ttft_ms:.0f} ms); the restore itself took "
+        f"({cold.ttft_ms:.0f} ms -> {warm.ttft_ms:.0f} ms);\nthe restore itself took "
         f"{r['ms']:.0f} ms at start-up, before SERVING.")
     problems = []
     if warm.timings.prompt_n != len(next_new):
