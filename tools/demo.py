@@ -58,10 +58,10 @@ class TurnResult:
 
 
 def timed_turn(proc: InferenceProcess, history: list[int], new: list[int], max_tokens: int,
-               n_max: int, slot: int = 0) -> TurnResult:
+               n_max: int, p_min: float, slot: int = 0) -> TurnResult:
     """One turn (history + new) on `slot`, greedy, speculative; timed by the client."""
     req = make_request(history + new, max_tokens=max_tokens, id_slot=slot, temperature=0.0,
-                       speculative=True, n_max=n_max)
+                       speculative=True, n_max=n_max, p_min=p_min)
     out: list[int] = []
     first = last = None
     t0 = time.perf_counter()
@@ -181,7 +181,7 @@ def run(a: argparse.Namespace, work: Path, stack: Stack) -> int:
     text = source_tokens(first, a.turns * a.turn_new + a.next_new)
     turns = [text[i * a.turn_new:(i + 1) * a.turn_new] for i in range(a.turns)]
     next_new = text[a.turns * a.turn_new:]
-    session = Session(slot=0, max_tokens=a.max_tokens, n_max=a.n_max)
+    session = Session(slot=0, max_tokens=a.max_tokens, n_max=a.n_max, p_min=a.p_min)
     for i, new in enumerate(turns, 1):
         t = session.turn(first, new).timings
         say(f"  turn {i}: {t.prompt_n:4d} new prompt tokens ({t.cache_n} cached), "
@@ -208,12 +208,12 @@ def run(a: argparse.Namespace, work: Path, stack: Stack) -> int:
         f"{r['ms']:.0f} ms (draft: {r['draft_policy']}); SERVING after {start_ms:.0f} ms")
 
     say(f"next turn: the {len(session.history)}-token conversation + {len(next_new)} new tokens")
-    warm = timed_turn(second, session.history, next_new, a.max_tokens, a.n_max)
+    warm = timed_turn(second, session.history, next_new, a.max_tokens, a.n_max, a.p_min)
     stop_inference(second)  # saves the longer session: harmless, the data is the demo's
 
     say("control: a cold inference service with no store re-prefills the conversation ...")
     control, _ = start_inference(stack, "inference service (control)", "--no-auto-save")
-    cold = timed_turn(control, session.history, next_new, a.max_tokens, a.n_max)
+    cold = timed_turn(control, session.history, next_new, a.max_tokens, a.n_max, a.p_min)
     stop_inference(control)
 
     same = warm.tokens == cold.tokens
@@ -258,6 +258,8 @@ def main() -> int:
                     help="new prompt tokens of the turn after the restart")
     ap.add_argument("--max-tokens", type=int, default=100, help="tokens generated per turn")
     ap.add_argument("--n-max", type=int, default=8, help="tokens drafted per step")
+    ap.add_argument("--p-min", type=float, default=0.75,
+                    help="draft confidence below which drafting stops (the service's default)")
     ap.add_argument("--work-dir", type=Path, default=ROOT / "var",
                     help="parent of the demo's data directory")
     ap.add_argument("--keep", action="store_true", help="keep the data directory")
