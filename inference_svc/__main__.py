@@ -16,14 +16,21 @@ from inference_svc.core import CoreError
 from inference_svc.server import Server
 
 
+class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
+    """SIGTERM / SIGINT arrived before the service was serving."""
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = config.from_args(sys.argv[1:] if argv is None else argv)
     logger = log.setup(cfg.log_level, cfg.log_format)
     stop = threading.Event()
+    starting = [True]
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         logger.info("signal", extra=log.fields(signal=signal.Signals(signum).name))
         stop.set()
+        if starting[0]:  # loading models or waiting for the store: stop now, not after
+            raise StopDuringStartup(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -31,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         srv.start()
         srv.load()
+        starting[0] = False
+    except StopDuringStartup as exc:
+        starting[0] = False
+        logger.info("stopped during start-up", extra=log.fields(signal=str(exc)))
+        return 0 if srv.stop(0) else 1
     except (CoreError, OSError, ValueError) as exc:
+        starting[0] = False
         logger.error("cannot start", extra=log.fields(error=str(exc)))
         srv.stop(0)
         return 1

@@ -268,6 +268,7 @@ class Server:
         self._stopped = threading.Event()
         self._store: SlotStore | None = None
         self._slots: SlotManager | None = None
+        self._engine: Engine | None = None
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -311,6 +312,7 @@ class Server:
                 draft = Model.load(cfg.draft)
                 self._models.append(draft)
         engine = Engine(cfg, target, draft, self.metrics)
+        self._engine = engine  # closed by stop() even if start-up is cut short
         store = self._open_store()
         rc = RequestContext(cfg, engine.tokenizer, target.n_vocab, engine.n_ctx, engine.n_slots,
                             engine.has_draft)
@@ -360,7 +362,9 @@ class Server:
             saved = autosave.save_all(self._slots, self.cfg.instance_id)
         if rt is not None:
             self.servicer.runtime = None
-            rt.engine.close()
+        if self._engine is not None:  # also when stopped during start-up
+            self._engine.close()
+            self._engine = None
         for m in reversed(self._models):
             m.close()
         self._models.clear()

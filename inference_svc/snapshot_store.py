@@ -172,7 +172,8 @@ class SnapshotStore:
         if snap.protocol < 2:
             self._warn_protocol_1(client)
             note = f"no draft: {self._protocol_1_reason(client)}"
-        return StoredSlot(snap.target, snap.draft, note if snap.draft is None else "")
+        return StoredSlot(snap.target, snap.draft, note if snap.draft is None else "",
+                          target_sha256=snap.info.target.sha256)  # verified by the Get
 
     # --- lifecycle --------------------------------------------------------------------
 

@@ -67,7 +67,8 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
         n_read += len(stored.draft)
         try:
             d = slotfile.decode_draft(stored.draft)
-            slotfile.check_draft(d, slotfile.digest(stored.target), t, draft)
+            target_digest = stored.target_sha256 or slotfile.digest(stored.target)
+            slotfile.check_draft(d, target_digest, t, draft)
             draft_state, note = bytes(d.state), ""
         except slotfile.SlotFileError as exc:
             note = str(exc)

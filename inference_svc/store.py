@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +28,8 @@ class StoredSlot:
     target: bytes
     draft: bytes | None
     draft_note: str = ""  # why draft is None
+    # hex SHA-256 of `target` when the store has already verified it (saves a rehash)
+    target_sha256: str | None = field(default=None, compare=False)
 
 
 class SlotStore(Protocol):

@@ -122,3 +122,31 @@ def test_no_auto_save_flag(pairs: tuple, tmp_path: Path) -> None:
         Session(max_tokens=3).turn(p, [5, 6, 7])
         assert p.stop() == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_while_waiting_for_the_store_stops_at_once(pairs: tuple) -> None:
+    """A stop during start-up (here: retrying an unreachable snapshot service) does not
+    wait for --restore-timeout."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.resumekit import ROOT
+
+    (target, draft), _ = pairs
+    addr = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "inference_svc", "--port", "0",
+                             "--log-format", "json",
+                             *args(target, draft, "--snapshot-addr", addr,
+                                   "--restore-timeout", "120")],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "slot store unreachable, retrying" in line:
+            break
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert time.monotonic() - t0 < 10
+    assert "stopped during start-up" in proc.stderr.read()
