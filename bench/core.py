@@ -72,17 +72,23 @@ def decode_rate(ctx: Context, prompt: list[int], n: int) -> float:
 
 def llama_cpp_rates(path: Path, prompt: list[int], n: int, threads: int) -> dict[str, float]:
     """The same measurement through llama-cpp-python, when it is installed (never in CI)."""
-    from llama_cpp import Llama  # type: ignore[import-not-found]
+    import llama_cpp  # type: ignore[import-not-found]
 
-    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_batch=512,
-                verbose=False, logits_all=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False, logits_all=False)
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:  # the last token's row, straight from llama.cpp
+        ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     pf = len(prompt) / (time.perf_counter() - t0)
     t0 = time.perf_counter()
     for _ in range(n):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        llm.eval([int(np.argmax(last_logits()))])
     dc = n / (time.perf_counter() - t0)
     return {"prefill_tps": pf, "decode_tps": dc}
 
