@@ -383,9 +383,14 @@ struct ws_context {
     float *hb2;        /* [n_batch][n_ff]    up                     */
     float *scores;     /* [n_threads][n_ctx] attention scores       */
 
+    int32_t *tok_slot; /* [n_batch] slot of each token of the chunk     */
+    int32_t *tok_pos;  /* [n_batch] position of each token in its slot  */
+    float *kbuf;       /* [n_batch][kv_dim] new keys before the cache   */
+    float *vbuf;       /* [n_batch][kv_dim] new values before the cache */
+
     /* the current chunk, read by every thread of the pool */
     struct {
-        int slot, p0, nt;     /* slot, first position, tokens in chunk  */
+        int nt;               /* tokens in chunk (slot, pos: tok_slot/tok_pos) */
         int out_t0, out_nt;   /* tokens whose logits are wanted         */
         float *logits;        /* [out_nt][n_vocab]                      */
     } job;
@@ -470,6 +475,10 @@ void ws_context_free(ws_context *ctx) {
     free(ctx->hb);
     free(ctx->hb2);
     free(ctx->scores);
+    free(ctx->tok_slot);
+    free(ctx->tok_pos);
+    free(ctx->kbuf);
+    free(ctx->vbuf);
     free(ctx);
 }
 
@@ -523,10 +532,14 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->hb = alloc_floats(nb * (size_t)hp->n_ff, &ok);
     ctx->hb2 = alloc_floats(nb * (size_t)hp->n_ff, &ok);
     ctx->scores = alloc_floats((size_t)params.n_threads * (size_t)params.n_ctx, &ok);
+    ctx->kbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
+    ctx->vbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     if (ok) {
         ctx->tokens = calloc((size_t)params.n_slots * (size_t)params.n_ctx, sizeof(int32_t));
         ctx->n_past = calloc((size_t)params.n_slots, sizeof(int32_t));
-        ok = ctx->tokens && ctx->n_past;
+        ctx->tok_slot = calloc(nb, sizeof(int32_t));
+        ctx->tok_pos = calloc(nb, sizeof(int32_t));
+        ok = ctx->tokens && ctx->n_past && ctx->tok_slot && ctx->tok_pos;
     }
     if (!ok) {
         ws_context_free(ctx);
@@ -611,9 +624,9 @@ static void rope_apply(float *v, const float *cs, const float *sn, int half) {
 }
 
 /* attention of one query head of one token over positions 0..pos of its slot */
-static void attend(ws_context *ctx, int ith, int slot, int layer, int p0, int t, int h) {
+static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h) {
     const ws_hparams *hp = &ctx->model->hp;
-    const int hd = ctx->head_dim, pos = p0 + t;
+    const int hd = ctx->head_dim;
     const int kvh = h / (hp->n_head / hp->n_head_kv);
     const float *q = ctx->q + (size_t)t * ctx->q_dim + (size_t)h * hd;
     float *out = ctx->att + (size_t)t * ctx->q_dim + (size_t)h * hd;
@@ -657,7 +670,8 @@ static void forward_worker(ws_context *ctx, int ith) {
     const int nth = pool->n;
     /* read the job once: the caller may set up the next chunk as soon as the
        last barrier of this one opens */
-    const int nt = ctx->job.nt, slot = ctx->job.slot, p0 = ctx->job.p0;
+    const int nt = ctx->job.nt;
+    const int32_t *tslot = ctx->tok_slot, *tpos = ctx->tok_pos; /* [nt] */
     const int t0 = ctx->job.out_t0, on = ctx->job.out_nt;
     float *const logits = ctx->job.logits;
     const int E = hp->n_embd, F = hp->n_ff, Q = ctx->q_dim, KV = ctx->kv_dim;
@@ -670,8 +684,6 @@ static void forward_worker(ws_context *ctx, int ith) {
 
     for (int l = 0; l < hp->n_layer; l++) {
         const ws_layer_weights *L = &m->w.layers[l];
-        float *kc = kv_row(ctx, ctx->k_cache, slot, l, p0); /* [nt][KV] */
-        float *vc = kv_row(ctx, ctx->v_cache, slot, l, p0); /* [nt][KV] */
 
         rmsnorm_rows(xn, ctx->x, L->attn_norm, E, hp->rms_eps, 0, nt);
 
@@ -681,22 +693,28 @@ static void forward_worker(ws_context *ctx, int ith) {
         for (int u = a; u < b; u++) {
             const int is_q = u < hp->n_head, is_k = !is_q && u < hp->n_head + hp->n_head_kv;
             const int h = is_q ? u : is_k ? u - hp->n_head : u - hp->n_head - hp->n_head_kv;
-            float *dst = is_q ? ctx->q : is_k ? kc : vc;
+            float *dst = is_q ? ctx->q : is_k ? ctx->kbuf : ctx->vbuf;
             const int ld = is_q ? Q : KV;
             const float *w = is_q ? L->wq : is_k ? L->wk : L->wv;
             matmul_rows(dst, ld, w, xn, E, E, h * hd, (h + 1) * hd, nt, 0);
-            if (is_q || is_k) {
-                for (int t = 0; t < nt; t++)
-                    rope_apply(dst + (size_t)t * ld + (size_t)h * hd,
-                               ctx->rope_cos + (size_t)(p0 + t) * half,
-                               ctx->rope_sin + (size_t)(p0 + t) * half, half);
+            for (int t = 0; t < nt; t++) {
+                float *v = dst + (size_t)t * ld + (size_t)h * hd;
+                if (is_q || is_k)
+                    rope_apply(v, ctx->rope_cos + (size_t)tpos[t] * half,
+                               ctx->rope_sin + (size_t)tpos[t] * half, half);
+                if (!is_q) /* this head of the token's key / value into its slot's cache */
+                    memcpy(kv_row(ctx, is_k ? ctx->k_cache : ctx->v_cache, tslot[t], l,
+                                  tpos[t]) + (size_t)h * hd, v, sizeof(float) * (size_t)hd);
             }
         }
         pool_barrier(pool);
 
         /* attention: one task per (token, head) */
         split_range(nt * hp->n_head, ith, nth, 1, &a, &b);
-        for (int i = a; i < b; i++) attend(ctx, ith, slot, l, p0, i / hp->n_head, i % hp->n_head);
+        for (int i = a; i < b; i++) {
+            const int t = i / hp->n_head;
+            attend(ctx, ith, tslot[t], l, tpos[t], t, i % hp->n_head);
+        }
         pool_barrier(pool);
 
         /* output projection added to the residual stream */
@@ -808,8 +826,10 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
         for (int t = 0; t < nt; t++)
             memcpy(ctx->x + (size_t)t * E, ctx->model->w.tok_embd + (size_t)tokens[done + t] * (size_t)E,
                    sizeof(float) * (size_t)E);
-        ctx->job.slot = slot;
-        ctx->job.p0 = n_past + done;
+        for (int t = 0; t < nt; t++) {
+            ctx->tok_slot[t] = slot;
+            ctx->tok_pos[t] = n_past + done + t;
+        }
         ctx->job.nt = nt;
         if (!want) {
             ctx->job.out_t0 = 0;
@@ -830,6 +850,51 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
     memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx + n_past, tokens,
            sizeof(int32_t) * (size_t)n_tokens);
     ctx->n_past[slot] = n_past + n_tokens;
+    return WS_OK;
+}
+
+ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *tokens,
+                          int32_t n, float *logits, size_t logits_cap) {
+    if (!ctx) return WS_ERR_INVALID_ARGUMENT;
+    const ws_hparams *hp = &ctx->model->hp;
+    if (!slots || !tokens || n <= 0 || n > ctx->params.n_batch)
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                        "a multi-slot decode takes 1..%d tokens (got %d)", ctx->params.n_batch, n);
+    for (int32_t i = 0; i < n; i++) {
+        ws_status st = check_slot(ctx, slots[i]);
+        if (st != WS_OK) return st;
+        for (int32_t j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                                "slot %d appears twice in a multi-slot decode", slots[i]);
+        if (ctx->n_past[slots[i]] + 1 > ctx->params.n_ctx)
+            return fail_ctx(ctx, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slots[i],
+                            ctx->params.n_ctx);
+        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab)
+            return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                            "token %d at index %d is outside the vocabulary 0..%d", tokens[i], i,
+                            hp->n_vocab - 1);
+    }
+    const size_t need = (size_t)n * (size_t)hp->n_vocab;
+    if (!logits || logits_cap < need)
+        return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL,
+                        "logits buffer holds %zu floats, %zu are needed", logits_cap, need);
+    const int E = hp->n_embd;
+    for (int32_t t = 0; t < n; t++) {
+        memcpy(ctx->x + (size_t)t * E, ctx->model->w.tok_embd + (size_t)tokens[t] * (size_t)E,
+               sizeof(float) * (size_t)E);
+        ctx->tok_slot[t] = slots[t];
+        ctx->tok_pos[t] = ctx->n_past[slots[t]];
+    }
+    ctx->job.nt = n;
+    ctx->job.out_t0 = 0;
+    ctx->job.out_nt = n;
+    ctx->job.logits = logits;
+    run_chunk(ctx);
+    for (int32_t t = 0; t < n; t++) {
+        ctx->tokens[(size_t)slots[t] * ctx->params.n_ctx + ctx->n_past[slots[t]]] = tokens[t];
+        ctx->n_past[slots[t]]++;
+    }
     return WS_OK;
 }
 

@@ -120,6 +120,15 @@ ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size
 ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_t n_tokens,
                     int logits_all, float *logits, size_t logits_cap);
 
+/*
+ * Decodes one token for each of n distinct slots in one forward pass (the
+ * weights are read once for all of them) and appends it to its slot; writes
+ * the logits of every token ([n][n_vocab]). n <= n_batch. The logits are
+ * bit-identical to decoding each token alone. On any error no slot changes.
+ */
+ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *tokens,
+                          int32_t n, float *logits, size_t logits_cap);
+
 /* Keeps the first n positions of a slot (n <= current count). */
 ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n);
 ws_status ws_slot_clear(ws_context *ctx, int32_t slot);

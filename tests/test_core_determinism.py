@@ -73,3 +73,45 @@ def test_truncate_then_redecode(small_model_path: Path, baseline: np.ndarray) ->
         assert ctx.n_tokens(0) == 20
         got = ctx.decode(0, TOKENS[20:], logits_all=True)
     assert got.tobytes() == baseline[20:].tobytes()
+
+
+def test_multi_slot_decode_is_bit_identical(small_model_path: Path) -> None:
+    """One pass over the next token of several slots gives each slot exactly the logits
+    (and the cache) it gets alone."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (5, 11, 1, 23)]
+    nxt = [[int(t) for t in rng.integers(0, 300, 6)] for _ in prompts]
+    with Model.load(small_model_path) as model, \
+            Context(model, n_slots=4, n_ctx=64, n_threads=2) as alone, \
+            Context(model, n_slots=4, n_ctx=64, n_threads=2) as multi:
+        expected = []
+        for s, (p, n) in enumerate(zip(prompts, nxt, strict=True)):
+            alone.decode(s, p)
+            expected.append(np.stack([alone.decode(s, [t]) for t in n]))
+        for s, p in enumerate(prompts):
+            multi.decode(s, p)
+        order = [2, 0, 3, 1]  # any order of slots
+        got = [[None] * 6 for _ in prompts]
+        for step in range(6):
+            rows = multi.decode_multi(order, [nxt[s][step] for s in order])
+            for i, s in enumerate(order):
+                got[s][step] = rows[i]
+        for s in range(4):
+            assert np.stack(got[s]).tobytes() == expected[s].tobytes()
+            assert multi.tokens(s) == prompts[s] + nxt[s]
+
+
+def test_multi_slot_decode_validation(small_model_path: Path) -> None:
+    from inference_svc.core import ContextFullError, InvalidArgumentError
+
+    with Model.load(small_model_path) as model, Context(model, n_slots=2, n_ctx=4) as ctx:
+        with pytest.raises(InvalidArgumentError, match="slot 1 appears twice"):
+            ctx.decode_multi([1, 1], [3, 4])
+        with pytest.raises(InvalidArgumentError, match="slot 2 out of range"):
+            ctx.decode_multi([0, 2], [3, 4])
+        with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+            ctx.decode_multi([0, 1], [3, 300])
+        ctx.decode(1, [1, 2, 3, 4])
+        with pytest.raises(ContextFullError, match="slot 1 is full"):
+            ctx.decode_multi([0, 1], [3, 4])
+        assert ctx.n_tokens(0) == 0 and ctx.n_tokens(1) == 4  # nothing changed

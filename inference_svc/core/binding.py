@@ -88,6 +88,10 @@ def decode(ctx: Any, slot: int, tokens: Any, n_tokens: int, logits_all: bool, lo
     _check(lib.ws_decode(ctx, slot, tokens, n_tokens, int(logits_all), logits, logits_cap), ctx)
 
 
+def decode_multi(ctx: Any, slots: Any, tokens: Any, n: int, logits: Any, logits_cap: int) -> None:
+    _check(lib.ws_decode_multi(ctx, slots, tokens, n, logits, logits_cap), ctx)
+
+
 def slot_truncate(ctx: Any, slot: int, n: int) -> None:
     _check(lib.ws_slot_truncate(ctx, slot, n), ctx)
 
