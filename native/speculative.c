@@ -26,6 +26,8 @@ struct ws_spec {
     int n_slots, n_ctx, n_vocab;
     spec_slot *slots;     /* [n_slots] */
     float *t_logits;      /* [WS_SPEC_MAX_DRAFT + 1][n_vocab] target rows of a step    */
+    float *m_logits;      /* [n_slots][n_vocab]               rows of a multi-slot step */
+    int32_t *m_toks;      /* [n_slots]                        pending tokens of it      */
     float *d_logits;      /* [n_vocab]                        draft logits             */
     float *q;             /* [WS_SPEC_MAX_DRAFT][n_vocab]     draft dists of proposals */
     float *p;             /* [n_vocab]                        a target distribution    */
@@ -240,6 +242,8 @@ void ws_spec_free(ws_spec *s) {
     if (!s) return;
     free(s->slots);
     free(s->t_logits);
+    free(s->m_logits);
+    free(s->m_toks);
     free(s->d_logits);
     free(s->q);
     free(s->p);
@@ -284,7 +288,10 @@ ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {
     s->p = malloc(sizeof(float) * nv);
     s->cand = malloc(sizeof(int32_t) * nv);
     s->toks = malloc(sizeof(int32_t) * ((size_t)s->n_ctx + 1));
-    if (!s->slots || !s->t_logits || !s->d_logits || !s->q || !s->p || !s->cand || !s->toks)
+    s->m_logits = malloc(sizeof(float) * nv * (size_t)s->n_slots);
+    s->m_toks = malloc(sizeof(int32_t) * (size_t)s->n_slots);
+    if (!s->slots || !s->t_logits || !s->d_logits || !s->q || !s->p || !s->cand || !s->toks ||
+        !s->m_logits || !s->m_toks)
         return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory allocating speculative buffers");
     for (int i = 0; i < s->n_slots; i++) {
         s->slots[i].pending = -1;
@@ -582,6 +589,33 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
     for (int i = 0; i < k; i++) ss->c.drafted_at[i]++;
     for (int i = 0; i < a; i++) ss->c.accepted_at[i]++;
     *n_out = a + 1;
+    return WS_OK;
+}
+
+ws_status ws_spec_step_multi(ws_spec *s, const int32_t *slots, const ws_sampling_params *sps,
+                             int32_t n, int32_t *out) {
+    if (!s || !slots || !sps || !out || n <= 0 || n > s->n_slots)
+        return s ? fail(s, WS_ERR_INVALID_ARGUMENT, "a multi-slot step takes 1..%d slots (got %d)",
+                        s->n_slots, n)
+                 : WS_ERR_INVALID_ARGUMENT;
+    for (int32_t i = 0; i < n; i++) {
+        TRY(check_slot(s, slots[i]));
+        TRY(ws_spec_check_params(s, &sps[i], NULL));
+        if (s->slots[slots[i]].pending < 0)
+            return fail(s, WS_ERR_BAD_STATE, "slot %d has no pending token: prefill it first",
+                        slots[i]);
+        s->m_toks[i] = s->slots[slots[i]].pending;
+    }
+    ws_status st = ws_decode_multi(s->tgt, slots, s->m_toks, n, s->m_logits,
+                                   (size_t)n * (size_t)s->n_vocab);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "target decode");
+    for (int32_t i = 0; i < n; i++) {
+        spec_slot *ss = &s->slots[slots[i]];
+        out[i] = sample_logits(s, ss, s->m_logits + (size_t)i * s->n_vocab, &sps[i]);
+        ss->pending = out[i];
+        ss->c.n_steps++;
+        if (s->dft) ss->lag_ok += 1; /* the draft sat this step out, as with n_max 0 */
+    }
     return WS_OK;
 }
 

@@ -219,6 +219,14 @@ ws_status ws_spec_prefill(ws_spec *spec, int32_t slot, const int32_t *tokens, in
 ws_status ws_spec_step(ws_spec *spec, int32_t slot, const ws_sampling_params *sp,
                        const ws_spec_params *pp, int32_t max_new, int32_t *out, size_t cap,
                        int32_t *n_out);
+/*
+ * One target-only step for each of n distinct slots in one forward pass: decodes
+ * each slot's pending token, samples the next one with that slot's parameters
+ * and RNG (out[i]), which becomes pending. The same tokens as n separate
+ * ws_spec_step calls with n_max 0.
+ */
+ws_status ws_spec_step_multi(ws_spec *spec, const int32_t *slots, const ws_sampling_params *sps,
+                             int32_t n, int32_t *out);
 /* Decodes the pending token (if any) into the target and, when level, the draft. */
 ws_status ws_spec_commit(ws_spec *spec, int32_t slot);
 /* Keeps the first n tokens of S (n <= length of S). */

@@ -365,3 +365,44 @@ def test_filters_that_keep_one_token_are_greedy(dec: SpecDecoder, greedy_referen
                                                 sampling: SamplingParams) -> None:
     dec.seed(0, 5)
     assert dec.generate(0, PROMPT, 40, sampling, SpecParams(n_max=4)) == greedy_reference[:40]
+
+
+def test_step_multi_equals_separate_steps(pair: tuple[Path, Path, Path]) -> None:
+    """Target-only steps of several slots in one pass: the same tokens, RNG draws and
+    counters as stepping each slot alone (greedy and sampled slots mixed)."""
+    sps = [GREEDY, SamplingParams(temperature=0.9, top_k=30), GREEDY,
+           SamplingParams(temperature=0.7, min_p=0.05)]
+    prompts = [PROMPT, [9, 8, 7], PROMPT[:3], [100, 200, 250, 5]]
+
+    def run(multi: bool) -> tuple[list[list[int]], list[object]]:
+        for dec in open_decoder(pair[0], pair[1], n_slots=4, n_ctx=64):
+            outs = []
+            for s, p in enumerate(prompts):
+                dec.seed(s, 40 + s)
+                outs.append([dec.prefill(s, p, sps[s], with_draft=False)])
+            for _ in range(12):
+                if multi:
+                    toks = dec.step_multi([3, 1, 0, 2], [sps[3], sps[1], sps[0], sps[2]])
+                    for s, t in zip([3, 1, 0, 2], toks, strict=True):
+                        outs[s].append(t)
+                else:
+                    for s in range(4):
+                        outs[s] += dec.step(s, sps[s], NO_SPEC)
+            for s in range(4):
+                dec.commit(s)
+            return outs, [dec.counters(s) for s in range(4)] + [dec.tokens(s) for s in range(4)]
+        raise AssertionError("unreachable")
+
+    assert run(True) == run(False)
+
+
+def test_step_multi_validation(dec: SpecDecoder) -> None:
+    with pytest.raises(BadStateError, match="no pending token"):
+        dec.step_multi([0, 1], [GREEDY, GREEDY])
+    dec.prefill(0, PROMPT, GREEDY)
+    dec.prefill(1, PROMPT, GREEDY)
+    with pytest.raises(InvalidArgumentError, match="slot 0 appears twice"):
+        dec.step_multi([0, 0], [GREEDY, GREEDY])
+    with pytest.raises(InvalidArgumentError, match="top_p 0 outside"):
+        dec.step_multi([0, 1], [GREEDY, SamplingParams(top_p=0.0)])
+    assert dec.n_tokens(0) == dec.n_tokens(1) == len(PROMPT) + 1  # nothing decoded

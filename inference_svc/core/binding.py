@@ -186,6 +186,10 @@ def spec_step(spec: Any, slot: int, sp: Any, pp: Any, max_new: int, out: Any, ca
     return int(n[0])
 
 
+def spec_step_multi(spec: Any, slots: Any, sps: Any, n: int, out: Any) -> None:
+    _check_spec(lib.ws_spec_step_multi(spec, slots, sps, n, out), spec)
+
+
 def spec_commit(spec: Any, slot: int) -> None:
     _check_spec(lib.ws_spec_commit(spec, slot), spec)
 

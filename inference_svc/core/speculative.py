@@ -146,6 +146,21 @@ class SpecDecoder:
                               self._out_ptr, MAX_DRAFT + 1)
         return self._out[:n].tolist()
 
+    def step_multi(self, slots: list[int], samplings: list[SamplingParams]) -> list[int]:
+        """A target-only step for several distinct slots in one forward pass: one new
+        token each, the same as `step(slot, sampling, NO_SPEC)` for each in turn."""
+        n = len(slots)
+        if n == 0 or len(samplings) != n:
+            raise InvalidArgumentError("step_multi needs one sampling per slot (>= 1 slot)")
+        c_slots = ffi.new("int32_t[]", slots)
+        c_sps = ffi.new("ws_sampling_params[]", n)
+        for i, sp in enumerate(samplings):
+            c_sps[i].temperature, c_sps[i].top_k = sp.temperature, sp.top_k
+            c_sps[i].top_p, c_sps[i].min_p = sp.top_p, sp.min_p
+        out = ffi.new("int32_t[]", n)
+        binding.spec_step_multi(self.handle, c_slots, c_sps, n, out)
+        return list(out)
+
     def commit(self, slot: int) -> None:
         binding.spec_commit(self.handle, slot)
 
