@@ -360,10 +360,11 @@ class Engine:
             for job in admitted:
                 self._guarded(job, self._begin)
             cut = self._cut_at is not None and time.monotonic() >= self._cut_at
+            batched = [] if cut else self._batched_steps()
             for job in list(self._active):
                 if cut:
                     self._guarded(job, self._stop, Unavailable("the server is shutting down"))
-                else:
+                elif job not in batched:
                     self._guarded(job, self._unit)
             if admitted or not self._active:
                 self.metrics.slots_busy.set(sum(s.job is not None for s in self._slots))
@@ -475,6 +476,22 @@ class Engine:
             self._abort(job, exc)
             return
         self._active.append(job)
+
+    def _batched_steps(self) -> list[GenJob]:
+        """One forward pass for the target-only decode steps of every running request
+        (a step each, as `_unit` would take them one by one); the jobs it served."""
+        jobs = [j for j in self._active if isinstance(j, GenJob) and j.todo is None
+                and j.params.spec is None and not j.cancelled]
+        if len(jobs) < 2:
+            return []
+        try:
+            toks = self.dec.step_multi([j.slot for j in jobs],
+                                       [j.params.sampling for j in jobs])
+        except Exception:  # noqa: BLE001 - e.g. a full slot: each job steps on its own
+            return []
+        for job, tok in zip(jobs, toks, strict=True):
+            self._guarded(job, self._take, [tok])
+        return jobs
 
     def _unit(self, job: GenJob) -> None:
         if job.cancelled:

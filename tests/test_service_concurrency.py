@@ -223,3 +223,27 @@ def test_eos_stops_and_is_not_kept(tmp_path_factory: pytest.TempPathFactory) -> 
                 assert last.stop_reason == pb.STOP_REASON_MAX_TOKENS
             assert c.slots()[0].n_tokens == len(p) + len(expected)
         assert n_eos >= 3
+
+
+def test_batched_sampled_steps_match_single_runs(client: InferenceClient,
+                                                 server: Server) -> None:
+    """Two seeded, sampled, non-speculative streams that the engine steps in one forward
+    pass give the same tokens as each request run alone."""
+    def req(slot: int) -> pb.GenerateRequest:
+        return make_request(prompt_of(slot), max_tokens=60, id_slot=slot, temperature=0.9,
+                            top_k=40, seed=1000 + slot, speculative=False, cache_prompt=False)
+
+    alone = {s: [t for r in client.generate_stream(req(s)) for t in r.tokens] for s in (0, 1)}
+    together: dict[int, list[int]] = {}
+
+    def run(slot: int) -> None:
+        with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
+            together[slot] = [t for r in c.generate_stream(req(slot)) for t in r.tokens]
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert together == alone
+    assert len(alone[0]) == len(alone[1]) == 60
