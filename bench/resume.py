@@ -57,10 +57,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference_svc.client import make_request  # noqa: E402
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.testing import ServerProcess  # noqa: E402
-from tests.resumekit import DRAFT, TARGET, InferenceProcess, source_tokens  # noqa: E402
+from tests.resumekit import (  # noqa: E402
+    DRAFT,
+    TARGET,
+    InferenceProcess,
+    source_tokens,
+)
+from tests.resumekit import timed_turn as shared_timed_turn  # noqa: E402
 
 TARGET_SPEEDUP = 10.0
 TARGET_RESTORE_VS_GET = 0.5
@@ -71,25 +76,13 @@ VARIANTS = ("cold", "local", "snapshot")
 
 def timed_turn(proc: InferenceProcess, prompt: list[int], gen: int) -> dict[str, Any]:
     """One greedy speculative request on slot 0; TTFT measured by the client."""
-    req = make_request(prompt, max_tokens=gen, id_slot=0, temperature=0.0, speculative=True,
-                       n_max=N_MAX, p_min=P_MIN)
-    out: list[int] = []
-    first = last = None
-    t0 = time.perf_counter()
-    for resp in proc.client.generate_stream(req):
-        if first is None and resp.tokens:
-            first = time.perf_counter()
-        out += list(resp.tokens)
-        last = resp
-    end = time.perf_counter()
-    if last is None or not last.done:
-        raise RuntimeError("the generation stream ended without its last response")
-    t = last.timings
-    return {"ttft_ms": 1e3 * ((first or end) - t0), "total_ms": 1e3 * (end - t0),
+    r = shared_timed_turn(proc, prompt, gen, N_MAX, P_MIN)
+    t = r.timings
+    return {"ttft_ms": r.ttft_ms, "total_ms": r.total_ms,
             "server_ttft_ms": t.queue_ms + t.prompt_ms, "prompt_ms": t.prompt_ms,
             "queue_ms": t.queue_ms, "prompt_n": t.prompt_n, "cache_n": t.cache_n,
             "draft_prompt_n": t.draft_prompt_n, "draft_n": t.draft_n,
-            "draft_n_accepted": t.draft_n_accepted, "tokens": out}
+            "draft_n_accepted": t.draft_n_accepted, "tokens": r.tokens}
 
 
 class Bench:

@@ -110,6 +110,33 @@ class Session:
         return Turn(out, last.timings)
 
 
+@dataclass
+class TurnResult:
+    tokens: list[int]
+    timings: Any  # the last GenerateResponse's Timings
+    ttft_ms: float  # client side: request sent -> first streamed token
+    total_ms: float
+
+
+def timed_turn(proc: InferenceProcess, prompt: list[int], max_tokens: int, n_max: int,
+               p_min: float, slot: int = 0) -> TurnResult:
+    """One greedy speculative request, timed by the client (demo and benchmark)."""
+    req = make_request(prompt, max_tokens=max_tokens, id_slot=slot, temperature=0.0,
+                       speculative=True, n_max=n_max, p_min=p_min)
+    out: list[int] = []
+    first = last = None
+    t0 = time.perf_counter()
+    for resp in proc.client.generate_stream(req):
+        if first is None and resp.tokens:
+            first = time.perf_counter()
+        out += list(resp.tokens)
+        last = resp
+    end = time.perf_counter()
+    if last is None or not last.done:
+        raise RuntimeError("the generation stream ended without its last response")
+    return TurnResult(out, last.timings, 1e3 * ((first or end) - t0), 1e3 * (end - t0))
+
+
 def source_tokens(proc: InferenceProcess, n: int) -> list[int]:
     """n tokens of real Python text (this repository's own sources, a fixed order)."""
     text = "".join(p.read_text() for p in sorted((ROOT / "inference_svc").glob("*.py")))

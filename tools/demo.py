@@ -32,7 +32,6 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -40,40 +39,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference_svc.client import make_request  # noqa: E402
 from snapshot_svc.testing import ServerProcess  # noqa: E402
-from tests.resumekit import DRAFT, TARGET, InferenceProcess, Session, source_tokens  # noqa: E402
+from tests.resumekit import (  # noqa: E402
+    DRAFT,
+    TARGET,
+    InferenceProcess,
+    Session,
+    source_tokens,
+    timed_turn,
+)
 
 N_CTX = 4096
 INSTANCE = "demo"
 STOP_TIMEOUT = 60.0
-
-
-@dataclass
-class TurnResult:
-    tokens: list[int]
-    timings: Any  # the last GenerateResponse's Timings
-    ttft_ms: float  # client side: request sent -> first streamed token
-    total_ms: float
-
-
-def timed_turn(proc: InferenceProcess, history: list[int], new: list[int], max_tokens: int,
-               n_max: int, p_min: float, slot: int = 0) -> TurnResult:
-    """One turn (history + new) on `slot`, greedy, speculative; timed by the client."""
-    req = make_request(history + new, max_tokens=max_tokens, id_slot=slot, temperature=0.0,
-                       speculative=True, n_max=n_max, p_min=p_min)
-    out: list[int] = []
-    first = last = None
-    t0 = time.perf_counter()
-    for resp in proc.client.generate_stream(req):
-        if first is None and resp.tokens:
-            first = time.perf_counter()
-        out += list(resp.tokens)
-        last = resp
-    end = time.perf_counter()
-    if last is None or not last.done:
-        raise RuntimeError("the generation stream ended without its last response")
-    return TurnResult(out, last.timings, 1e3 * ((first or end) - t0), 1e3 * (end - t0))
 
 
 class Stack:
@@ -208,12 +186,12 @@ def run(a: argparse.Namespace, work: Path, stack: Stack) -> int:
         f"{r['ms']:.0f} ms (draft: {r['draft_policy']}); SERVING after {start_ms:.0f} ms")
 
     say(f"next turn: the {len(session.history)}-token conversation + {len(next_new)} new tokens")
-    warm = timed_turn(second, session.history, next_new, a.max_tokens, a.n_max, a.p_min)
+    warm = timed_turn(second, session.history + next_new, a.max_tokens, a.n_max, a.p_min)
     stop_inference(second)  # saves the longer session: harmless, the data is the demo's
 
     say("control: a cold inference service with no store re-prefills the conversation ...")
     control, _ = start_inference(stack, "inference service (control)", "--no-auto-save")
-    cold = timed_turn(control, session.history, next_new, a.max_tokens, a.n_max, a.p_min)
+    cold = timed_turn(control, session.history + next_new, a.max_tokens, a.n_max, a.p_min)
     stop_inference(control)
 
     same = warm.tokens == cold.tokens
