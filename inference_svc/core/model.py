@@ -16,6 +16,7 @@ from . import binding
 from .binding import ffi
 from .errors import CoreMemoryError, InvalidArgumentError
 from .gguf_file import GGUFModel, HParams, load_gguf
+from .handle import NativeHandle, buffer_arg
 from .tokenizer import Tokenizer
 
 _LAYER_FIELDS = {
@@ -43,8 +44,10 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-class Model:
+class Model(NativeHandle):
     """A loaded model: weights held as F32 numpy arrays and lent to the C core."""
+
+    _what = "model"
 
     def __init__(self, content: GGUFModel) -> None:
         self.content = content
@@ -81,12 +84,6 @@ class Model:
         return ptr
 
     @property
-    def handle(self) -> Any:
-        if self._handle is None:
-            raise InvalidArgumentError("the model is closed")
-        return self._handle
-
-    @property
     def fingerprint(self) -> str:
         return self.content.fingerprint
 
@@ -108,29 +105,26 @@ class Model:
         hp = self.hparams
         return 2 * 4 * hp.n_layer * hp.n_head_kv * hp.head_dim
 
+    def _open_contexts(self) -> bool:
+        return any(not c.closed for c in getattr(self, "_contexts", ()))
+
+    def _free(self, handle: Any) -> None:
+        binding.model_free(handle)
+
     def close(self) -> None:
-        if self._handle is None:
-            return
-        if any(not c.closed for c in self._contexts):
+        if self._handle is not None and self._open_contexts():
             raise InvalidArgumentError("close the model's contexts before the model")
-        binding.model_free(self._handle)
-        self._handle = None
-
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().close()
 
     def __del__(self) -> None:
-        if getattr(self, "_handle", None) is not None and not any(
-            not c.closed for c in getattr(self, "_contexts", ())
-        ):
-            self.close()
+        if not self._open_contexts():  # else the contexts still borrow the weights
+            super().__del__()
 
 
-class Context:
+class Context(NativeHandle):
     """KV cache and thread pool for n_slots independent sequences of one model."""
+
+    _what = "context"
 
     def __init__(self, model: Model, n_slots: int = 1, n_ctx: int | None = None,
                  n_threads: int = 2, n_batch: int = 512) -> None:
@@ -156,15 +150,8 @@ class Context:
         self._handle: Any = binding.context_init(model.handle, params)
         model._contexts.add(self)
 
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    @property
-    def handle(self) -> Any:
-        if self._handle is None:
-            raise InvalidArgumentError("the context is closed")
-        return self._handle
+    def _free(self, handle: Any) -> None:
+        binding.context_free(handle)
 
     @property
     def kv_bytes(self) -> int:
@@ -223,24 +210,7 @@ class Context:
 
     def set_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
         """Loads a slot's state; on any error the slot is left empty and usable."""
-        view = memoryview(data).cast("B")
-        ptr = ffi.from_buffer(view) if len(view) else ffi.NULL
-        return binding.slot_state_set(self.handle, slot, ptr, len(view))
-
-    def close(self) -> None:
-        if self._handle is not None:
-            binding.context_free(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_handle", None) is not None:
-            self.close()
+        return binding.slot_state_set(self.handle, slot, *buffer_arg(data))
 
 
 def default_threads() -> int:

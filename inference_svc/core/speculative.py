@@ -17,6 +17,7 @@ import numpy as np
 from . import binding
 from .binding import ffi
 from .errors import InvalidArgumentError
+from .handle import NativeHandle, buffer_arg
 from .model import Context
 
 MAX_DRAFT = 16
@@ -79,8 +80,10 @@ class Counters:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
 
 
-class SpecDecoder:
+class SpecDecoder(NativeHandle):
     """Target (and draft) contexts over the same slots, with per-slot RNG and counters."""
+
+    _what = "speculative decoder"
 
     def __init__(self, target: Context, draft: Context | None = None) -> None:
         if draft is not None:
@@ -102,11 +105,8 @@ class SpecDecoder:
     def has_draft(self) -> bool:
         return self.draft is not None
 
-    @property
-    def handle(self) -> Any:
-        if self._handle is None:
-            raise InvalidArgumentError("the speculative decoder is closed")
-        return self._handle
+    def _free(self, handle: Any) -> None:
+        binding.spec_free(handle)
 
     def check(self, sampling: SamplingParams, spec: SpecParams | None = None) -> None:
         """Validates parameters before any decoding (InvalidArgumentError names the bad one)."""
@@ -190,9 +190,7 @@ class SpecDecoder:
         return bytes(buf[:n])
 
     def set_draft_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
-        view = memoryview(data).cast("B")
-        ptr = ffi.from_buffer(view) if len(view) else ffi.NULL
-        return binding.spec_state_set(self.handle, slot, ptr, len(view))
+        return binding.spec_state_set(self.handle, slot, *buffer_arg(data))
 
     def generate(self, slot: int, prompt: list[int], n_new: int, sampling: SamplingParams,
                  spec: SpecParams = NO_SPEC) -> list[int]:
@@ -202,17 +200,3 @@ class SpecDecoder:
             out += self.step(slot, sampling, spec, n_new - len(out))
         return out
 
-    def close(self) -> None:
-        if self._handle is not None:
-            binding.spec_free(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> SpecDecoder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_handle", None) is not None:
-            self.close()

@@ -1,0 +1,51 @@
+"""The lifetime of a C object owned by a Python object: `handle` (raises once
+closed), `close()` (idempotent), context-manager use, and a last-resort close
+when the owner is collected."""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from . import binding
+from .errors import InvalidArgumentError
+
+
+class NativeHandle:
+    """Subclasses set `_handle` and implement `_free(handle)`; `_what` names them."""
+
+    _what = "object"
+    _handle: Any = None
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise InvalidArgumentError(f"the {self._what} is closed")
+        return self._handle
+
+    def _free(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._free(handle)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self._handle is not None:
+            self.close()
+
+
+def buffer_arg(data: bytes | bytearray | memoryview) -> tuple[Any, int]:
+    """A (pointer, length) pair for a C call reading `data` (NULL when empty)."""
+    view = memoryview(data).cast("B")
+    return (binding.ffi.from_buffer(view) if len(view) else binding.ffi.NULL), len(view)
