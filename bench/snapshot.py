@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from snapshot_svc.client import SnapshotClient  # noqa: E402
+from snapshot_svc.memory import tune_malloc  # noqa: E402
 from snapshot_svc.testing import ServerProcess  # noqa: E402
 
 MIB = 1 << 20
@@ -106,6 +107,7 @@ def main() -> int:
                     default=Path(__file__).resolve().parent / "results" / "snapshot-work",
                     help="scratch directory (server data and file copies: one disk)")
     a = ap.parse_args()
+    tune_malloc()  # as the inference service's process does (the client side here)
     sizes = [int(s) * MIB for s in a.sizes.split(",") if s.strip()]
     work = a.work_dir
     shutil.rmtree(work, ignore_errors=True)

@@ -14,6 +14,7 @@ from types import FrameType
 from inference_svc import config, log
 from inference_svc.core import CoreError
 from inference_svc.server import Server
+from snapshot_svc.memory import tune_malloc
 
 
 class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
@@ -21,6 +22,7 @@ class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_malloc()  # snapshot transfers reuse chunk memory (see snapshot_svc.memory)
     cfg = config.from_args(sys.argv[1:] if argv is None else argv)
     logger = log.setup(cfg.log_level, cfg.log_format)
     stop = threading.Event()

@@ -2,6 +2,8 @@
 
 import sys
 
+from snapshot_svc.memory import tune_malloc
 from snapshot_svc.server import main
 
+tune_malloc()
 sys.exit(main())

@@ -151,11 +151,13 @@ class PutResult:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The outcome of `SnapshotClient.get`: the exact bytes of both parts."""
+    """The outcome of `SnapshotClient.get`: the exact bytes of both parts, as read-only
+    memoryviews of the buffers they were received into (a view compares equal to
+    bytes with the same content; `bytes(view)` makes a copy)."""
 
     name: str
-    target: bytes
-    draft: bytes | None  # None: no usable draft (see draft_note)
+    target: memoryview
+    draft: memoryview | None  # None: no usable draft (see draft_note)
     info: SnapshotInfo  # describes what was returned (info.draft is None iff draft is None)
     protocol: int
     draft_note: str = ""  # why draft is None: "protocol 1", "no draft stored", ...

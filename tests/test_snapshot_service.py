@@ -124,6 +124,20 @@ def test_round_trip_is_byte_identical(client: SnapshotClient, server: SnapshotSe
     assert stored_files(server)["tmp"] == []
 
 
+def test_get_results_are_read_only_and_never_reused_while_held(
+        client: SnapshotClient) -> None:
+    a, b = blob(1, 3 * MAX_CHUNK_BYTES + 1), blob(2, 3 * MAX_CHUNK_BYTES + 1)
+    client.put("a", a)
+    client.put("b", b)
+    held = client.get("a").target
+    assert isinstance(held, memoryview) and held.readonly
+    for _ in range(3):  # each Get's buffer goes back to the pool and is refilled
+        got = client.get("b")
+        assert got.target == b
+        del got
+    assert held == a
+
+
 def test_put_with_the_callers_digests(client: SnapshotClient, server: SnapshotServer) -> None:
     t, d = blob(1, 3 * MAX_CHUNK_BYTES), blob(2, 500)
     res = client.put("s", t, d, target_sha256=sha(t), draft_sha256=sha(d))

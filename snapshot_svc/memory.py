@@ -1,0 +1,38 @@
+"""Process-wide allocator settings for moving large snapshots (glibc malloc).
+
+A transfer allocates and frees a ~1 MiB buffer per chunk (gRPC's message bytes,
+the framed chunk). glibc serves blocks above its mmap threshold (128 KiB at
+start, adapting later) with a fresh mmap, and gives a free heap top above
+128 KiB back to the kernel; either way the next chunk lands on pages the kernel
+must fault in and zero again. On this kind of VM a 4 KiB fault costs ~2 us, so
+a 64 MiB Put paid ~20 ms of faults on the server and a Get ~25 ms on the client.
+With chunks served from the heap and the heap top kept, each chunk reuses the
+memory the previous one freed.
+
+`tune_malloc()` is called by the entry points of both services (and by the
+snapshot benchmark, which stands in for the inference service's process); the
+library modules never change process-wide settings on import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 8 << 20  # > one 1 MiB chunk plus framing; glibc caps it at 32 MiB
+TRIM_THRESHOLD_BYTES = 64 << 20  # free heap top kept before it is returned to the kernel
+
+
+def tune_malloc() -> bool:
+    """Applies the settings above; False (and no change) where malloc is not glibc's."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
