@@ -204,14 +204,17 @@ class Engine:
         self.n_ctx = cfg.ctx or target.hparams.n_ctx_train
         self.tokenizer = target.tokenizer
         self.eos_id = self.tokenizer.eos_id
+        # the KV caches are committed at start (reserve_kv): a machine that cannot hold
+        # them fails here, and no prefill or restore pays the first touch of their pages
         self.tctx = Context(target, n_slots=cfg.slots, n_ctx=self.n_ctx, n_threads=cfg.threads,
-                            n_batch=cfg.batch)
+                            n_batch=cfg.batch, reserve_kv=True)
         self.dctx: Context | None = None
         self.dec: SpecDecoder | None = None
         try:
             if draft is not None:
                 self.dctx = Context(draft, n_slots=cfg.slots, n_ctx=self.n_ctx,
-                                    n_threads=cfg.draft_threads, n_batch=cfg.batch)
+                                    n_threads=cfg.draft_threads, n_batch=cfg.batch,
+                                    reserve_kv=True)
             self.dec = SpecDecoder(self.tctx, self.dctx)
         except BaseException:
             self._free()

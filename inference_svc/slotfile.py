@@ -208,8 +208,11 @@ def encode_draft(d: DraftFile) -> bytes:
 
 
 def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
-          head: struct.Struct) -> memoryview:
-    """Checks magic, version, header length and digest; returns the file without trailer."""
+          head: struct.Struct, body_sha256: str | None = None) -> memoryview:
+    """Checks magic, version, header length and digest; returns the file without trailer.
+    `body_sha256`: the hex SHA-256 of the file without its trailer when the caller
+    computed it while reading the bytes (it is checked against the trailer instead of
+    hashing the body again)."""
     view = memoryview(data).cast("B")
     if len(view) < _PREFIX.size:
         raise CorruptSlotFile(f"{kind} is {len(view)} bytes long: truncated")
@@ -228,7 +231,8 @@ def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
         raise CorruptSlotFile(f"{kind} of {len(view)} bytes with a header of {header_len} bytes: "
                               f"truncated or corrupt")
     body = view[:-DIGEST_LEN]
-    if hashlib.sha256(body).digest() != bytes(view[-DIGEST_LEN:]):
+    got = bytes.fromhex(body_sha256) if body_sha256 else hashlib.sha256(body).digest()
+    if got != bytes(view[-DIGEST_LEN:]):
         raise CorruptSlotFile(f"{kind} digest mismatch: the file is truncated or corrupt")
     return body
 
@@ -264,10 +268,11 @@ def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
     return found, tuple(extra)
 
 
-def decode_target(data: bytes | memoryview) -> TargetFile:
-    """Parses and verifies a target file on its own (not against a model)."""
+def decode_target(data: bytes | memoryview, body_sha256: str | None = None) -> TargetFile:
+    """Parses and verifies a target file on its own (not against a model).
+    `body_sha256`: see `_open`."""
     kind = "slot file"
-    body = _open(data, TARGET_MAGIC, TARGET_VERSION, kind, _TARGET_HEAD)
+    body = _open(data, TARGET_MAGIC, TARGET_VERSION, kind, _TARGET_HEAD, body_sha256)
     (_, version, header_len, _flags, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx, n_vocab,
      n_tokens, n_sections) = _TARGET_HEAD.unpack_from(body)
     if dtype not in DTYPE_SIZES:
@@ -388,12 +393,13 @@ def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
     return TargetFile(model.fingerprint, lay, model.n_ctx, model.n_vocab, tokens, kv)
 
 
-def core_from_target(t: TargetFile) -> bytes:
-    """`Context.set_state` bytes (WSKV v1) of a target file."""
+def core_parts_from_target(t: TargetFile) -> tuple[bytes, bytes, bytes | memoryview]:
+    """`Context.set_state_parts` pieces (WSKV v1 header, tokens, KV) of a target file; the
+    KV is the file's own bytes, not a copy."""
     lay = t.layout
     head = _CORE_KV_HEAD.pack(CORE_KV_MAGIC, CORE_KV_VERSION, lay.n_layer, lay.kv_dim,
                               lay.kv_dim, lay.dtype, t.n_tokens, 0)
-    return b"".join([head, struct.pack(f"<{t.n_tokens}i", *t.tokens), t.kv])
+    return head, struct.pack(f"<{t.n_tokens}i", *t.tokens), t.kv
 
 
 def _core_spec_fields(state: bytes | memoryview) -> tuple[int, int] | None:

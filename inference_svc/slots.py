@@ -134,7 +134,7 @@ class SlotManager:
             raise error
         assert prepared is not None
         try:
-            eng.tctx.set_state(slot, prepared.target_state)
+            eng.tctx.set_state_parts(slot, *prepared.target_parts)
         except BadStateError as exc:
             dec.clear(slot)
             raise DataLoss(f"slot file rejected by the decoding core: {exc}") from exc

@@ -160,11 +160,11 @@ class SnapshotStore:
         client = self._current()
         try:
             try:
-                snap = client.get(name)
+                snap = client.get(name, digest_tail=slotfile.DIGEST_LEN)
                 note = snap.draft_note
             except _DRAFT_ONLY_ERRORS as exc:
                 # the target alone may still be good: fetch it without the draft
-                snap = client.get(name, with_draft=False)
+                snap = client.get(name, with_draft=False, digest_tail=slotfile.DIGEST_LEN)
                 note = f"cannot read the draft sidecar: {exc.message}"
         except snap_errors.SnapshotError as exc:
             raise self._error(exc, name, "load") from exc
@@ -173,7 +173,8 @@ class SnapshotStore:
             self._warn_protocol_1(client)
             note = f"no draft: {self._protocol_1_reason(client)}"
         return StoredSlot(snap.target, snap.draft, note if snap.draft is None else "",
-                          target_sha256=snap.info.target.sha256)  # verified by the Get
+                          target_sha256=snap.info.target.sha256,  # verified by the Get
+                          target_body_sha256=snap.target_prefix_sha256 or None)
 
     # --- lifecycle --------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ def encode_slot(target_state: bytes, draft_state: bytes | None, target: ModelSpe
 class PreparedRestore:
     """Checked content ready to be applied to a slot."""
 
-    target_state: bytes  # Context.set_state bytes
+    target_parts: tuple[bytes, bytes, bytes | memoryview]  # Context.set_state_parts pieces
     n_tokens: int
     draft_state: bytes | None  # SpecDecoder.set_draft_state bytes; None: apply the policy
     draft_note: str  # why draft_state is None
@@ -57,7 +57,7 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
     """Loads and checks a saved slot. Raises NotFound, slotfile errors for the target;
     a sidecar that cannot be used only sets draft_note."""
     stored = store.load(name)
-    t = slotfile.decode_target(stored.target)
+    t = slotfile.decode_target(stored.target, stored.target_body_sha256)
     slotfile.check_target(t, target)
     n_read = len(stored.target)
     draft_state, note = None, stored.draft_note
@@ -72,4 +72,5 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
             draft_state, note = bytes(d.state), ""
         except slotfile.SlotFileError as exc:
             note = str(exc)
-    return PreparedRestore(slotfile.core_from_target(t), t.n_tokens, draft_state, note, n_read)
+    return PreparedRestore(slotfile.core_parts_from_target(t), t.n_tokens, draft_state, note,
+                           n_read)

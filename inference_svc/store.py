@@ -30,6 +30,9 @@ class StoredSlot:
     draft_note: str = ""  # why draft is None
     # hex SHA-256 of `target` when the store has already verified it (saves a rehash)
     target_sha256: str | None = field(default=None, compare=False)
+    # hex SHA-256 of `target` without its digest trailer, when the store computed it while
+    # reading (the file's own check then needs no second pass)
+    target_body_sha256: str | None = field(default=None, compare=False)
 
 
 class SlotStore(Protocol):

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -435,6 +436,15 @@ static float *kv_row(const ws_context *ctx, float *cache, int slot, int layer, i
     return cache + idx;
 }
 
+/* Writes a zero into every page of p[0..n) (already zero: calloc), so the kernel
+ * commits them now. Volatile: a plain memset of calloc'd memory may be elided. */
+static void touch_pages(void *p, size_t n) {
+    long page = sysconf(_SC_PAGESIZE);
+    const size_t step = page > 0 ? (size_t)page : 4096u;
+    volatile unsigned char *c = p;
+    for (size_t i = 0; i < n; i += step) c[i] = 0;
+}
+
 static void *alloc_floats(size_t n, int *ok) {
     if (!*ok) return NULL;
     void *p = NULL;
@@ -519,10 +529,14 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     int ok = 1;
     const size_t nb = (size_t)params.n_batch;
     const size_t kv_all = kv_elems_per_slot(ctx) * (size_t)params.n_slots;
-    /* calloc: the pages of a large cache are committed only when used */
+    /* calloc: the pages of a large cache are committed only when used, unless reserved */
     ctx->k_cache = calloc(kv_all ? kv_all : 1, sizeof(float));
     ctx->v_cache = calloc(kv_all ? kv_all : 1, sizeof(float));
     ok = ctx->k_cache && ctx->v_cache;
+    if (ok && params.reserve_kv) {
+        touch_pages(ctx->k_cache, kv_all * sizeof(float));
+        touch_pages(ctx->v_cache, kv_all * sizeof(float));
+    }
     ctx->rope_cos = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
     ctx->rope_sin = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
     ctx->x = alloc_floats(nb * (size_t)hp->n_embd, &ok);
@@ -972,13 +986,9 @@ ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, s
     return WS_OK;
 }
 
-ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
-                            size_t *read_out) {
-    if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
-    *read_out = 0;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
-    ctx->n_past[slot] = 0; /* from here on, any failure leaves the slot empty */
+/* Checks a state header against the context; *n_out: its token count. */
+static ws_status state_header_check(ws_context *ctx, const uint8_t *buf, size_t len,
+                                    uint32_t *n_out) {
     const ws_hparams *hp = &ctx->model->hp;
     if (!buf || len < WS_STATE_HEADER_BYTES)
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state of %zu bytes is shorter than its header",
@@ -1000,20 +1010,22 @@ ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, s
     if (n > (uint32_t)ctx->params.n_ctx)
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state holds %u tokens, the context only %d", n,
                         ctx->params.n_ctx);
-    const size_t need = state_bytes(ctx, n);
-    if (len != need)
-        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state of %u tokens must be %zu bytes, got %zu", n,
-                        need, len);
-    const uint8_t *p = buf + WS_STATE_HEADER_BYTES;
+    *n_out = n;
+    return WS_OK;
+}
+
+/* Validates n tokens and their KV (layout of ws_slot_state_get), then loads them. */
+static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, const uint8_t *tokens,
+                            const uint8_t *kv) {
+    const ws_hparams *hp = &ctx->model->hp;
     for (uint32_t i = 0; i < n; i++) {
         int32_t tok;
-        memcpy(&tok, p + 4 * (size_t)i, sizeof tok);
+        memcpy(&tok, tokens + 4 * (size_t)i, sizeof tok);
         if (tok < 0 || tok >= hp->n_vocab)
             return fail_ctx(ctx, WS_ERR_BAD_STATE, "state token %d at %u is outside 0..%d", tok, i,
                             hp->n_vocab - 1);
     }
     /* a NaN or infinity in the KV would poison every later token: refuse it */
-    const uint8_t *kv = p + sizeof(int32_t) * n;
     const size_t n_floats = 2 * (size_t)hp->n_layer * n * (size_t)ctx->kv_dim;
     for (size_t i = 0; i < n_floats; i++) {
         float f;
@@ -1021,15 +1033,61 @@ ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, s
         if (!isfinite(f))
             return fail_ctx(ctx, WS_ERR_BAD_STATE, "state KV value %zu is not finite", i);
     }
-    memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx, p, sizeof(int32_t) * n);
+    if (n) memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx, tokens, sizeof(int32_t) * n);
     const size_t row = sizeof(float) * n * (size_t)ctx->kv_dim;
-    for (int l = 0; l < hp->n_layer; l++) {
+    for (int l = 0; n && l < hp->n_layer; l++) {
         memcpy(kv_row(ctx, ctx->k_cache, slot, l, 0), kv, row);
         kv += row;
         memcpy(kv_row(ctx, ctx->v_cache, slot, l, 0), kv, row);
         kv += row;
     }
     ctx->n_past[slot] = (int32_t)n;
+    return WS_OK;
+}
+
+ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out) {
+    if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
+    *read_out = 0;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    ctx->n_past[slot] = 0; /* from here on, any failure leaves the slot empty */
+    uint32_t n = 0;
+    st = state_header_check(ctx, buf, len, &n);
+    if (st != WS_OK) return st;
+    const size_t need = state_bytes(ctx, n);
+    if (len != need)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state of %u tokens must be %zu bytes, got %zu", n,
+                        need, len);
+    const uint8_t *tokens = buf + WS_STATE_HEADER_BYTES;
+    st = state_load(ctx, slot, n, tokens, tokens + sizeof(int32_t) * n);
+    if (st != WS_OK) return st;
     *read_out = need;
+    return WS_OK;
+}
+
+ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *header,
+                                  size_t header_len, const uint8_t *tokens, size_t tokens_len,
+                                  const uint8_t *kv, size_t kv_len, size_t *read_out) {
+    if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
+    *read_out = 0;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    ctx->n_past[slot] = 0; /* from here on, any failure leaves the slot empty */
+    uint32_t n = 0;
+    st = state_header_check(ctx, header, header_len, &n);
+    if (st != WS_OK) return st;
+    const size_t kv_need = state_bytes(ctx, n) - WS_STATE_HEADER_BYTES - sizeof(int32_t) * n;
+    if (header_len != WS_STATE_HEADER_BYTES || tokens_len != sizeof(int32_t) * n ||
+        kv_len != kv_need)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE,
+                        "state of %u tokens needs parts of %u, %zu and %zu bytes, got %zu, %zu "
+                        "and %zu", n, WS_STATE_HEADER_BYTES, sizeof(int32_t) * n, kv_need,
+                        header_len, tokens_len, kv_len);
+    if ((n && !tokens) || (kv_need && !kv))
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state part missing (NULL pointer)");
+    st = state_load(ctx, slot, n, tokens, kv);
+    if (st != WS_OK) return st;
+    *read_out = header_len + tokens_len + kv_len;
     return WS_OK;
 }

@@ -83,6 +83,10 @@ typedef struct {
     int32_t n_threads; /* 1..WS_MAX_THREADS; the pool is created once       */
     int32_t n_batch;   /* largest batch one ws_decode call processes at once;
                           longer inputs are split internally                */
+    int32_t reserve_kv; /* 1: write the whole KV cache at init, so its memory is
+                           committed up front (a machine that cannot hold it fails
+                           there, and no later decode or state set pays the first
+                           touch of its pages); 0 (default): pages on first use  */
 } ws_context_params;
 
 /* The message of the last failed ws_model_init / ws_context_init (thread-local). */
@@ -147,6 +151,13 @@ ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, s
                             size_t *written_out);
 ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
                             size_t *read_out);
+/* ws_slot_state_set with the state in three pieces that need not be contiguous:
+ * the header (32 bytes), the tokens and the KV. A reader holding the pieces apart
+ * (a slot file's sections) loads them without first joining them into one copy.
+ * *read_out: the bytes of all three. */
+ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *header,
+                                  size_t header_len, const uint8_t *tokens, size_t tokens_len,
+                                  const uint8_t *kv, size_t kv_len, size_t *read_out);
 
 /* ------------------------------------------------------------------------ */
 /* Speculative decoding (speculative.c)                                      */

@@ -94,26 +94,36 @@ class _PartSink:
     is reused for the next one (keeping all chunks and joining them at the end touched
     twice the fresh memory; page faults dominate here)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, tail: int = 0) -> None:
         self.size = size
         self.received = 0
         self._view = buffers.POOL.take(size)
         self._digest = StreamDigest()
+        # the digest is also marked where the last `tail` bytes begin (0: not at all)
+        self._cut = size - tail if 0 < tail <= size else -1
 
     def add(self, chunk: memoryview | bytes) -> bool:
         """Takes the next chunk; False (and nothing taken) if it overflows the size."""
-        end = self.received + len(chunk)
+        start, end = self.received, self.received + len(chunk)
         if end > self.size:
             return False
-        self._view[self.received:end] = chunk
-        self._digest.update(self._view[self.received:end])
+        self._view[start:end] = chunk
+        if start <= self._cut < end:
+            self._digest.update(self._view[start:self._cut])
+            self._digest.mark()
+            self._digest.update(self._view[self._cut:end])
+        else:
+            self._digest.update(self._view[start:end])
         self.received = end
         return True
 
-    def finish(self) -> tuple[memoryview, int, str]:
-        """(the bytes received as a read-only view, their count, their hex SHA-256)."""
+    def finish(self) -> tuple[memoryview, int, str, str]:
+        """(the bytes received as a read-only view, their count, their hex SHA-256, the
+        hex SHA-256 of all but the last `tail` bytes or "" when not asked or not reached)."""
         sha = self._digest.hexdigest()
-        return self._view[:self.received].toreadonly(), self.received, sha
+        marks = self._digest.marks()
+        return self._view[:self.received].toreadonly(), self.received, sha, \
+            marks[0] if marks else ""
 
     def close(self) -> None:
         self._digest.close()
@@ -280,30 +290,37 @@ class SnapshotClient:
 
     # --- get --------------------------------------------------------------------------
 
-    def get(self, name: str, *, with_draft: bool = True) -> Snapshot:
+    def get(self, name: str, *, with_draft: bool = True, digest_tail: int = 0) -> Snapshot:
         """The exact bytes of a snapshot's target and, when one belongs to it, its draft.
 
         The draft returned always belongs to the target returned; when a newer save
-        replaces the snapshot between the two reads, both are read again."""
+        replaces the snapshot between the two reads, both are read again.
+
+        `digest_tail`: also compute, in the same pass, the SHA-256 of the target without
+        its last `digest_tail` bytes (`Snapshot.target_prefix_sha256`): a format that
+        ends with a digest of the rest (slot files do) is checked without hashing twice."""
         validate_name(name)
         protocol = self.protocol
         for _ in range(3):
-            target, th = self._get_part(name, Part.TARGET)
+            target, th, prefix_sha = self._get_part(name, Part.TARGET, tail=digest_tail)
             t_info = PartInfo.from_pb(th.info)
             snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info)
             if protocol < 2 or not with_draft or not th.draft_sha256:
                 note = ("protocol 1: drafts are not supported" if protocol < 2
                         else "draft not requested" if not with_draft else "no draft stored")
-                return Snapshot(name, target, None, snap, protocol, note)
+                return Snapshot(name, target, None, snap, protocol, note,
+                                target_prefix_sha256=prefix_sha)
             try:
-                draft, dh = self._get_part(name, Part.DRAFT, target_sha256=t_info.sha256)
+                draft, dh, _ = self._get_part(name, Part.DRAFT, target_sha256=t_info.sha256)
             except NotFound:
                 continue  # replaced by a newer save between the two reads: read both again
             snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info,
                                 PartInfo.from_pb(dh.info))
-            return Snapshot(name, target, draft, snap, protocol)
+            return Snapshot(name, target, draft, snap, protocol,
+                            target_prefix_sha256=prefix_sha)
         return Snapshot(name, target, None, snap, protocol,
-                        "the snapshot kept changing while it was read; draft left out")
+                        "the snapshot kept changing while it was read; draft left out",
+                        target_prefix_sha256=prefix_sha)
 
     def get_part(self, name: str, part: Part, *,
                  target_sha256: str = "") -> tuple[memoryview, PartInfo]:
@@ -312,15 +329,17 @@ class SnapshotClient:
         validate_name(name)
         if part is Part.DRAFT and self.protocol < 2:
             raise FailedPrecondition("drafts need protocol 2; the server speaks protocol 1")
-        data, header = self._get_part(name, part, target_sha256=target_sha256)
+        data, header, _ = self._get_part(name, part, target_sha256=target_sha256)
         return data, PartInfo.from_pb(header.info)
 
-    def _get_part(self, name: str, part: Part, *,
-                  target_sha256: str = "") -> tuple[memoryview, pb.GetHeader]:
+    def _get_part(self, name: str, part: Part, *, target_sha256: str = "",
+                  tail: int = 0) -> tuple[memoryview, pb.GetHeader, str]:
+        """(the verified bytes, the header, the SHA-256 of all but the last `tail` bytes
+        or "" when tail is 0 or more than the part's size)."""
         req = pb.GetRequest(name=name, part=int(part), target_sha256=target_sha256)
         size_bound = self.server_info().max_snapshot_bytes or DEFAULT_MAX_SNAPSHOT_BYTES
 
-        def fetch(timeout: float) -> tuple[memoryview, pb.GetHeader]:
+        def fetch(timeout: float) -> tuple[memoryview, pb.GetHeader, str]:
             stream = self._stub.Get(req, timeout=timeout)
             header: pb.GetHeader | None = None
             sink: _PartSink | None = None
@@ -342,10 +361,10 @@ class SnapshotClient:
                         raise DataLoss(f"Get of {name!r}: the header announces "
                                        f"{header.info.size} bytes, more than the "
                                        f"{size_bound} a snapshot may have")
-                    sink = _PartSink(header.info.size)
+                    sink = _PartSink(header.info.size, tail)
                 if header is None or sink is None:
                     raise DataLoss(f"Get of {name!r}: empty stream")
-                data, received, sha = sink.finish()
+                data, received, sha, prefix_sha = sink.finish()
             finally:
                 if sink is not None:
                     sink.close()
@@ -354,7 +373,7 @@ class SnapshotClient:
                                f"{header.info.size} bytes")
             if sha != header.info.sha256:
                 raise DataLoss(f"{part.label} of {name!r}: SHA-256 mismatch")
-            return data, header
+            return data, header, prefix_sha
 
         return self._call(fetch, size=size_bound)
 

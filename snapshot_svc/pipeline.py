@@ -70,18 +70,30 @@ class OrderedWorker:
 
 
 class StreamDigest:
-    """SHA-256 of a stream of chunks, computed in order on a helper thread."""
+    """SHA-256 of a stream of chunks, computed in order on a helper thread.
+
+    `mark()` records the digest of everything so far (the stream goes on): one pass
+    gives the digest of a prefix too, e.g. of a file without its trailing checksum."""
 
     def __init__(self, max_pending: int = 4) -> None:
         self._hash = hashlib.sha256()
         self._worker = OrderedWorker("sha256", max_pending)
+        self._marks: list[str] = []
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         self._worker.submit(self._hash.update, data)
 
+    def mark(self) -> None:
+        self._worker.submit(lambda: self._marks.append(self._hash.copy().hexdigest()))
+
     def hexdigest(self) -> str:
         self._worker.drain()
         return self._hash.hexdigest()
+
+    def marks(self) -> list[str]:
+        """The digests recorded by `mark`, in order."""
+        self._worker.drain()
+        return list(self._marks)
 
     def close(self) -> None:
         self._worker.close()

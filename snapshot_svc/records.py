@@ -161,3 +161,5 @@ class Snapshot:
     info: SnapshotInfo  # describes what was returned (info.draft is None iff draft is None)
     protocol: int
     draft_note: str = ""  # why draft is None: "protocol 1", "no draft stored", ...
+    # hex SHA-256 of the target without its last `digest_tail` bytes (get's argument)
+    target_prefix_sha256: str = ""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +100,80 @@ def test_bad_state_leaves_slot_empty_and_usable(ctx: Ctx, case: str) -> None:
     ctx.decode(1, [4, 5])  # usable
     assert ctx.set_state(1, good) == len(good)
     assert ctx.decode(1, [7]).tobytes() == expected.tobytes()
+
+
+def split_state(state: bytes, n_tokens: int) -> tuple[bytes, bytes, bytes]:
+    t_end = HEADER + 4 * n_tokens
+    return state[:HEADER], state[HEADER:t_end], state[t_end:]
+
+
+def test_state_from_parts_is_the_same_state(ctx: Ctx) -> None:
+    ctx.decode(0, PROMPT)
+    expected = ctx.decode(0, [7])
+    ctx.truncate(0, len(PROMPT))
+    state = ctx.get_state(0)
+    header, tokens, kv = split_state(state, len(PROMPT))
+    assert ctx.set_state_parts(1, memoryview(header), tokens, memoryview(kv)) == len(state)
+    assert ctx.get_state(1) == state
+    assert ctx.decode(1, [7]).tobytes() == expected.tobytes()
+    ctx.clear(0)
+    assert ctx.set_state_parts(1, ctx.get_state(0), b"", b"") == HEADER  # an empty slot
+    assert ctx.n_tokens(1) == 0
+
+
+FIXED_SIZE_CORRUPTIONS = ["bad_magic", "newer_version", "other_layers", "other_kv_dim", "dtype",
+                          "too_many_tokens", "token_count_mismatch", "token_out_of_vocab",
+                          "negative_token", "nan_in_kv"]
+
+
+@pytest.mark.parametrize("case", FIXED_SIZE_CORRUPTIONS + [
+    "header_short", "header_long", "tokens_short", "kv_short", "kv_long", "kv_in_tokens"])
+def test_bad_state_parts_leave_slot_empty_and_usable(ctx: Ctx, case: str) -> None:
+    ctx.decode(0, PROMPT)
+    good = ctx.get_state(0)
+    expected = ctx.decode(0, [7])
+    h, t, kv = split_state(good, len(PROMPT))
+    if case in FIXED_SIZE_CORRUPTIONS:
+        parts = split_state(corruptions(good)[case], len(PROMPT))
+    else:
+        parts = {"header_short": (h[:-1], t, kv), "header_long": (h + b"\0", t, kv),
+                 "tokens_short": (h, t[:-4], kv), "kv_short": (h, t, kv[:-1]),
+                 "kv_long": (h, t, kv + b"\0\0\0\0"), "kv_in_tokens": (h, t + kv, b"")}[case]
+    ctx.decode(1, [1, 2, 3])
+    with pytest.raises(BadStateError):
+        ctx.set_state_parts(1, *parts)
+    assert ctx.n_tokens(1) == 0
+    assert ctx.set_state_parts(1, h, t, kv) == len(good)
+    assert ctx.decode(1, [7]).tobytes() == expected.tobytes()
+
+
+RSS_PROBE = """
+import os
+import sys
+from inference_svc.core import Context, Model
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+m = Model.load(sys.argv[1])
+before = rss()
+c = Context(m, n_slots=8, n_ctx=4096, n_threads=1, reserve_kv=sys.argv[2] == "1")
+grown = rss() - before
+c.decode(0, [1, 2, 3])
+print(grown, c.kv_bytes, c.n_tokens(0))
+"""
+
+
+def test_reserve_kv_commits_the_cache_up_front(small_model_path: Path) -> None:
+    grown = {}
+    for reserve in ("0", "1"):  # a fresh process each: RSS is not muddied by freed memory
+        out = subprocess.run([sys.executable, "-c", RSS_PROBE, str(small_model_path), reserve],
+                             capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent.parent).stdout.split()
+        grown[reserve], kv, n = map(int, out)
+        assert n == 3  # decodes the same either way
+    assert kv == 8 * 4096 * 2 * 2 * 32 * 4  # 16 MiB: slots x ctx x (K, V) x layers x dims
+    assert grown["1"] >= kv
+    assert grown["0"] < kv // 4
 
 
 def test_decode_validation_leaves_slot_unchanged(ctx: Ctx) -> None:

@@ -74,7 +74,7 @@ def test_golden_files_restore_and_continue_like_the_saved_session(tmp_path: Path
         p = prepare_restore(store, "slot", model_spec(tm, 128), model_spec(dm, 128))
         assert p.draft_state is not None and p.draft_note == ""
         dec.clear(1)
-        tc.set_state(1, p.target_state)
+        tc.set_state_parts(1, *p.target_parts)
         dec.set_draft_state(1, p.draft_state)
         assert dec.tokens(1) == META["tokens"]
         # the KV is what a prefill of the tokens computes (bit for bit)

@@ -93,6 +93,19 @@ def test_stream_digest_is_sha256_of_the_concatenation(sizes: list[int]) -> None:
         assert d.hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
 
 
+def test_stream_digest_marks_prefixes() -> None:
+    a, b, c = os.urandom(100), os.urandom(MIB), os.urandom(7)
+    with StreamDigest() as d:
+        d.mark()
+        d.update(a)
+        d.mark()
+        d.update(b)
+        d.update(c)
+        d.mark()
+        assert d.marks() == [hashlib.sha256(x).hexdigest() for x in (b"", a, a + b + c)]
+        assert d.hexdigest() == hashlib.sha256(a + b + c).hexdigest()
+
+
 def test_small_buffers_are_bytearrays() -> None:
     pool = BufferPool()
     view = pool.take(POOL_MIN_BYTES - 1)

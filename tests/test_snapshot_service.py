@@ -138,6 +138,24 @@ def test_get_results_are_read_only_and_never_reused_while_held(
     assert held == a
 
 
+@pytest.mark.parametrize(("size", "tail"), [
+    (3 * MAX_CHUNK_BYTES + 100, 32),  # the cut inside the last chunk
+    (3 * MAX_CHUNK_BYTES + 100, 100),  # the cut on a chunk boundary
+    (3 * MAX_CHUNK_BYTES + 100, MAX_CHUNK_BYTES + 7),  # the cut in an earlier chunk
+    (1000, 1000),  # the whole part is tail: the digest of nothing
+    (1000, 1001),  # more tail than bytes: not computed
+    (1000, 0),  # not asked
+])
+def test_get_digests_all_but_the_tail_in_the_same_pass(client: SnapshotClient, size: int,
+                                                       tail: int) -> None:
+    data = blob(5, size)
+    client.put("t", data)
+    got = client.get("t", digest_tail=tail)
+    assert got.target == data
+    want = sha(data[:size - tail]) if 0 < tail <= size else ""
+    assert got.target_prefix_sha256 == want
+
+
 def test_put_with_the_callers_digests(client: SnapshotClient, server: SnapshotServer) -> None:
     t, d = blob(1, 3 * MAX_CHUNK_BYTES), blob(2, 500)
     res = client.put("s", t, d, target_sha256=sha(t), draft_sha256=sha(d))

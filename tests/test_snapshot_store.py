@@ -22,7 +22,7 @@ import pytest
 from inference_svc import errors
 from inference_svc.core import Context, Model
 from inference_svc.core.speculative import Counters, SamplingParams, SpecDecoder, SpecParams
-from inference_svc.slotfile import ModelSpec
+from inference_svc.slotfile import CorruptSlotFile, ModelSpec
 from inference_svc.snapshot_store import SnapshotStore
 from inference_svc.snapshots import EncodedSlot, encode_slot, model_spec, prepare_restore
 from inference_svc.store import LocalStore, SlotStore, StoredSlot
@@ -102,7 +102,7 @@ def assert_resumes_like_control(c: Core, store: SlotStore, name: str, *,
     assert (prepared.draft_state is not None) is with_draft, prepared.draft_note
     dec = c.dec
     dec.clear(RESTORED)
-    dec.target.set_state(RESTORED, prepared.target_state)
+    dec.target.set_state_parts(RESTORED, *prepared.target_parts)
     if prepared.draft_state is not None:
         dec.set_draft_state(RESTORED, prepared.draft_state)
     else:
@@ -410,6 +410,28 @@ def test_corrupt_parts_on_the_service(core: Core, slot: EncodedSlot, v2: Snapsho
         flip(v2.config.data_dir / "blobs" / slot.target_sha256, 200)
         with pytest.raises(errors.DataLoss, match="target of 'c': SHA-256 mismatch"):
             store.load("c")
+
+
+def test_target_checked_against_its_own_trailer_after_a_get(core: Core, slot: EncodedSlot,
+                                                          v2: SnapshotServer) -> None:
+    """The Get computes the digest of the target without its trailer in the same pass;
+    a file corrupted before it was saved (stored with the digest of its corrupt bytes,
+    so the transfer checks pass) is still refused by the trailer check."""
+    bad = bytearray(slot.target)
+    bad[len(bad) // 2] ^= 0x01
+    with SnapshotClient(v2.address, timeout=10) as client:
+        client.put("bad", bytes(bad))
+        got = client.get("bad", digest_tail=32)
+        assert got.target_prefix_sha256 == hashlib.sha256(bad[:-32]).hexdigest()
+    with SnapshotStore(v2.address, timeout=10) as store:
+        stored = store.load("bad")
+        assert stored.target_body_sha256 == hashlib.sha256(bad[:-32]).hexdigest()
+        with pytest.raises(CorruptSlotFile, match="digest mismatch"):  # DATA_LOSS
+            prepare_restore(store, "bad", core.tspec, core.dspec)
+        store.save("good", slot.target, slot.draft)
+        assert store.load("good").target_body_sha256 == hashlib.sha256(
+            slot.target[:-32]).hexdigest()
+        assert_resumes_like_control(core, store, "good", with_draft=True)
 
 
 def flip(path: Path, offset: int) -> None:

@@ -118,6 +118,14 @@ def slot_state_set(ctx: Any, slot: int, buf: Any, length: int) -> int:
     return int(n[0])
 
 
+def slot_state_set_parts(ctx: Any, slot: int, header: Any, header_len: int, tokens: Any,
+                         tokens_len: int, kv: Any, kv_len: int) -> int:
+    n = ffi.new("size_t *")
+    _check(lib.ws_slot_state_set_parts(ctx, slot, header, header_len, tokens, tokens_len, kv,
+                                       kv_len, n), ctx)
+    return int(n[0])
+
+
 # ---- speculative decoding (ws_spec_*) ----
 
 def _check_spec(status: int, spec: Any) -> None:

@@ -127,7 +127,9 @@ class Context(NativeHandle):
     _what = "context"
 
     def __init__(self, model: Model, n_slots: int = 1, n_ctx: int | None = None,
-                 n_threads: int = 2, n_batch: int = 512) -> None:
+                 n_threads: int = 2, n_batch: int = 512, reserve_kv: bool = False) -> None:
+        """reserve_kv: commit the KV cache's memory now (see ws_context_params) instead
+        of on first use."""
         n_ctx = model.hparams.n_ctx_train if n_ctx is None else n_ctx
         need = model.kv_bytes_per_token() * int(n_ctx) * int(n_slots)
         avail = available_memory_bytes()
@@ -141,6 +143,7 @@ class Context(NativeHandle):
         params.n_ctx = n_ctx
         params.n_threads = n_threads
         params.n_batch = n_batch
+        params.reserve_kv = int(reserve_kv)
         self.model = model
         self.n_slots = n_slots
         self.n_ctx = n_ctx
@@ -211,6 +214,12 @@ class Context(NativeHandle):
     def set_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
         """Loads a slot's state; on any error the slot is left empty and usable."""
         return binding.slot_state_set(self.handle, slot, *buffer_arg(data))
+
+    def set_state_parts(self, slot: int, header: bytes | memoryview,
+                        tokens: bytes | memoryview, kv: bytes | memoryview) -> int:
+        """`set_state` of header + tokens + kv without joining them into one buffer."""
+        return binding.slot_state_set_parts(self.handle, slot, *buffer_arg(header),
+                                            *buffer_arg(tokens), *buffer_arg(kv))
 
 
 def default_threads() -> int:
