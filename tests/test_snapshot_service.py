@@ -329,6 +329,34 @@ def test_disk_full_is_resource_exhausted_and_leaves_nothing(client: SnapshotClie
     assert client.get("s").target == old
 
 
+def test_disk_too_full_for_the_declared_size_is_refused_before_the_data(
+        client: SnapshotClient, server: SnapshotServer) -> None:
+    old = blob(1, 4000)
+    client.put("s", old)
+    before = stored_files(server)
+    asked: list[int] = []
+    written = [0]
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        asked.append(length)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def counting_write(fd: int, data: memoryview) -> int:
+        written[0] += len(data)
+        return os.write(fd, data)
+
+    server.store._allocate = no_room
+    server.store._write = counting_write
+    big = blob(2, 3 * MAX_CHUNK_BYTES)
+    with pytest.raises(ResourceExhausted, match=f"reserving {len(big)} bytes .*disk full"):
+        client.put("s", big)
+    assert asked == [len(big)] and written[0] == 0  # refused before any chunk was written
+    assert stored_files(server) == before
+    server.store._allocate = os.posix_fallocate
+    server.store._write = os.write
+    assert client.get("s").target == old
+
+
 # --- paired commit -----------------------------------------------------------------------
 
 
