@@ -1045,15 +1045,22 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, const uin
     return WS_OK;
 }
 
-ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
-                            size_t *read_out) {
+/* The start of both state setters: arguments, slot, then the slot is emptied (any
+ * failure from here on leaves it empty) and the header checked; *n_out: its tokens. */
+static ws_status state_set_begin(ws_context *ctx, int32_t slot, const uint8_t *header,
+                                 size_t header_len, size_t *read_out, uint32_t *n_out) {
     if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
     *read_out = 0;
     ws_status st = check_slot(ctx, slot);
     if (st != WS_OK) return st;
-    ctx->n_past[slot] = 0; /* from here on, any failure leaves the slot empty */
+    ctx->n_past[slot] = 0;
+    return state_header_check(ctx, header, header_len, n_out);
+}
+
+ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out) {
     uint32_t n = 0;
-    st = state_header_check(ctx, buf, len, &n);
+    ws_status st = state_set_begin(ctx, slot, buf, len, read_out, &n);
     if (st != WS_OK) return st;
     const size_t need = state_bytes(ctx, n);
     if (len != need)
@@ -1069,13 +1076,8 @@ ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, s
 ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *header,
                                   size_t header_len, const uint8_t *tokens, size_t tokens_len,
                                   const uint8_t *kv, size_t kv_len, size_t *read_out) {
-    if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
-    *read_out = 0;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
-    ctx->n_past[slot] = 0; /* from here on, any failure leaves the slot empty */
     uint32_t n = 0;
-    st = state_header_check(ctx, header, header_len, &n);
+    ws_status st = state_set_begin(ctx, slot, header, header_len, read_out, &n);
     if (st != WS_OK) return st;
     const size_t kv_need = state_bytes(ctx, n) - WS_STATE_HEADER_BYTES - sizeof(int32_t) * n;
     if (header_len != WS_STATE_HEADER_BYTES || tokens_len != sizeof(int32_t) * n ||
