@@ -1,6 +1,6 @@
 """Builds the cffi (API, out-of-line) extension for the decoding core.
 
-    python native/build_ffi.py [--variant release|asan]
+    python native/build_ffi.py [--variant release|asan|portable]
 
 The declarations come from the one public header, native/warmslot.h, with the
 preprocessor lines removed; the compiled module lands in inference_svc/core/.
@@ -28,6 +28,9 @@ WARN = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter"]
 NUMERIC = ["-ffp-contract=off", "-fno-fast-math"]
 VARIANTS = {
     "release": {"module": "_native", "cflags": ["-O3"], "ldflags": []},
+    # the scalar path (no -march): the tests check that it gives the release build's bits
+    "portable": {"module": "_native_portable", "cflags": ["-O3"], "ldflags": [],
+                 "march": "none"},
     "asan": {
         "module": "_native_asan",
         "cflags": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -37,14 +40,14 @@ VARIANTS = {
 }
 
 
-def arch_flags() -> list[str]:
+def arch_flags(forced: str | None = None) -> list[str]:
     """x86-64-v3 (AVX2 + FMA) when the CPU has it; the C code has a scalar path otherwise.
 
     WARMSLOT_MARCH overrides the choice (an image built for other machines sets it):
     a -march value such as `x86-64-v3`, or `none` for the compiler's default. The
     results are the same bits either way (the scalar path uses fmaf), only slower.
     """
-    forced = os.environ.get("WARMSLOT_MARCH")
+    forced = os.environ.get("WARMSLOT_MARCH") if forced is None else forced
     if forced is not None:
         return [] if forced in ("", "none") else [f"-march={forced}"]
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -84,7 +87,7 @@ def build(variant: str) -> Path:
         '#include "warmslot.h"',
         sources=[str(NATIVE / "warmslot.c"), str(NATIVE / "speculative.c")],
         include_dirs=[str(NATIVE)],
-        extra_compile_args=WARN + NUMERIC + arch_flags() + spec["cflags"],
+        extra_compile_args=WARN + NUMERIC + arch_flags(spec.get("march")) + spec["cflags"],
         extra_link_args=spec["ldflags"],
         libraries=["m", "pthread"],
     )

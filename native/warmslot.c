@@ -87,6 +87,7 @@ static inline float l8_sum(lanes8 v) {
 #if WS_SIMD
 static inline lanes8 l8_add(lanes8 a, lanes8 b) { return _mm256_add_ps(a, b); }
 static inline lanes8 l8_sub1(lanes8 a, float b) { return _mm256_sub_ps(a, _mm256_set1_ps(b)); }
+static inline lanes8 l8_set1(float b) { return _mm256_set1_ps(b); }
 static inline void l8_store(float *p, lanes8 v) { _mm256_storeu_ps(p, v); }
 /* ws_expf on 8 lanes: the same IEEE operations in the same order, per lane */
 static inline lanes8 l8_exp(lanes8 x) {
@@ -119,6 +120,11 @@ static inline lanes8 l8_add(lanes8 a, lanes8 b) {
 static inline lanes8 l8_sub1(lanes8 a, float b) {
     for (int i = 0; i < 8; i++) a.v[i] -= b;
     return a;
+}
+static inline lanes8 l8_set1(float b) {
+    lanes8 r;
+    for (int i = 0; i < 8; i++) r.v[i] = b;
+    return r;
 }
 static inline void l8_store(float *p, lanes8 v) { memcpy(p, v.v, sizeof v.v); }
 static inline lanes8 l8_exp(lanes8 x) {
@@ -382,7 +388,7 @@ struct ws_context {
     float *att;        /* [n_batch][q_dim]   attention output       */
     float *hb;         /* [n_batch][n_ff]    gate                   */
     float *hb2;        /* [n_batch][n_ff]    up                     */
-    float *scores;     /* [n_threads][n_ctx] attention scores       */
+    float *scores;     /* [n_threads][2][n_ctx] attention weights   */
 
     int32_t *tok_slot; /* [n_batch] slot of each token of the chunk     */
     int32_t *tok_pos;  /* [n_batch] position of each token in its slot  */
@@ -545,7 +551,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->att = alloc_floats(nb * (size_t)ctx->q_dim, &ok);
     ctx->hb = alloc_floats(nb * (size_t)hp->n_ff, &ok);
     ctx->hb2 = alloc_floats(nb * (size_t)hp->n_ff, &ok);
-    ctx->scores = alloc_floats((size_t)params.n_threads * (size_t)params.n_ctx, &ok);
+    ctx->scores = alloc_floats((size_t)params.n_threads * 2 * (size_t)params.n_ctx, &ok);
     ctx->kbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     ctx->vbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     if (ok) {
@@ -637,44 +643,122 @@ static void rope_apply(float *v, const float *cs, const float *sn, int half) {
     }
 }
 
-/* attention of one query head of one token over positions 0..pos of its slot */
-static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h) {
+/*
+ * Attention of NH query heads (h0, h0+1, ...) of one token that share one KV head,
+ * over positions 0..pos of its slot: the keys and values are read once for the
+ * group. Every score and output element is the same sequence of operations as for
+ * a head alone: score = (the `dot` sequence over the head dimension) * scale; the
+ * softmax as below; out[d] = fmaf chain over positions in order. NH is a constant
+ * at each call site (1 or 2), so the loops over heads unroll into registers.
+ */
+static inline __attribute__((always_inline)) void
+attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h0, const int NH) {
     const ws_hparams *hp = &ctx->model->hp;
     const int hd = ctx->head_dim;
-    const int kvh = h / (hp->n_head / hp->n_head_kv);
-    const float *q = ctx->q + (size_t)t * ctx->q_dim + (size_t)h * hd;
-    float *out = ctx->att + (size_t)t * ctx->q_dim + (size_t)h * hd;
-    float *sc = ctx->scores + (size_t)ith * ctx->params.n_ctx; /* [pos+1] */
+    const int kvh = h0 / (hp->n_head / hp->n_head_kv);
+    const float *q[2];
+    float *out[2], *sc[2];
+    for (int h = 0; h < NH; h++) {
+        q[h] = ctx->q + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
+        out[h] = ctx->att + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
+        sc[h] = ctx->scores + ((size_t)ith * 2 + (size_t)h) * ctx->params.n_ctx; /* [pos+1] */
+    }
     const float *k0 = kv_row(ctx, ctx->k_cache, slot, layer, 0) + (size_t)kvh * hd;
     const float *v0 = kv_row(ctx, ctx->v_cache, slot, layer, 0) + (size_t)kvh * hd;
     const size_t stride = (size_t)ctx->kv_dim;
-
-    float mx = -INFINITY;
-    for (int j = 0; j <= pos; j++) {
-        float s = dot(q, k0 + (size_t)j * stride, hd) * ctx->attn_scale;
-        sc[j] = s;
-        if (s > mx) mx = s;
-    }
-    /* exponentials 8 at a time, summed in 8 lanes then a fixed tree, then the tail */
+    const float scale = ctx->attn_scale;
     const int n = pos + 1, n8 = n & ~7;
-    lanes8 acc = l8_zero();
-    for (int j = 0; j < n8; j += 8) {
-        lanes8 e = l8_exp(l8_sub1(l8_load(sc + j), mx));
-        l8_store(sc + j, e);
-        acc = l8_add(acc, e);
+    float mx[2] = {-INFINITY, -INFINITY};
+    int j = 0;
+    if ((hd & 7) == 0) {
+        /* four keys at a time, each loaded once for the heads of the group */
+        for (; j + 4 <= n; j += 4) {
+            const float *kr[4] = {k0 + (size_t)j * stride, k0 + (size_t)(j + 1) * stride,
+                                  k0 + (size_t)(j + 2) * stride, k0 + (size_t)(j + 3) * stride};
+            lanes8 a[2][4];
+            for (int h = 0; h < NH; h++)
+                for (int i = 0; i < 4; i++) a[h][i] = l8_zero();
+            for (int d = 0; d < hd; d += 8) {
+                lanes8 kv[4];
+                for (int i = 0; i < 4; i++) kv[i] = l8_load(kr[i] + d);
+                for (int h = 0; h < NH; h++) {
+                    const lanes8 qv = l8_load(q[h] + d);
+                    for (int i = 0; i < 4; i++) a[h][i] = l8_fma(qv, kv[i], a[h][i]);
+                }
+            }
+            for (int h = 0; h < NH; h++)
+                for (int i = 0; i < 4; i++) {
+                    const float sv = l8_sum(a[h][i]) * scale;
+                    sc[h][j + i] = sv;
+                    if (sv > mx[h]) mx[h] = sv;
+                }
+        }
     }
-    float sum = l8_sum(acc);
-    for (int j = n8; j < n; j++) {
-        sc[j] = ws_expf(sc[j] - mx);
-        sum += sc[j];
+    for (; j < n; j++)
+        for (int h = 0; h < NH; h++) {
+            const float sv = dot(q[h], k0 + (size_t)j * stride, hd) * scale;
+            sc[h][j] = sv;
+            if (sv > mx[h]) mx[h] = sv;
+        }
+    /* exponentials 8 at a time, summed in 8 lanes then a fixed tree, then the tail;
+       the weights w_j = e_j / sum are stored in place of the scores */
+    for (int h = 0; h < NH; h++) {
+        float *s = sc[h];
+        lanes8 acc = l8_zero();
+        for (j = 0; j < n8; j += 8) {
+            lanes8 e = l8_exp(l8_sub1(l8_load(s + j), mx[h]));
+            l8_store(s + j, e);
+            acc = l8_add(acc, e);
+        }
+        float sum = l8_sum(acc);
+        for (j = n8; j < n; j++) {
+            s[j] = ws_expf(s[j] - mx[h]);
+            sum += s[j];
+        }
+        const float inv = 1.0f / sum;
+        for (j = 0; j < n; j++) s[j] = s[j] * inv;
     }
-    const float inv = 1.0f / sum;
-    for (int d = 0; d < hd; d++) out[d] = 0.0f;
-    for (int j = 0; j <= pos; j++) {
-        const float wj = sc[j] * inv;
-        const float *vj = v0 + (size_t)j * stride;
-        for (int d = 0; d < hd; d++) out[d] = fmaf(wj, vj[d], out[d]);
+    /* out[d] = sum over j of w_j * v_j[d], accumulated in j order with fmaf: 32
+       dimensions at a time in registers, each value row loaded once for the group */
+    int d = 0;
+    for (; d + 32 <= hd; d += 32) {
+        lanes8 o[2][4];
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) o[h][i] = l8_zero();
+        for (j = 0; j < n; j++) {
+            const float *vj = v0 + (size_t)j * stride + d;
+            const lanes8 v[4] = {l8_load(vj), l8_load(vj + 8), l8_load(vj + 16),
+                                 l8_load(vj + 24)};
+            for (int h = 0; h < NH; h++) {
+                const lanes8 w = l8_set1(sc[h][j]);
+                for (int i = 0; i < 4; i++) o[h][i] = l8_fma(w, v[i], o[h][i]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) l8_store(out[h] + d + 8 * i, o[h][i]);
     }
+    for (; d + 8 <= hd; d += 8)
+        for (int h = 0; h < NH; h++) {
+            lanes8 o = l8_zero();
+            for (j = 0; j < n; j++)
+                o = l8_fma(l8_set1(sc[h][j]), l8_load(v0 + (size_t)j * stride + d), o);
+            l8_store(out[h] + d, o);
+        }
+    for (; d < hd; d++)
+        for (int h = 0; h < NH; h++) {
+            float o = 0.0f;
+            for (j = 0; j < n; j++) o = fmaf(sc[h][j], v0[(size_t)j * stride + d], o);
+            out[h][d] = o;
+        }
+}
+
+/* attention of the query heads of KV head `kvh` of one token: in pairs, then one */
+static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int kvh) {
+    const int rep = ctx->model->hp.n_head / ctx->model->hp.n_head_kv;
+    int h = kvh * rep;
+    const int he = h + rep;
+    for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, pos, t, h, 2);
+    if (h < he) attend_group(ctx, ith, slot, layer, pos, t, h, 1);
 }
 
 static void forward_worker(ws_context *ctx, int ith) {
@@ -723,11 +807,11 @@ static void forward_worker(ws_context *ctx, int ith) {
         }
         pool_barrier(pool);
 
-        /* attention: one task per (token, head) */
-        split_range(nt * hp->n_head, ith, nth, 1, &a, &b);
+        /* attention: one task per (token, KV head), its query heads together */
+        split_range(nt * hp->n_head_kv, ith, nth, 1, &a, &b);
         for (int i = a; i < b; i++) {
-            const int t = i / hp->n_head;
-            attend(ctx, ith, tslot[t], l, tpos[t], t, i % hp->n_head);
+            const int t = i / hp->n_head_kv;
+            attend(ctx, ith, tslot[t], l, tpos[t], t, i % hp->n_head_kv);
         }
         pool_barrier(pool);
 

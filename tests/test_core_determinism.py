@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from inference_svc.core import Context, Model
+from tests.factory import Shape, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.native
 
@@ -115,3 +121,67 @@ def test_multi_slot_decode_validation(small_model_path: Path) -> None:
         with pytest.raises(ContextFullError, match="slot 1 is full"):
             ctx.decode_multi([0, 1], [3, 4])
         assert ctx.n_tokens(0) == 0 and ctx.n_tokens(1) == 4  # nothing changed
+
+
+# Attention shapes: the head dimension in groups of 32, 8 and single values, and query
+# heads per KV head in pairs and singles (hd 40 / 3 per KV head, hd 12 / 4, hd 36 / 1).
+ATTENTION_SHAPES = {
+    "hd40_rep3": Shape(n_vocab=300, n_embd=240, n_layer=2, n_head=6, n_head_kv=2, n_ff=96),
+    "hd12_mqa": Shape(n_vocab=300, n_embd=48, n_layer=2, n_head=4, n_head_kv=1, n_ff=64),
+    "hd36_mha": Shape(n_vocab=300, n_embd=108, n_layer=1, n_head=3, n_head_kv=3, n_ff=64),
+}
+LONG = np.random.default_rng(13).integers(0, 300, 70).tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(ATTENTION_SHAPES))
+def shape_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("attn") / f"{request.param}.gguf"
+    write_model(path, ATTENTION_SHAPES[request.param], seed=3)
+    return path
+
+
+def test_attention_shapes_are_batch_invariant(shape_model: Path) -> None:
+    with Model.load(shape_model) as model, \
+            Context(model, n_slots=2, n_ctx=128, n_threads=2) as ctx:
+        alone = one_by_one(ctx, 0, LONG)
+        for size in (4, 9, len(LONG)):
+            ctx.clear(1)
+            assert in_batches(ctx, 1, LONG, size).tobytes() == alone.tobytes()
+
+
+PORTABLE_PROBE = """
+import hashlib, sys
+from inference_svc.core import Context, Model
+from inference_svc.core.binding import NATIVE_VARIANT
+tokens = [int(t) for t in sys.argv[2].split(",")]
+with Model.load(sys.argv[1]) as model, Context(model, n_ctx=256, n_threads=2) as ctx:
+    batched = ctx.decode(0, tokens, logits_all=True)
+    ctx.clear(0)
+    single = [ctx.decode(0, [t]) for t in tokens[:8]]
+print(NATIVE_VARIANT, hashlib.sha256(batched.tobytes()).hexdigest(),
+      hashlib.sha256(b"".join(s.tobytes() for s in single)).hexdigest())
+"""
+
+
+def logits_digests(model: Path, variant: str) -> list[str]:
+    env = {**os.environ, "WARMSLOT_NATIVE": variant}
+    env.pop("LD_PRELOAD", None)  # the ASan run's preload does not apply to these builds
+    out = subprocess.run([sys.executable, "-c", PORTABLE_PROBE, str(model),
+                          ",".join(map(str, LONG))], capture_output=True, text=True,
+                         check=True, env=env, cwd=ROOT).stdout.split()
+    assert out[0] == variant
+    return out[1:]
+
+
+@pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
+                    reason="compares the release build with the portable one")
+def test_portable_build_gives_the_same_bits(shape_model: Path) -> None:
+    """The scalar build (no AVX2) and the release build produce identical logits."""
+    assert logits_digests(shape_model, "portable") == logits_digests(shape_model, "release")
+
+
+@pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
+                    reason="compares the release build with the portable one")
+def test_portable_build_gives_the_same_bits_on_the_bundled_target() -> None:
+    target = ROOT / "models" / "target.gguf"
+    assert logits_digests(target, "portable") == logits_digests(target, "release")

@@ -2,7 +2,8 @@
 
 Each function maps one C call; a non-zero status becomes a typed exception
 carrying the core's message (the one helper `_check`). Set
-WARMSLOT_NATIVE=asan to load the AddressSanitizer/UBSan build instead.
+WARMSLOT_NATIVE=asan to load the AddressSanitizer/UBSan build instead, or
+WARMSLOT_NATIVE=portable for the scalar build (no AVX2; the same bits).
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from .errors import error_for_status
 
 def _load() -> Any:
     variant = os.environ.get("WARMSLOT_NATIVE", "release")
-    name = {"release": "_native", "asan": "_native_asan"}.get(variant)
+    name = {"release": "_native", "asan": "_native_asan",
+            "portable": "_native_portable"}.get(variant)
     if name is None:
-        raise ImportError(f"WARMSLOT_NATIVE must be 'release' or 'asan', not {variant!r}")
+        raise ImportError("WARMSLOT_NATIVE must be 'release', 'asan' or 'portable', not "
+                          f"{variant!r}")
     try:
         return importlib.import_module(f"{__package__}.{name}")
     except ImportError as exc:
         raise ImportError(
-            f"the native core ({name}) is not built: run `make native` ({exc})"
+            f"the native core ({name}) is not built: run `make native` "
+            f"(`make native-{variant}` for this variant) ({exc})"
         ) from exc
 
 
