@@ -361,7 +361,13 @@ class SnapshotClient:
                         raise DataLoss(f"Get of {name!r}: the header announces "
                                        f"{header.info.size} bytes, more than the "
                                        f"{size_bound} a snapshot may have")
-                    sink = _PartSink(header.info.size, tail)
+                    try:
+                        sink = _PartSink(header.info.size, tail)
+                    except MemoryError:
+                        stream.cancel()
+                        raise ResourceExhausted(
+                            f"Get of {name!r}: cannot allocate {header.info.size} bytes to "
+                            "receive it") from None
                 if header is None or sink is None:
                     raise DataLoss(f"Get of {name!r}: empty stream")
                 data, received, sha, prefix_sha = sink.finish()

@@ -156,6 +156,22 @@ def test_get_digests_all_but_the_tail_in_the_same_pass(client: SnapshotClient, s
     assert got.target_prefix_sha256 == want
 
 
+def test_get_without_memory_for_the_part_is_resource_exhausted(
+        client: SnapshotClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from snapshot_svc import buffers
+
+    client.put("big", blob(3, 2 * MAX_CHUNK_BYTES))
+
+    def no_memory(size: int) -> memoryview:
+        raise MemoryError
+
+    monkeypatch.setattr(buffers.POOL, "take", no_memory)
+    with pytest.raises(ResourceExhausted, match=f"cannot allocate {2 * MAX_CHUNK_BYTES} bytes"):
+        client.get("big")
+    monkeypatch.undo()
+    assert client.get("big").target == blob(3, 2 * MAX_CHUNK_BYTES)  # the channel is fine
+
+
 def test_put_with_the_callers_digests(client: SnapshotClient, server: SnapshotServer) -> None:
     t, d = blob(1, 3 * MAX_CHUNK_BYTES), blob(2, 500)
     res = client.put("s", t, d, target_sha256=sha(t), draft_sha256=sha(d))
