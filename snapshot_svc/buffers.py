@@ -77,7 +77,9 @@ class BufferPool:
             return memoryview(bytearray(size))
         addr, length = self._reuse(size) or self._map(size)
         array = (ctypes.c_ubyte * length).from_address(addr)
-        weakref.finalize(array, self._give_back, addr, length)
+        # not at interpreter exit: a view still used by a later exit handler must keep
+        # its bytes (MADV_FREE may zero them); the process unmaps everything anyway
+        weakref.finalize(array, self._give_back, addr, length).atexit = False
         return memoryview(array).cast("B")[:size]
 
     def _reuse(self, size: int) -> tuple[int, int] | None:
