@@ -46,6 +46,7 @@ from typing import TypeVar
 import grpc
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, __version__, buffers
+from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
@@ -57,7 +58,6 @@ from snapshot_svc.errors import (
 )
 from snapshot_svc.names import validate_name
 from snapshot_svc.pb import snapshot_pb2 as pb
-from snapshot_svc.pipeline import StreamDigest
 from snapshot_svc.records import (
     Part,
     PartInfo,

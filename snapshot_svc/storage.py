@@ -38,6 +38,7 @@ from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
@@ -48,7 +49,6 @@ from snapshot_svc.errors import (
 )
 from snapshot_svc.logs import log_event
 from snapshot_svc.names import validate_name
-from snapshot_svc.pipeline import StreamDigest
 from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
 
 log = logging.getLogger("snapshot_svc.storage")

@@ -1,5 +1,5 @@
-"""The transfer helpers of the snapshot service: in-order helper threads, the
-streamed SHA-256, the recycled receive buffers and the allocator settings."""
+"""The transfer helpers of the snapshot service: the streamed SHA-256 on a helper
+thread, the recycled receive buffers and the allocator settings."""
 
 from __future__ import annotations
 
@@ -12,76 +12,41 @@ import time
 import pytest
 
 from snapshot_svc.buffers import POOL_MIN_BYTES, BufferPool
+from snapshot_svc.digest import StreamDigest
 from snapshot_svc.memory import tune_malloc
-from snapshot_svc.pipeline import OrderedWorker, StreamDigest
 
 MIB = 1 << 20
 
 
-def test_worker_runs_calls_in_order_on_one_other_thread() -> None:
-    seen: list[tuple[int, str]] = []
-    with OrderedWorker("t", max_pending=3) as w:
-        for i in range(50):
-            w.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
-        w.drain()
-    assert [i for i, _ in seen] == list(range(50))
+def test_stream_digest_hashes_on_one_other_thread_and_bounds_the_queue() -> None:
+    gate = threading.Event()
+    seen: list[tuple[bytes, str]] = []
+
+    class SlowHash:  # stands in for hashlib's object: blocks until the gate opens
+        def update(self, data: bytes) -> None:
+            gate.wait()
+            seen.append((bytes(data), threading.current_thread().name))
+
+        def hexdigest(self) -> str:
+            return "done"
+
+    d = StreamDigest(max_pending=2)
+    d._hash = SlowHash()  # type: ignore[assignment]
+    d.update(b"a")
+    d.update(b"b")
+    third = threading.Thread(target=d.update, args=(b"c",))
+    third.start()
+    time.sleep(0.2)
+    assert third.is_alive()  # two chunks wait to be hashed: the third waits for room
+    gate.set()
+    third.join(5)
+    assert not third.is_alive()
+    assert d.hexdigest() == "done"
+    assert [c for c, _ in seen] == [b"a", b"b", b"c"]  # in order
     names = {n for _, n in seen}
     assert len(names) == 1 and threading.current_thread().name not in names
-
-
-def test_worker_raises_the_first_failure_and_skips_the_rest() -> None:
-    ran: list[int] = []
-
-    def step(i: int) -> None:
-        if i == 2:
-            raise OSError(28, "disk full")
-        ran.append(i)
-
-    w = OrderedWorker("t", max_pending=8)
-    for i in range(5):
-        w.submit(step, i)
-    with pytest.raises(OSError, match="disk full"):
-        w.drain()
-    assert ran == [0, 1]  # 3 and 4 came after the failure: skipped
-    w.close()
-
-
-def test_failure_surfaces_at_a_later_submit() -> None:
-    w = OrderedWorker("t", max_pending=1)
-    w.submit(lambda: (_ for _ in ()).throw(ValueError("bad chunk")))
-    with pytest.raises(ValueError, match="bad chunk"):
-        for _ in range(3):  # the queue holds one call: the second submit waits for it
-            w.submit(lambda: None)
-    w.close()
-
-
-def test_worker_bounds_what_is_queued() -> None:
-    gate = threading.Event()
-    w = OrderedWorker("t", max_pending=2)
-    w.submit(gate.wait)
-    w.submit(lambda: None)
-    blocked = threading.Thread(target=w.submit, args=(lambda: None,))
-    blocked.start()
-    time.sleep(0.2)
-    assert blocked.is_alive()  # a third call waits until the first is done
-    gate.set()
-    blocked.join(5)
-    assert not blocked.is_alive()
-    w.drain()
-    w.close()
-
-
-def test_close_drops_what_has_not_started() -> None:
-    gate = threading.Event()
-    ran: list[int] = []
-    w = OrderedWorker("t", max_pending=8)
-    w.submit(gate.wait)
-    for i in range(4):
-        w.submit(ran.append, i)
-    threading.Timer(0.1, gate.set).start()
-    w.close()
-    w.close()  # idempotent
-    assert ran == []
+    d.close()
+    d.close()  # idempotent
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [1, 2, 3], [MIB, 7, MIB + 1, 0, 5000]])
