@@ -246,7 +246,11 @@ static void matmul_rows(float *out, int ldo, const float *W, const float *X, int
         int r = r0;
         for (; r + 4 <= r1; r += 4) {
             int t = tb;
-            for (; t + 3 <= te; t += 3) tile_4x3(out, ldo, W, X, ldx, n, r, t, add);
+            /* threes, then twos: a remainder of 4 as 2 + 2, never 3 + 1 (a one-token
+               tile feeds one FMA per weight load: 4 slots stepped together would pay
+               almost a whole extra pass over the weights) */
+            for (; te - t >= 3 && te - t != 4; t += 3)
+                tile_4x3(out, ldo, W, X, ldx, n, r, t, add);
             for (; t + 2 <= te; t += 2) tile_4x2(out, ldo, W, X, ldx, n, r, t, add);
             if (t < te) tile_4x1(out, ldo, W, X, ldx, n, r, t, add);
         }
