@@ -15,7 +15,10 @@ For each size (MiB) the same random bytes are
     maps fresh memory, later ones reuse it. `get` is the median over all repetitions;
     `get_cold` is the first repetition alone.
 All are interleaved in every repetition (the order alternates), and each figure is
-the median over the repetitions. The last line printed is one JSON object;
+the median over the repetitions. On the development VM, writes into the page cache are
+up to 2x slower when they land on memory the VM's balloon has handed back to the host
+(free-page reporting, seconds after it was freed): at 512 MiB the Put repetitions fall
+into a fast and a slow group, and `all_s` shows which. The last line printed is one JSON object;
 `put_vs_copy` / `get_vs_copy` are rate ratios measured in this run. Target: at
 least 0.5 for 64 MiB and up.
 """
