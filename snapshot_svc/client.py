@@ -122,8 +122,8 @@ class _PartSink:
         hex SHA-256 of all but the last `tail` bytes or "" when not asked or not reached)."""
         sha = self._digest.hexdigest()
         marks = self._digest.marks()
-        return self._view[:self.received].toreadonly(), self.received, sha, \
-            marks[0] if marks else ""
+        prefix_sha = marks[0] if marks else ""
+        return self._view[:self.received].toreadonly(), self.received, sha, prefix_sha
 
     def close(self) -> None:
         self._digest.close()
@@ -300,6 +300,8 @@ class SnapshotClient:
         its last `digest_tail` bytes (`Snapshot.target_prefix_sha256`): a format that
         ends with a digest of the rest (slot files do) is checked without hashing twice."""
         validate_name(name)
+        if digest_tail < 0:
+            raise ValueError(f"digest_tail must be >= 0, got {digest_tail}")
         protocol = self.protocol
         for _ in range(3):
             target, th, prefix_sha = self._get_part(name, Part.TARGET, tail=digest_tail)
