@@ -172,6 +172,11 @@ def test_get_without_memory_for_the_part_is_resource_exhausted(
     assert client.get("big").target == blob(3, 2 * MAX_CHUNK_BYTES)  # the channel is fine
 
 
+def test_negative_digest_tail_is_refused(client: SnapshotClient) -> None:
+    with pytest.raises(ValueError, match="digest_tail must be >= 0, got -1"):
+        client.get("t", digest_tail=-1)
+
+
 def test_put_with_the_callers_digests(client: SnapshotClient, server: SnapshotServer) -> None:
     t, d = blob(1, 3 * MAX_CHUNK_BYTES), blob(2, 500)
     res = client.put("s", t, d, target_sha256=sha(t), draft_sha256=sha(d))
