@@ -473,11 +473,42 @@ size_t ws_context_kv_bytes(const ws_context *ctx) {
     return 2 * sizeof(float) * kv_elems_per_slot(ctx) * (size_t)ctx->params.n_slots;
 }
 
-static float *kv_row(const ws_context *ctx, float *cache, int slot, int layer, int pos) {
+/*
+ * The KV caches are head-major: [slot][layer][KV head][position][head_dim], so the
+ * keys (or values) of one KV head are one contiguous run of positions, which the
+ * attention loop streams. The state format (ws_slot_state_get) stays position-major
+ * per layer ([position][kv_dim]); get and set gather and scatter between the two.
+ */
+static float *kv_head(const ws_context *ctx, float *cache, int slot, int layer, int kvh,
+                      int pos) {
     const ws_hparams *hp = &ctx->model->hp;
-    size_t idx = (((size_t)slot * (size_t)hp->n_layer + (size_t)layer) * (size_t)ctx->params.n_ctx +
-                  (size_t)pos) * (size_t)ctx->kv_dim;
-    return cache + idx;
+    const size_t plane = ((size_t)slot * (size_t)hp->n_layer + (size_t)layer) *
+                         (size_t)hp->n_head_kv + (size_t)kvh;
+    return cache + (plane * (size_t)ctx->params.n_ctx + (size_t)pos) * (size_t)ctx->head_dim;
+}
+
+/* positions [0, n) of one layer of a slot between the cache and a [n][kv_dim] buffer */
+static void kv_gather(const ws_context *ctx, float *cache, int slot, int layer, int n,
+                      uint8_t *out) {
+    const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
+    for (int h = 0; h < nkv; h++) {
+        const float *src = kv_head(ctx, cache, slot, layer, h, 0);
+        for (int j = 0; j < n; j++)
+            memcpy(out + sizeof(float) * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
+                   src + (size_t)j * hd, sizeof(float) * (size_t)hd);
+    }
+}
+
+static void kv_scatter(ws_context *ctx, float *cache, int slot, int layer, int n,
+                       const uint8_t *in) {
+    const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
+    for (int h = 0; h < nkv; h++) {
+        float *dst = kv_head(ctx, cache, slot, layer, h, 0);
+        for (int j = 0; j < n; j++)
+            memcpy(dst + (size_t)j * hd,
+                   in + sizeof(float) * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
+                   sizeof(float) * (size_t)hd);
+    }
 }
 
 /* Writes a zero into every page of p[0..n) (already zero: calloc), so the kernel
@@ -689,7 +720,7 @@ static void rope_apply(float *v, const float *cs, const float *sn, int half) {
  * softmax as below; out[d] = fmaf chain over positions in order. NH is a constant
  * at each call site (1 or 2), so the loops over heads unroll into registers.
  */
-#define WS_PREFETCH_ROWS 16 /* rows ahead: the key and value rows are strided (kv_dim apart) */
+#define WS_PREFETCH_ROWS 16 /* positions ahead, for the key and value loops */
 static inline __attribute__((always_inline)) void
 attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h0, const int NH) {
     const ws_hparams *hp = &ctx->model->hp;
@@ -702,9 +733,9 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
         out[h] = ctx->att + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
         sc[h] = ctx->scores + ((size_t)ith * 2 + (size_t)h) * ctx->params.n_ctx; /* [pos+1] */
     }
-    const float *k0 = kv_row(ctx, ctx->k_cache, slot, layer, 0) + (size_t)kvh * hd;
-    const float *v0 = kv_row(ctx, ctx->v_cache, slot, layer, 0) + (size_t)kvh * hd;
-    const size_t stride = (size_t)ctx->kv_dim;
+    const float *k0 = kv_head(ctx, ctx->k_cache, slot, layer, kvh, 0);
+    const float *v0 = kv_head(ctx, ctx->v_cache, slot, layer, kvh, 0);
+    const size_t stride = (size_t)hd; /* positions of one KV head are contiguous */
     const float scale = ctx->attn_scale;
     const int n = pos + 1, n8 = n & ~7;
     float mx[2] = {-INFINITY, -INFINITY};
@@ -715,7 +746,7 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
             const float *kr[4] = {k0 + (size_t)j * stride, k0 + (size_t)(j + 1) * stride,
                                   k0 + (size_t)(j + 2) * stride, k0 + (size_t)(j + 3) * stride};
             lanes8 a[2][4];
-            if (j + WS_PREFETCH_ROWS + 4 <= n) /* decode at 4k context: +85 % */
+            if (j + WS_PREFETCH_ROWS + 4 <= n)
                 for (int i = 0; i < 4; i++)
                     for (int d = 0; d < hd; d += 16)
                         __builtin_prefetch(kr[i] + WS_PREFETCH_ROWS * stride + d);
@@ -848,8 +879,8 @@ static void forward_worker(ws_context *ctx, int ith) {
                     rope_apply(v, ctx->rope_cos + (size_t)tpos[t] * half,
                                ctx->rope_sin + (size_t)tpos[t] * half, half);
                 if (!is_q) /* this head of the token's key / value into its slot's cache */
-                    memcpy(kv_row(ctx, is_k ? ctx->k_cache : ctx->v_cache, tslot[t], l,
-                                  tpos[t]) + (size_t)h * hd, v, sizeof(float) * (size_t)hd);
+                    memcpy(kv_head(ctx, is_k ? ctx->k_cache : ctx->v_cache, tslot[t], l, h,
+                                   tpos[t]), v, sizeof(float) * (size_t)hd);
             }
         }
         pool_barrier(pool);
@@ -1108,9 +1139,9 @@ ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, s
     p += sizeof(int32_t) * n;
     const size_t row = sizeof(float) * n * (size_t)ctx->kv_dim;
     for (int l = 0; l < hp->n_layer; l++) {
-        memcpy(p, kv_row(ctx, ctx->k_cache, slot, l, 0), row);
+        kv_gather(ctx, ctx->k_cache, slot, l, (int)n, p);
         p += row;
-        memcpy(p, kv_row(ctx, ctx->v_cache, slot, l, 0), row);
+        kv_gather(ctx, ctx->v_cache, slot, l, (int)n, p);
         p += row;
     }
     *written_out = need;
@@ -1167,9 +1198,9 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, const uin
     if (n) memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx, tokens, sizeof(int32_t) * n);
     const size_t row = sizeof(float) * n * (size_t)ctx->kv_dim;
     for (int l = 0; n && l < hp->n_layer; l++) {
-        memcpy(kv_row(ctx, ctx->k_cache, slot, l, 0), kv, row);
+        kv_scatter(ctx, ctx->k_cache, slot, l, (int)n, kv);
         kv += row;
-        memcpy(kv_row(ctx, ctx->v_cache, slot, l, 0), kv, row);
+        kv_scatter(ctx, ctx->v_cache, slot, l, (int)n, kv);
         kv += row;
     }
     ctx->n_past[slot] = (int32_t)n;
