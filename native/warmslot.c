@@ -720,7 +720,6 @@ static void rope_apply(float *v, const float *cs, const float *sn, int half) {
  * softmax as below; out[d] = fmaf chain over positions in order. NH is a constant
  * at each call site (1 or 2), so the loops over heads unroll into registers.
  */
-#define WS_PREFETCH_ROWS 16 /* positions ahead, for the key and value loops */
 static inline __attribute__((always_inline)) void
 attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h0, const int NH) {
     const ws_hparams *hp = &ctx->model->hp;
@@ -746,10 +745,6 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
             const float *kr[4] = {k0 + (size_t)j * stride, k0 + (size_t)(j + 1) * stride,
                                   k0 + (size_t)(j + 2) * stride, k0 + (size_t)(j + 3) * stride};
             lanes8 a[2][4];
-            if (j + WS_PREFETCH_ROWS + 4 <= n)
-                for (int i = 0; i < 4; i++)
-                    for (int d = 0; d < hd; d += 16)
-                        __builtin_prefetch(kr[i] + WS_PREFETCH_ROWS * stride + d);
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < 4; i++) a[h][i] = l8_zero();
             for (int d = 0; d < hd; d += 8) {
@@ -801,10 +796,6 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
             for (int i = 0; i < 4; i++) o[h][i] = l8_zero();
         for (j = 0; j < n; j++) {
             const float *vj = v0 + (size_t)j * stride + d;
-            if (j + WS_PREFETCH_ROWS < n) {
-                __builtin_prefetch(vj + WS_PREFETCH_ROWS * stride);
-                __builtin_prefetch(vj + WS_PREFETCH_ROWS * stride + 16);
-            }
             const lanes8 v[4] = {l8_load(vj), l8_load(vj + 8), l8_load(vj + 16),
                                  l8_load(vj + 24)};
             for (int h = 0; h < NH; h++) {
