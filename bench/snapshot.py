@@ -113,6 +113,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1,64,512", help="comma-separated sizes in MiB")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--server-args", default="",
+                    help="extra flags for the server, e.g. '--spare-bytes 0'")
     ap.add_argument("--work-dir", type=Path,
                     default=Path(__file__).resolve().parent / "results" / "snapshot-work",
                     help="scratch directory (server data and file copies: one disk)")
@@ -124,8 +126,8 @@ def main() -> int:
     work.mkdir(parents=True)
     results = []
     try:
-        with ServerProcess(work / "data", "--max-snapshot-bytes", str(max(sizes) + MIB)) \
-                as server, \
+        with ServerProcess(work / "data", "--max-snapshot-bytes", str(max(sizes) + MIB),
+                           *a.server_args.split()) as server, \
                 SnapshotClient(server.address, timeout=120) as client:
             info = client.server_info()
             for size in sizes:
@@ -149,7 +151,11 @@ def main() -> int:
         "protocol": info.protocol, "chunk_bytes": info.max_chunk_bytes,
         "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
         "target": f"put and get >= {TARGET_RATIO} x file copy for sizes >= 64 MiB",
-        "meets_target": meets, "receive_buffers": {"mapped": buffers.POOL.mapped,
+        "meets_target": meets, "server_args": a.server_args,
+        "puts_over_spare_files": sum(1 for rec in server.lines
+                                     if rec.get("event") == "put" and rec.get("spare")),
+        "puts": sum(1 for rec in server.lines if rec.get("event") == "put"),
+        "receive_buffers": {"mapped": buffers.POOL.mapped,
                                                    "reused": buffers.POOL.reused},
         "results": results}))
     return 0

@@ -37,6 +37,7 @@ class SnapshotConfig:
     port: int = DEFAULT_PORT  # 0: any free port (the "serving" log line says which)
     max_protocol: int = PROTOCOL_MAX  # 1: behave exactly as a protocol-1 server
     max_snapshot_bytes: int = 2 << 30  # per part
+    spare_bytes: int = 1 << 30  # deleted blobs' files kept for Puts to overwrite; 0 = none
     metrics_port: int = 0  # Prometheus HTTP endpoint on host; 0: off
     workers: int = 32  # threads serving calls (a stream holds one while it runs)
     grace_s: float = 10.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
@@ -48,6 +49,8 @@ class SnapshotConfig:
             raise ValueError(f"max_protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}")
         if self.max_snapshot_bytes <= 0 or self.workers <= 0 or self.grace_s < 0:
             raise ValueError("max_snapshot_bytes and workers must be positive, grace_s >= 0")
+        if self.spare_bytes < 0:
+            raise ValueError("spare_bytes must be >= 0")
 
 
 def _flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
@@ -73,6 +76,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
           choices=range(PROTOCOL_MIN, PROTOCOL_MAX + 1))
     _flag(p, env, "--max-snapshot-bytes", parse_size, d.max_snapshot_bytes,
           "largest part stored (bytes, or 512M, 2G...)")
+    _flag(p, env, "--spare-bytes", parse_size, d.spare_bytes,
+          "disk space kept in files of deleted snapshots for new Puts to overwrite "
+          "(faster than new files; given back when the disk is full); 0 = off")
     _flag(p, env, "--metrics-port", int, d.metrics_port, "Prometheus metrics port; 0 = off")
     _flag(p, env, "--workers", int, d.workers, "threads serving calls; more calls wait")
     _flag(p, env, "--grace", float, d.grace_s, "seconds in-flight calls get on shutdown")
@@ -93,6 +99,7 @@ def parse_config(argv: Sequence[str] | None = None,
         return SnapshotConfig(data_dir=a.data_dir, host=a.host, port=a.port,
                               max_protocol=a.max_protocol,
                               max_snapshot_bytes=a.max_snapshot_bytes,
+                              spare_bytes=a.spare_bytes,
                               metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
                               stage_ttl_s=a.stage_ttl, log_level=a.log_level)
     except ValueError as exc:

@@ -6,12 +6,14 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from snapshot_svc.spares import SparePool
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0)
 
 
 class Metrics:
-    def __init__(self, usage: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, usage: Callable[[], tuple[int, int]], spares: SparePool) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.puts = Counter("warmslot_snapshot_puts", "Put calls by part and status code",
@@ -38,3 +40,9 @@ class Metrics:
         stored = Gauge("warmslot_snapshot_stored_bytes", "Bytes held by stored parts",
                        registry=r)
         stored.set_function(lambda: usage()[1])
+        spare = Gauge("warmslot_snapshot_spare_bytes",
+                      "Bytes of spare files kept for the next Puts to overwrite", registry=r)
+        spare.set_function(lambda: spares.bytes)
+        reused = Gauge("warmslot_snapshot_spares_reused",
+                       "Puts that overwrote a spare file since start", registry=r)
+        reused.set_function(lambda: spares.reused)

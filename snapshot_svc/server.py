@@ -250,12 +250,14 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 upload.write(chunk)
             if not context.is_active():
                 raise Cancelled("the client went away")
+            header_spare = upload.overwrites_spare
             out = self.store.finish_put(upload)
             upload = None
             self.metrics.bytes_received.labels(label).inc(out.info.size)
             log_event(log, logging.INFO, "put", name=header.name, part=label,
                       bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
-                      committed=out.committed, ms=round((time.perf_counter() - t0) * 1e3, 2))
+                      committed=out.committed, spare=header_spare,
+                      ms=round((time.perf_counter() - t0) * 1e3, 2))
             return pb.PutResponse(name=header.name, part=int(part), bytes=out.info.size,
                                   sha256=out.info.sha256, commit_id=out.commit_id,
                                   committed=out.committed, has_draft=out.has_draft)
@@ -284,9 +286,9 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             part = self._part(request.part)
             label = part.label
             snap, fd = self.store.open_part(request.name, part, request.target_sha256)
+            info = snap.part(part)
+            assert info is not None
             try:
-                info = snap.part(part)
-                assert info is not None
                 draft_sha = snap.draft.sha256 if (part is Part.TARGET and snap.draft
                                                   and self.drafts) else ""
                 yield pb.GetResponse(header=pb.GetHeader(
@@ -301,7 +303,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                     remaining -= len(data)
                     yield data  # framed as GetResponse{chunk} by wire.py
             finally:
-                os.close(fd)
+                self.store.close_part(info.sha256, fd)
             self.metrics.bytes_sent.labels(label).inc(info.size)
             log_event(log, logging.INFO, "get", name=snap.name, part=label, bytes=info.size,
                       commit_id=snap.commit_id, ms=round((time.perf_counter() - t0) * 1e3, 2))
@@ -337,8 +339,8 @@ class SnapshotServer:
         self._draining = threading.Event()
         self._stopped = threading.Event()
         self.store = Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
-                           stage_ttl_s=config.stage_ttl_s)
-        self.metrics = Metrics(self.store.usage)
+                           stage_ttl_s=config.stage_ttl_s, spare_bytes=config.spare_bytes)
+        self.metrics = Metrics(self.store.usage, self.store.spares)
         # calls beyond `workers` wait for a thread (they are not refused)
         self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
                                                     thread_name_prefix="snapshot-rpc")

@@ -5,7 +5,7 @@ Layout of the data directory:
     LOCK                          flock'ed by the one server that owns the directory
     blobs/<sha256>                the exact bytes of one uploaded part
     manifests/<sha256(name)>.json the committed snapshot of a name (SnapshotInfo)
-    tmp/                          uploads in progress; swept at start-up
+    tmp/                          uploads in progress and spare files; swept at start-up
 
 A Put streams into a temporary file in tmp/, checks size and SHA-256, fsyncs,
 renames it into blobs/ and fsyncs that directory. The name's manifest, written
@@ -18,7 +18,9 @@ digest commits both; a staged target that no draft claims expires.
 Blobs are reference-counted by the manifests and the staged targets, and
 removed as soon as nothing references them (at start-up: everything not named
 by a manifest). A Get opens its blob under the store's lock, so a blob removed
-afterwards is still read whole through the open descriptor.
+afterwards is still read whole through the open descriptor. An unreferenced blob
+that no Get is reading becomes a spare file (spares.py, up to `spare_bytes`) that
+the next Put overwrites instead of allocating a new file.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from snapshot_svc.errors import (
 from snapshot_svc.logs import log_event
 from snapshot_svc.names import validate_name
 from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
+from snapshot_svc.spares import SparePool
 
 log = logging.getLogger("snapshot_svc.storage")
 
@@ -118,8 +121,12 @@ class Upload:
     def __init__(self, header: UploadHeader, path: Path, max_bytes: int,
                  write: Callable[[int, memoryview], int],
                  flusher: futures.Executor | None = None,
-                 allocate: Callable[[int, int, int], None] = os.posix_fallocate) -> None:
+                 allocate: Callable[[int, int, int], None] = os.posix_fallocate,
+                 reuse_size: int | None = None,
+                 on_disk_full: Callable[[], object] = lambda: None) -> None:
         self.header = header
+        self.overwrites_spare = reuse_size is not None
+        self._on_disk_full = on_disk_full  # the store gives its spare files back
         self.path = path
         self.received = 0
         self._max_bytes = max_bytes
@@ -127,17 +134,23 @@ class Upload:
         self._flusher = flusher
         self._flushing: futures.Future[None] | None = None
         self._unflushed = 0
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        if header.size:
-            # the blocks up front: a full disk is refused before any byte is sent, and the
-            # filesystem allocates once instead of chunk by chunk (+4 % Put at 64 MiB, A/B)
-            try:
+        if reuse_size is None:
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        else:  # a spare file (renamed to `path` by the store): overwritten in place
+            self._fd = os.open(path, os.O_WRONLY)
+        try:
+            if reuse_size is not None and reuse_size > header.size:
+                os.ftruncate(self._fd, header.size)
+            if header.size:
+                # the blocks up front: a full disk is refused before any byte is sent, and
+                # the filesystem allocates once instead of chunk by chunk (+4 % Put at
+                # 64 MiB, A/B); a spare already has them (up to its size)
                 allocate(self._fd, 0, header.size)
-            except OSError as exc:
-                os.close(self._fd)
-                os.unlink(path)
-                raise _io_error(f"reserving {header.size} bytes for the {header.part.label} of "
-                                f"{header.name!r}", exc) from exc
+        except OSError as exc:
+            os.close(self._fd)
+            os.unlink(path)
+            raise _io_error(f"reserving {header.size} bytes for the {header.part.label} of "
+                            f"{header.name!r}", exc) from exc
         self._digest = StreamDigest()
 
     def write(self, data: bytes | memoryview) -> None:
@@ -161,6 +174,8 @@ class Upload:
             while view:
                 view = view[self._write(self._fd, view):]
         except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                self._on_disk_full()
             raise _io_error(f"writing {self.header.name!r}", exc) from exc
         self.received = total
         # start writing back what arrived so far, so the fsync at the end has little left
@@ -223,7 +238,8 @@ class Store:
     def __init__(self, root: Path, *, max_snapshot_bytes: int, stage_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic,
                  write: Callable[[int, memoryview], int] = os.write,
-                 allocate: Callable[[int, int, int], None] = os.posix_fallocate) -> None:
+                 allocate: Callable[[int, int, int], None] = os.posix_fallocate,
+                 spare_bytes: int = 1 << 30) -> None:
         self.root = Path(root)
         self.max_snapshot_bytes = max_snapshot_bytes
         self.stage_ttl_s = stage_ttl_s
@@ -237,9 +253,11 @@ class Store:
         self._staged: dict[tuple[str, str], _Staged] = {}
         self._refs: Counter[str] = Counter()
         self._blob_sizes: dict[str, int] = {}
+        self._readers: Counter[str] = Counter()  # open Get descriptors per blob
         self.blobs = self.root / "blobs"
         self.manifests = self.root / "manifests"
         self.tmp = self.root / "tmp"
+        self.spares = SparePool(self.tmp, spare_bytes)
         for d in (self.root, self.blobs, self.manifests, self.tmp):
             d.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._acquire_dir_lock()
@@ -324,12 +342,21 @@ class Store:
         return UploadHeader(name, part, size, sha256, meta, draft_follows, target_sha256)
 
     def begin_put(self, header: UploadHeader) -> Upload:
-        path = self.tmp / f"put-{uuid.uuid4().hex}.tmp"
-        try:
-            return Upload(header, path, self.max_snapshot_bytes, self._write, self._flusher,
-                          self._allocate)
-        except OSError as exc:
-            raise _io_error(f"creating a temporary file for {header.name!r}", exc) from exc
+        """The upload's temporary file: a spare overwritten in place if there is one.
+        A disk too full for the declared size first gets the spares' space back."""
+        for attempt in (1, 2):
+            path = self.tmp / f"put-{uuid.uuid4().hex}.tmp"
+            reuse = self.spares.take(header.size, path)
+            try:
+                return Upload(header, path, self.max_snapshot_bytes, self._write,
+                              self._flusher, self._allocate, reuse_size=reuse,
+                              on_disk_full=self.spares.drop_all)
+            except OSError as exc:
+                raise _io_error(f"creating a temporary file for {header.name!r}", exc) from exc
+            except ResourceExhausted:
+                if attempt == 2 or not self.spares.drop_all():
+                    raise
+        raise AssertionError("unreachable")
 
     def finish_put(self, upload: Upload) -> PutOutcome:
         """Verifies the upload and commits (or stages) it. The upload is consumed:
@@ -344,6 +371,9 @@ class Store:
                     return self._commit(h)
                 finally:
                     self._drop_if_unreferenced(h.sha256)
+        except ResourceExhausted:
+            self.spares.drop_all()  # the disk is full: no space held in spare files
+            raise
         finally:
             upload.abort()  # removes the temporary file unless it became the blob
 
@@ -442,6 +472,8 @@ class Store:
             return 0
         del self._refs[sha]
         size = self._blob_sizes.pop(sha, 0)
+        if self._readers[sha] == 0 and self.spares.offer(self.blobs / sha, size):
+            return size  # a Get still reading it keeps its file unchanged: removed instead
         try:
             os.unlink(self.blobs / sha)
         except FileNotFoundError:
@@ -464,7 +496,8 @@ class Store:
         """The committed snapshot and an open descriptor on the requested part's bytes.
 
         For a draft, `target_sha256` (optional) is the target the reader holds: the
-        draft is served only if it belongs to that target. The caller closes the fd.
+        draft is served only if it belongs to that target. The caller gives the fd back
+        with `close_part` (until then the blob's file is never reused as a spare).
         """
         validate_name(name)
         with self._lock:
@@ -487,12 +520,21 @@ class Store:
                 raise DataLoss(f"the {part.label} of {name!r} is missing from the store") from None
             except OSError as exc:
                 raise _io_error(f"opening {name!r}", exc) from exc
+            self._readers[info.sha256] += 1
         size = os.fstat(fd).st_size
         if size != info.size:
-            os.close(fd)
+            self.close_part(info.sha256, fd)
             raise DataLoss(f"the stored {part.label} of {name!r} is {size} bytes, "
                            f"expected {info.size}")
         return snap, fd
+
+    def close_part(self, sha256: str, fd: int) -> None:
+        """Closes a descriptor from `open_part` (of the blob `sha256`)."""
+        with self._lock:
+            os.close(fd)
+            self._readers[sha256] -= 1
+            if self._readers[sha256] <= 0:
+                del self._readers[sha256]
 
     def stat(self, name: str) -> SnapshotInfo:
         validate_name(name)
@@ -526,6 +568,6 @@ class Store:
         return freed
 
     def usage(self) -> tuple[int, int]:
-        """(number of snapshots, bytes held by blobs)."""
+        """(number of snapshots, bytes held by blobs); spare files not counted."""
         with self._lock:
             return len(self._index), sum(self._blob_sizes.values())

@@ -94,8 +94,10 @@ def stub(server: SnapshotServer) -> Iterator[pb_grpc.SnapshotStub]:
 
 
 def stored_files(server: SnapshotServer) -> dict[str, list[str]]:
+    """The store's files; tmp/ without the spare files (see test_snapshot_spares.py)."""
     s = server.store
-    return {d.name: sorted(p.name for p in d.iterdir()) for d in (s.blobs, s.manifests, s.tmp)}
+    return {d.name: sorted(p.name for p in d.iterdir() if not p.name.startswith("spare-"))
+            for d in (s.blobs, s.manifests, s.tmp)}
 
 
 # --- round trips -------------------------------------------------------------------------
@@ -346,6 +348,7 @@ def test_disk_full_is_resource_exhausted_and_leaves_nothing(client: SnapshotClie
     with pytest.raises(ResourceExhausted):
         client.put("s", blob(3, 1000))
     assert stored_files(server) == before
+    assert list(server.store.tmp.iterdir()) == []  # not kept as a spare on a full disk
     server.store._write = os.write
     assert client.get("s").target == old
 
