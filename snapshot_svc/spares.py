@@ -35,12 +35,14 @@ log = logging.getLogger("snapshot_svc.spares")
 class SparePool:
     """Thread-safe; every method renames or removes files in `directory` only."""
 
-    def __init__(self, directory: Path, max_bytes: int, max_files: int = 8) -> None:
-        if max_bytes < 0 or max_files < 0:
-            raise ValueError("max_bytes and max_files must be >= 0")
+    def __init__(self, directory: Path, max_bytes: int, max_files: int = 8,
+                 min_bytes: int = 1 << 20) -> None:
+        if max_bytes < 0 or max_files < 0 or min_bytes < 1:
+            raise ValueError("max_bytes and max_files must be >= 0, min_bytes >= 1")
         self.directory = directory
         self.max_bytes = max_bytes
         self.max_files = max_files
+        self.min_bytes = min_bytes  # smaller files and uploads gain nothing measurable
         self._lock = threading.Lock()
         self._files: deque[tuple[Path, int]] = deque()  # oldest first
         self._bytes = 0
@@ -59,7 +61,7 @@ class SparePool:
     def offer(self, path: Path, size: int) -> bool:
         """Moves the file at `path` (`size` bytes, no longer referenced) into the pool.
         False if the pool does not take it: the caller removes it as before."""
-        if size <= 0 or size > self.max_bytes or self.max_files == 0:
+        if size < self.min_bytes or size > self.max_bytes or self.max_files == 0:
             return False
         spare = self.directory / f"spare-{uuid.uuid4().hex}"
         evicted: list[Path] = []
@@ -81,9 +83,9 @@ class SparePool:
     def take(self, size: int, path: Path) -> int | None:
         """Renames the best spare for an upload of `size` bytes to `path` and returns
         the spare's size (the smallest one that holds `size`, else the largest), or
-        None when the pool is empty."""
+        None when the pool is empty or the upload is smaller than `min_bytes`."""
         with self._lock:
-            if not self._files or size <= 0:
+            if not self._files or size < self.min_bytes:
                 return None
             fits = [f for f in self._files if f[1] >= size]
             pick = min(fits, key=lambda f: f[1]) if fits else max(self._files, key=lambda f: f[1])

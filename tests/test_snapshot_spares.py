@@ -58,7 +58,7 @@ def client(server: SnapshotServer) -> Iterator[SnapshotClient]:
 
 
 @pytest.mark.parametrize("new_size", [2 * MAX_CHUNK_BYTES + 5,  # same size as the spare
-                                      1000,  # smaller: the spare is cut to size
+                                      MAX_CHUNK_BYTES + 1,  # smaller: cut to size
                                       3 * MAX_CHUNK_BYTES + 77])  # larger: it grows
 def test_a_put_overwrites_a_spare_and_stores_exactly_its_own_bytes(
         client: SnapshotClient, server: SnapshotServer, new_size: int) -> None:
@@ -129,7 +129,7 @@ def test_the_pool_keeps_at_most_spare_bytes(client: SnapshotClient,
 def test_spare_bytes_zero_keeps_none(tmp_path: Path) -> None:
     with running_server(tmp_path / "d", spare_bytes=0) as srv, \
             SnapshotClient(srv.address) as c:
-        c.put("a", blob(1, 5000))
+        c.put("a", blob(1, 2 << 20))
         c.delete("a")
         assert list(srv.store.tmp.iterdir()) == []
         assert list(srv.store.blobs.iterdir()) == []
@@ -160,12 +160,12 @@ def test_a_full_disk_gets_the_spares_space_back_before_refusing(
     def always_full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    client.put("d", blob(4, 1000))
+    client.put("d", blob(4, 1 << 20))
     client.delete("d")
-    assert spare_sizes(server) == [1000]
+    assert spare_sizes(server) == [1 << 20]
     server.store._allocate = always_full
     with pytest.raises(ResourceExhausted, match="disk full"):
-        client.put("e", blob(5, 3000))
+        client.put("e", blob(5, 3 << 20))
     assert list(server.store.tmp.iterdir()) == []  # no partial file, no spare left
 
 
@@ -173,12 +173,23 @@ def test_a_restart_sweeps_the_spares(tmp_path: Path) -> None:
     data = blob(1, 5000)
     with running_server(tmp_path / "d") as srv, SnapshotClient(srv.address) as c:
         c.put("keep", data)
-        c.put("gone", blob(2, 6000))
+        c.put("gone", blob(2, 1 << 20))
         c.delete("gone")
-        assert spare_sizes(srv) == [6000]
+        assert spare_sizes(srv) == [1 << 20]
     with running_server(tmp_path / "d") as srv, SnapshotClient(srv.address) as c:
         assert list(srv.store.tmp.iterdir()) == []
         assert c.get("keep").target == data
+
+
+def test_small_files_are_neither_kept_nor_reused(client: SnapshotClient,
+                                                 server: SnapshotServer) -> None:
+    client.put("small", blob(1, (1 << 20) - 1))
+    client.delete("small")
+    assert spare_sizes(server) == []
+    client.put("big", blob(2, 2 << 20))
+    client.delete("big")
+    client.put("tiny", blob(3, 100))  # does not cut the 2 MiB spare down to 100 bytes
+    assert spare_sizes(server) == [2 << 20] and server.store.spares.reused == 0
 
 
 def test_spare_flag_and_environment() -> None:
@@ -192,17 +203,17 @@ def test_spare_flag_and_environment() -> None:
 
 
 def test_pool_refuses_what_it_cannot_keep(tmp_path: Path) -> None:
-    pool = SparePool(tmp_path, max_bytes=100, max_files=2)
+    pool = SparePool(tmp_path, max_bytes=100, max_files=2, min_bytes=5)
     for i in range(4):
         (tmp_path / f"f{i}").write_bytes(b"x" * 10)
     assert not pool.offer(tmp_path / "missing", 10)  # nothing to move
-    assert not pool.offer(tmp_path / "f0", 0)
+    assert not pool.offer(tmp_path / "f0", 4)  # smaller than min_bytes
     assert not pool.offer(tmp_path / "f0", 101)  # larger than the pool
     assert (tmp_path / "f0").exists()
     assert pool.offer(tmp_path / "f1", 10) and pool.offer(tmp_path / "f2", 10)
     assert pool.offer(tmp_path / "f3", 10)  # a third file: the oldest goes
     assert pool.files == 2 and pool.bytes == 20
-    assert pool.take(0, tmp_path / "t") is None
+    assert pool.take(4, tmp_path / "t") is None  # an upload under min_bytes
     assert pool.take(5, tmp_path / "t") == 10 and (tmp_path / "t").stat().st_size == 10
     assert pool.drop_all() == 10 and pool.files == 0
     assert pool.take(5, tmp_path / "u") is None
