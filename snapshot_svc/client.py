@@ -71,7 +71,7 @@ from snapshot_svc.wire import SnapshotStub
 
 T = TypeVar("T")
 
-CLIENT_FEATURES = ("sha256", "draft-sidecar", "paired-commit")
+CLIENT_FEATURES = ("sha256", "draft-sidecar", "paired-commit", "sha256-trailer")
 DEFAULT_MAX_SNAPSHOT_BYTES = 2 << 30  # deadline basis when the server does not say (protocol 1)
 CHANNEL_OPTIONS = (
     # reconnect quickly after a restart of the service (the defaults back off to minutes)
@@ -236,12 +236,19 @@ class SnapshotClient:
         committed together. With protocol 1 the draft is skipped (`draft_skipped`).
 
         `target_sha256` / `draft_sha256`: the hex SHA-256 of the bytes when the caller
-        already has it (the slot encoder computes the target's for the sidecar); it
-        saves hashing them here. The server verifies it either way (DataLoss if wrong)."""
+        already has it (the slot encoder computes the target's for the sidecar). Without
+        it the bytes are hashed while they are sent when the server offers the
+        "sha256-trailer" feature, before otherwise. The server verifies the digest
+        either way (DataLoss if wrong)."""
         validate_name(name)
         info = self.server_info()
         target_meta = target_meta or PartMeta()
-        t_sha = (target_sha256 or _sha256(target)).lower()
+        trailer = "sha256-trailer" in info.features
+
+        def digest_of(data: bytes, given: str | None) -> str | None:
+            return given.lower() if given else (None if trailer else _sha256(data))
+
+        t_sha = digest_of(target, target_sha256)
         if draft is None or info.protocol < 2:
             skipped = draft is not None
             r = self._put_part(name, Part.TARGET, target, t_sha, target_meta)
@@ -250,9 +257,10 @@ class SnapshotClient:
                     "(target files only)" if skipped else "")
             return PutResult(name, r.commit_id, info.protocol, t_info, None, skipped, note)
         draft_meta = draft_meta or PartMeta()
-        d_sha = (draft_sha256 or _sha256(draft)).lower()
+        d_sha = digest_of(draft, draft_sha256)
         for attempt in range(2):
-            self._put_part(name, Part.TARGET, target, t_sha, target_meta, draft_follows=True)
+            t_sha = self._put_part(name, Part.TARGET, target, t_sha, target_meta,
+                                   draft_follows=True).sha256
             try:
                 r = self._put_part(name, Part.DRAFT, draft, d_sha, draft_meta,
                                    target_sha256=t_sha)
@@ -264,28 +272,48 @@ class SnapshotClient:
         d_info = PartInfo(Part.DRAFT, r.bytes, r.sha256, draft_meta, target_sha256=t_sha)
         return PutResult(name, r.commit_id, info.protocol, t_info, d_info)
 
-    def _put_part(self, name: str, part: Part, data: bytes, sha: str, meta: PartMeta, *,
-                  draft_follows: bool = False, target_sha256: str = "") -> pb.PutResponse:
+    def _put_part(self, name: str, part: Part, data: bytes, sha: str | None, meta: PartMeta,
+                  *, draft_follows: bool = False, target_sha256: str = "") -> pb.PutResponse:
+        """One part. `sha` None: hashed while sent, the digest goes in the trailer
+        (the server must offer "sha256-trailer")."""
         limit = self.server_info().max_snapshot_bytes
         if limit and len(data) > limit:
             raise ResourceExhausted(f"{part.label} of {name!r} is {len(data)} bytes, the "
                                     f"server's limit is {limit}")
-        header = pb.PutHeader(name=name, part=int(part), size=len(data), sha256=sha,
+        header = pb.PutHeader(name=name, part=int(part), size=len(data), sha256=sha or "",
                               format_version=meta.format_version, fingerprint=meta.fingerprint,
                               n_tokens=meta.n_tokens, draft_follows=draft_follows,
                               target_sha256=target_sha256)
         chunk = self._chunk_bytes
+        sent: list[str] = []  # the trailer's digest, of the attempt that answered last
 
         def requests() -> Iterator[pb.PutRequest | memoryview]:
             yield pb.PutRequest(header=header)
             view = memoryview(data)
-            for off in range(0, len(view), chunk):
-                yield view[off:off + chunk]  # framed as PutRequest{chunk} by wire.py
+            if sha is not None:
+                for off in range(0, len(view), chunk):
+                    yield view[off:off + chunk]  # framed as PutRequest{chunk} by wire.py
+                return
+            with StreamDigest() as digest:  # hashes on a helper thread as chunks go out
+                for off in range(0, len(view), chunk):
+                    digest.update(view[off:off + chunk])
+                    yield view[off:off + chunk]
+                sent.append(digest.hexdigest())
+            yield pb.PutRequest(trailer=pb.PutTrailer(sha256=sent[-1]))
 
-        r = self._call(lambda t: self._stub.Put(requests(), timeout=t), size=len(data))
-        if r.bytes != len(data) or r.sha256 != sha:
+        try:
+            r = self._call(lambda t: self._stub.Put(requests(), timeout=t), size=len(data))
+        except InvalidArgument:
+            if sha is not None:
+                raise
+            # the server behind this channel was replaced by one without the trailer
+            # (it refuses the empty sha256 in the header): once more, digest first
+            return self._put_part(name, part, data, _sha256(data), meta,
+                                  draft_follows=draft_follows, target_sha256=target_sha256)
+        want = sha if sha is not None else (sent[-1] if sent else "")
+        if r.bytes != len(data) or r.sha256 != want:
             raise DataLoss(f"the server stored {r.bytes} bytes ({r.sha256}) of {name!r}, "
-                           f"sent {len(data)} ({sha})")
+                           f"sent {len(data)} ({want})")
         return r
 
     # --- get --------------------------------------------------------------------------

@@ -47,7 +47,10 @@ from snapshot_svc.wire import SERVICE_NAME, add_snapshot_servicer
 log = logging.getLogger("snapshot_svc.server")
 
 FEATURES_V1 = ("sha256",)
-FEATURES_V2 = ("draft-sidecar", "paired-commit")
+# "sha256-trailer": a Put may leave the header's sha256 empty and end with a PutTrailer
+# (the client hashes while sending). Not offered at --max-protocol 1, whose servers
+# predate it.
+FEATURES_V2 = ("draft-sidecar", "paired-commit", "sha256-trailer")
 
 
 def server_features(protocol: int) -> tuple[str, ...]:
@@ -235,21 +238,33 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 h.name, part, h.size, h.sha256, PartMeta(h.format_version, h.fingerprint,
                                                          h.n_tokens),
                 draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
-                target_sha256=h.target_sha256)
+                target_sha256=h.target_sha256, trailer=self.drafts)
             upload = self.store.begin_put(header)
+            trailer = None
             for msg in request_iterator:  # chunks arrive as memoryviews (wire.py)
+                if trailer is not None:
+                    raise InvalidArgument("the trailer must be the last message of the Put "
+                                          f"of {header.name!r}")
                 if isinstance(msg, memoryview):
                     chunk: memoryview | bytes = msg
                 elif msg.WhichOneof("msg") == "chunk":
                     chunk = msg.chunk
+                elif msg.WhichOneof("msg") == "trailer" and self.drafts:
+                    trailer = msg.trailer.sha256
+                    upload.expect_sha256(trailer)
+                    continue
                 else:
-                    raise InvalidArgument("a Put carries one header, then only chunks")
+                    raise InvalidArgument("a Put carries one header, then only chunks"
+                                          + (" and a trailer" if self.drafts else ""))
                 if len(chunk) > MAX_CHUNK_BYTES:
                     raise InvalidArgument(f"chunk of {len(chunk)} bytes, the limit is "
                                           f"{MAX_CHUNK_BYTES}")
                 upload.write(chunk)
             if not context.is_active():
                 raise Cancelled("the client went away")
+            if not upload.header.sha256:
+                raise InvalidArgument(f"the Put of {header.name!r} left the header's sha256 "
+                                      "empty and ended without a trailer")
             header_spare = upload.overwrites_spare
             out = self.store.finish_put(upload)
             upload = None

@@ -25,6 +25,7 @@ the next Put overwrites instead of allocating a new file.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -153,6 +154,16 @@ class Upload:
                             f"{header.name!r}", exc) from exc
         self._digest = StreamDigest()
 
+    def expect_sha256(self, sha256: str) -> None:
+        """The digest of a Put whose header left it empty (sent in its trailer)."""
+        if self.header.sha256:
+            raise InvalidArgument(f"the Put of {self.header.name!r} has a trailer, but its "
+                                  "header already named the sha256")
+        if not SHA256_HEX.fullmatch(sha256):
+            raise InvalidArgument(f"the trailer's sha256 must be 64 lowercase hex digits (Put "
+                                  f"of {self.header.name!r}), got {sha256!r}")
+        self.header = dataclasses.replace(self.header, sha256=sha256)
+
     def write(self, data: bytes | memoryview) -> None:
         """Appends one chunk (which must not change afterwards: it is hashed later);
         RESOURCE_EXHAUSTED / INVALID_ARGUMENT past the limits."""
@@ -202,6 +213,8 @@ class Upload:
         if self.received != h.size:
             raise DataLoss(f"{h.part.label} of {h.name!r} truncated: received {self.received} "
                            f"of {h.size} bytes")
+        if not h.sha256:
+            raise InvalidArgument(f"{h.part.label} of {h.name!r}: no sha256 to check")
         digest = self._digest.hexdigest()
         if digest != h.sha256:
             raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
@@ -324,12 +337,15 @@ class Store:
     # --- Put --------------------------------------------------------------------------
 
     def check_header(self, name: str, part: Part, size: int, sha256: str, meta: PartMeta,
-                     draft_follows: bool = False, target_sha256: str = "") -> UploadHeader:
+                     draft_follows: bool = False, target_sha256: str = "",
+                     trailer: bool = False) -> UploadHeader:
+        """A validated header. `trailer`: an empty sha256 is allowed (the digest comes
+        in the Put's trailer, `Upload.expect_sha256`)."""
         validate_name(name)
         if size > self.max_snapshot_bytes:
             raise ResourceExhausted(f"{part.label} of {name!r} is {size} bytes, the limit is "
                                     f"{self.max_snapshot_bytes}")
-        if not SHA256_HEX.fullmatch(sha256):
+        if not (SHA256_HEX.fullmatch(sha256) or (trailer and sha256 == "")):
             raise InvalidArgument(f"sha256 must be 64 lowercase hex digits, got {sha256!r}")
         if part is Part.DRAFT:
             if not SHA256_HEX.fullmatch(target_sha256):
