@@ -8,7 +8,8 @@ For each size (MiB) the same random bytes are
     separate process on 127.0.0.1 (it verifies the SHA-256 and fsyncs before it commits):
     `put` passes the digest the caller already has, as the inference service does (its
     slot encoder computes the target's digest for the sidecar); `put_hashing` lets the
-    client compute it first,
+    client compute it (while it sends, with the server's "sha256-trailer" feature:
+    the client's and the server's SHA-256 then share the 2 cores with everything else),
   - read back with SnapshotClient.get (verified against the SHA-256 as it streams).
     A Get receives into a buffer whose pages are mapped up front and recycled when
     the caller releases the result (snapshot_svc/buffers.py): the first Get of a size
