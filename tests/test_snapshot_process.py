@@ -3,7 +3,6 @@ a client killed mid-upload, restarts, and shutdown on real signals."""
 
 from __future__ import annotations
 
-import hashlib
 import signal
 import subprocess
 import sys
@@ -20,12 +19,9 @@ from snapshot_svc.client import SnapshotClient
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.testing import ROOT, ServerProcess
+from tests.snapkit import sha
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def wait_until(cond: object, timeout: float = 10.0, what: str = "condition") -> None:

@@ -7,7 +7,6 @@ so Hello and everything else answer UNIMPLEMENTED.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import Counter
@@ -27,12 +26,9 @@ from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.records import Part
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import free_port, running_server
+from tests.snapkit import sha
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class CallCounter(grpc.ServerInterceptor):

@@ -4,7 +4,6 @@ paired commits, limits, Stat/List/Delete, start-up sweep, shutdown, operations."
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -36,24 +35,9 @@ from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.records import Part, PartMeta
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import free_port, running_server
+from tests.snapkit import blob, sha
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def blob(seed: int, size: int) -> bytes:
-    """Deterministic pseudo-random bytes (distinct per seed)."""
-    out = bytearray()
-    block = hashlib.sha256(seed.to_bytes(8, "little")).digest()
-    while len(out) < size:
-        block = hashlib.sha256(block).digest()
-        out += block * 64
-    return bytes(out[:size])
-
-
 def put_requests(name: str, part: int, data: bytes, *, digest: str | None = None,
                  size: int | None = None, chunk: int = MAX_CHUNK_BYTES,
                  draft_follows: bool = False, target_sha256: str = "",

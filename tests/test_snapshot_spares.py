@@ -22,17 +22,9 @@ from snapshot_svc.records import Part
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.spares import SparePool
 from snapshot_svc.testing import running_server
+from tests.snapkit import blob
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def blob(seed: int, size: int) -> bytes:
-    out = bytearray()
-    block = hashlib.sha256(seed.to_bytes(8, "little")).digest()
-    while len(out) < size:
-        block = hashlib.sha256(block).digest()
-        out += block * 64
-    return bytes(out[:size])
 
 
 def spare_sizes(server: SnapshotServer) -> list[int]:

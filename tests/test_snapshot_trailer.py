@@ -4,7 +4,6 @@ Offered by protocol-2 servers only; older servers never see an empty sha256."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,23 +18,9 @@ from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import free_port, running_server
+from tests.snapkit import blob, sha
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def blob(seed: int, size: int) -> bytes:
-    out = bytearray()
-    block = hashlib.sha256(seed.to_bytes(8, "little")).digest()
-    while len(out) < size:
-        block = hashlib.sha256(block).digest()
-        out += block * 64
-    return bytes(out[:size])
-
-
 def leftovers(server: SnapshotServer) -> list[str]:
     """Files an upload left in tmp/ (spare files are the store's own)."""
     return [p.name for p in server.store.tmp.iterdir() if not p.name.startswith("spare-")]
