@@ -330,6 +330,7 @@ class Store:
 
     def close(self) -> None:
         self._flusher.shutdown(wait=True)
+        self.spares.drop_all()  # a stopped server holds no disk space beyond its snapshots
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = -1

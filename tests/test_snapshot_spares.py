@@ -161,13 +161,15 @@ def test_a_full_disk_gets_the_spares_space_back_before_refusing(
     assert list(server.store.tmp.iterdir()) == []  # no partial file, no spare left
 
 
-def test_a_restart_sweeps_the_spares(tmp_path: Path) -> None:
+def test_stop_removes_the_spares_and_start_sweeps_any_left(tmp_path: Path) -> None:
     data = blob(1, 5000)
     with running_server(tmp_path / "d") as srv, SnapshotClient(srv.address) as c:
         c.put("keep", data)
         c.put("gone", blob(2, 1 << 20))
         c.delete("gone")
         assert spare_sizes(srv) == [1 << 20]
+    assert list((tmp_path / "d" / "tmp").iterdir()) == []  # removed at stop
+    (tmp_path / "d" / "tmp" / "spare-0123").write_bytes(b"x" * 4096)  # a crash left one
     with running_server(tmp_path / "d") as srv, SnapshotClient(srv.address) as c:
         assert list(srv.store.tmp.iterdir()) == []
         assert c.get("keep").target == data
