@@ -12,8 +12,9 @@ VM (1 MiB writes of 512 MiB, then fsync, 10 rounds): writes 57 ms and write+fsyn
 recycles its WAL segment files for the same reasons.
 
 A spare lives in the store's tmp/ directory: the store removes its spares when it
-closes, and a start after a crash sweeps them like any other temporary file; its bytes are old content of a deleted snapshot and are never served
-(a Put overwrites the whole file and checks the digest before it becomes a blob).
+closes, and a start after a crash sweeps them like any other temporary file. Its
+bytes are old content of a deleted snapshot and are never served (a Put overwrites
+the whole file and checks the digest before it becomes a blob).
 The pool keeps at most `max_bytes` (and `max_files`) on disk; when the disk is full
 the store gives them back before it refuses a Put.
 """
