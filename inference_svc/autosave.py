@@ -45,10 +45,12 @@ def restore_all(slots: SlotManager, instance_id: str, restore_timeout: float) ->
                 cold += 1
                 break
             except Unavailable as exc:
-                if not unreachable and time.monotonic() + delay < deadline:
+                left = deadline - time.monotonic()
+                if not unreachable and left > 0:  # retried until the deadline, not before it
+                    pause = min(delay, left)
                     logger.info("slot store unreachable, retrying", extra=log.fields(
-                        slot=slot, filename=name, retry_in_s=delay, error=str(exc)))
-                    time.sleep(delay)
+                        slot=slot, filename=name, retry_in_s=round(pause, 3), error=str(exc)))
+                    time.sleep(pause)
                     delay = min(delay * 2, 5.0)
                     continue
                 if not unreachable:

@@ -150,3 +150,43 @@ def test_sigterm_while_waiting_for_the_store_stops_at_once(pairs: tuple) -> None
     assert proc.wait(30) == 0
     assert time.monotonic() - t0 < 10
     assert "stopped during start-up" in proc.stderr.read()
+
+
+class _Clock:
+    """Stands in for the time module in autosave: sleeping moves the clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def test_an_unreachable_store_is_retried_until_the_restore_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attempt costs 2.75 s (the client's own retries); after the second (5.7 s)
+    a full backoff step would pass the 6 s deadline: the pause is cut to the deadline
+    and a third attempt runs, instead of giving up 0.3 s early."""
+    from types import SimpleNamespace
+
+    from inference_svc import autosave
+    from inference_svc.errors import Unavailable
+
+    clock = _Clock()
+    monkeypatch.setattr(autosave, "time", clock)
+    attempts: list[float] = []
+
+    def restore(slot: int, name: str, log_failure: bool) -> None:
+        attempts.append(round(clock.now, 3))
+        clock.now += 2.75
+        raise Unavailable("connection refused")
+
+    slots = SimpleNamespace(engine=SimpleNamespace(n_slots=2), restore=restore,
+                            store=SimpleNamespace(describe=lambda: "snapshot service"))
+    rep = autosave.restore_all(slots, "t1", 6.0)  # type: ignore[arg-type]
+    assert attempts == [0.0, 2.95, 6.0]  # slot 1 is not tried once the store is given up
+    assert round(clock.now, 3) == 8.75
+    assert (rep.restored, rep.cold, rep.store_unreachable) == (0, 2, True)
