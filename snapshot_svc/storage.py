@@ -398,7 +398,10 @@ class Store:
         dst = self.blobs / sha
         try:
             if dst.exists() and dst.stat().st_size == size:
-                return  # same bytes already stored (the name is their digest)
+                # same bytes already stored (the name is their digest): the upload's
+                # file, written and cached, is the next Put's spare
+                self.spares.offer(tmp, size)
+                return
             os.rename(tmp, dst)
             _fsync_dir(self.blobs)
         except OSError as exc:

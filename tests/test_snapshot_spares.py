@@ -83,6 +83,19 @@ def test_a_replaced_snapshot_becomes_the_next_saves_spare(client: SnapshotClient
     assert server.store.spares.reused == 2
 
 
+def test_an_upload_of_bytes_already_stored_becomes_a_spare(
+        client: SnapshotClient, server: SnapshotServer) -> None:
+    data = blob(1, MAX_CHUNK_BYTES + 9)
+    client.put("a", data)
+    client.put("b", data)  # same digest: one blob for both names
+    assert spare_sizes(server) == [len(data)]
+    assert len(list(server.store.blobs.iterdir())) == 1
+    assert client.get("a").target == client.get("b").target == data
+    client.delete("a")
+    assert spare_sizes(server) == [len(data)]  # "b" still holds the blob
+    assert client.get("b").target == data
+
+
 def test_a_blob_being_read_is_not_reused(client: SnapshotClient, server: SnapshotServer) -> None:
     """A Get reads through the descriptor open_part gave it (the server's Get may have
     sent everything before the client reads it, so the store is driven directly)."""
