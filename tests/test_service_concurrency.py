@@ -14,7 +14,14 @@ import pytest
 from inference_svc.client import InferenceClient, make_request
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
-from tests.fixtures.servicekit import SLOW, Reference, model_pair, running, service_config
+from tests.fixtures.servicekit import (
+    SLOW,
+    Reference,
+    fresh_client,
+    model_pair,
+    running,
+    service_config,
+)
 
 LONG = 450  # tokens of a generation that must still be running when we look
 
@@ -37,9 +44,7 @@ def server(pair: tuple[Path, Path]) -> Iterator[Server]:
 
 @pytest.fixture()
 def client(server: Server) -> Iterator[InferenceClient]:
-    with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
-        for i in range(server.cfg.slots):
-            c.erase(i)
+    with fresh_client(server) as c:
         yield c
 
 

@@ -15,7 +15,7 @@ from inference_svc import slotfile
 from inference_svc.client import InferenceClient
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
-from tests.fixtures.servicekit import Reference, model_pair, running, service_config
+from tests.fixtures.servicekit import Reference, fresh_client, model_pair, running, service_config
 
 TEXT_A = "the quick brown fox jumps over the lazy dog and then"
 TEXT_NEW = " a second turn that adds some new words"
@@ -45,9 +45,7 @@ def server(pair: tuple[Path, Path], store_dir: Path) -> Iterator[Server]:
 
 @pytest.fixture()
 def client(server: Server) -> Iterator[InferenceClient]:
-    with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
-        for i in range(server.cfg.slots):
-            c.erase(i)
+    with fresh_client(server) as c:
         yield c
 
 
