@@ -3,6 +3,7 @@ busy slots, a full queue, cancellation and disconnects, EOS, long prompts."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -23,22 +24,27 @@ from tests.fixtures.servicekit import (
     service_config,
 )
 
-LONG = 450  # tokens of a generation that must still be running when we look
+CTX = 2048
+# tokens of a generation that must still be running when we look: a few seconds, many
+# times what the busy-slot checks take (450 tokens finished during them on a loaded
+# machine once, 1 run in 30)
+LONG = 1900
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return model_pair(tmp_path_factory.getbasetemp(), "slow", shape=SLOW)
+    return model_pair(tmp_path_factory.getbasetemp(), "slow-2k",
+                      shape=dataclasses.replace(SLOW, n_ctx=CTX))
 
 
 @pytest.fixture(scope="module")
 def ref(pair: tuple[Path, Path]) -> Reference:
-    return Reference(*pair, n_ctx=512)
+    return Reference(*pair, n_ctx=CTX)
 
 
 @pytest.fixture(scope="module")
 def server(pair: tuple[Path, Path]) -> Iterator[Server]:
-    with running(service_config(*pair, ctx=512, max_queue_wait=0.15, max_queue=3)) as srv:
+    with running(service_config(*pair, ctx=CTX, max_queue_wait=0.15, max_queue=3)) as srv:
         yield srv
 
 
