@@ -156,22 +156,30 @@ def test_busy_slot_waits_then_resource_exhausted(client: InferenceClient) -> Non
     wait_idle(client, 0)
 
 
-def test_full_queue_is_resource_exhausted(client: InferenceClient, server: Server) -> None:
-    streams = [client.generate_stream(make_request(prompt_of(s), max_tokens=LONG, id_slot=s,
-                                                   speculative=False)) for s in (0, 1)]
-    for s in streams:
-        next(s)
-    waiting = [client.generate_stream(make_request(prompt_of(2), max_tokens=2, id_slot=0))
-               for _ in range(server.cfg.max_queue)]
-    time.sleep(0.05)
-    with pytest.raises(grpc.RpcError) as err:
-        client.generate(prompt_of(3), max_tokens=2)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "already waiting" in err.value.details()
-    for s in streams + waiting:
-        s.cancel()
-    wait_idle(client, 0)
-    wait_idle(client, 1)
+def test_full_queue_is_resource_exhausted(pair: tuple[Path, Path]) -> None:
+    # a server of its own whose waiting requests wait long enough to be counted (with the
+    # module's 0.15 s they could give up before the request that finds the queue full)
+    with running(service_config(*pair, ctx=CTX, max_queue_wait=30.0, max_queue=3)) as srv, \
+            fresh_client(srv) as client:
+        streams = [client.generate_stream(make_request(prompt_of(s), max_tokens=LONG,
+                                                       id_slot=s, speculative=False))
+                   for s in (0, 1)]
+        for s in streams:
+            next(s)
+        waiting = [client.generate_stream(make_request(prompt_of(2), max_tokens=2, id_slot=0))
+                   for _ in range(srv.cfg.max_queue)]
+        deadline = time.monotonic() + 10
+        while srv.metrics.registry.get_sample_value("warmslot_queue_depth") != 3:
+            assert time.monotonic() < deadline, "the waiting requests never queued"
+            time.sleep(0.005)
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate(prompt_of(3), max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "3 requests are already waiting" in err.value.details()
+        for s in streams + waiting:
+            s.cancel()
+        wait_idle(client, 0)
+        wait_idle(client, 1)
 
 
 @pytest.mark.parametrize("how", ["cancel", "disconnect"])
