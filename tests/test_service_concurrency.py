@@ -108,21 +108,27 @@ def test_concurrent_requests_interleave(client: InferenceClient, server: Server,
     events: dict[int, list[float]] = {0: [], 1: []}
     toks: dict[int, list[int]] = {}
 
+    clients = [InferenceClient(f"127.0.0.1:{server.port}", timeout=60) for _ in (0, 1)]
+    # both calls start here, back to back (a thread that started late could otherwise find
+    # the other's 200 tokens already done on a loaded machine)
+    streams = [c.generate_stream(make_request(prompt_of(slot), max_tokens=200, id_slot=slot,
+                                              temperature=0.0, speculative=False))
+               for slot, c in enumerate(clients)]
+
     def run(slot: int) -> None:
-        with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
-            out = []
-            for r in c.generate_stream(make_request(prompt_of(slot), max_tokens=200,
-                                                    id_slot=slot, temperature=0.0,
-                                                    speculative=False)):
-                events[slot].append(time.monotonic())
-                out += r.tokens
-            toks[slot] = out
+        out = []
+        for r in streams[slot]:
+            events[slot].append(time.monotonic())
+            out += r.tokens
+        toks[slot] = out
 
     threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    for c in clients:
+        c.close()
     for s in (0, 1):
         assert toks[s] == ref.generate(prompt_of(s), 200)
     # each stream's first output arrived before the other one finished
