@@ -262,16 +262,13 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 upload.write(chunk)
             if not context.is_active():
                 raise Cancelled("the client went away")
-            if not upload.header.sha256:
-                raise InvalidArgument(f"the Put of {header.name!r} left the header's sha256 "
-                                      "empty and ended without a trailer")
-            header_spare = upload.overwrites_spare
+            spare = upload.overwrites_spare
             out = self.store.finish_put(upload)
             upload = None
             self.metrics.bytes_received.labels(label).inc(out.info.size)
             log_event(log, logging.INFO, "put", name=header.name, part=label,
                       bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
-                      committed=out.committed, spare=header_spare,
+                      committed=out.committed, spare=spare,
                       ms=round((time.perf_counter() - t0) * 1e3, 2))
             return pb.PutResponse(name=header.name, part=int(part), bytes=out.info.size,
                                   sha256=out.info.sha256, commit_id=out.commit_id,

@@ -214,7 +214,8 @@ class Upload:
             raise DataLoss(f"{h.part.label} of {h.name!r} truncated: received {self.received} "
                            f"of {h.size} bytes")
         if not h.sha256:
-            raise InvalidArgument(f"{h.part.label} of {h.name!r}: no sha256 to check")
+            raise InvalidArgument(f"the Put of {h.name!r} left the header's sha256 empty and "
+                                  "ended without a trailer")
         digest = self._digest.hexdigest()
         if digest != h.sha256:
             raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
@@ -361,19 +362,21 @@ class Store:
     def begin_put(self, header: UploadHeader) -> Upload:
         """The upload's temporary file: a spare overwritten in place if there is one.
         A disk too full for the declared size first gets the spares' space back."""
-        for attempt in (1, 2):
-            path = self.tmp / f"put-{uuid.uuid4().hex}.tmp"
-            reuse = self.spares.take(header.size, path)
-            try:
-                return Upload(header, path, self.max_snapshot_bytes, self._write,
-                              self._flusher, self._allocate, reuse_size=reuse,
-                              on_disk_full=self.spares.drop_all)
-            except OSError as exc:
-                raise _io_error(f"creating a temporary file for {header.name!r}", exc) from exc
-            except ResourceExhausted:
-                if attempt == 2 or not self.spares.drop_all():
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return self._new_upload(header)
+        except ResourceExhausted:
+            if not self.spares.drop_all():
+                raise
+            return self._new_upload(header)
+
+    def _new_upload(self, header: UploadHeader) -> Upload:
+        path = self.tmp / f"put-{uuid.uuid4().hex}.tmp"
+        reuse = self.spares.take(header.size, path)
+        try:
+            return Upload(header, path, self.max_snapshot_bytes, self._write, self._flusher,
+                          self._allocate, reuse_size=reuse, on_disk_full=self.spares.drop_all)
+        except OSError as exc:
+            raise _io_error(f"creating a temporary file for {header.name!r}", exc) from exc
 
     def finish_put(self, upload: Upload) -> PutOutcome:
         """Verifies the upload and commits (or stages) it. The upload is consumed:
