@@ -145,13 +145,15 @@ static void build_dist(ws_spec *s, const float *logits, const ws_sampling_params
         select_top_k(logits, ids, n, sp->top_k);
         m = sp->top_k;
     }
-    /* candidates in ascending id order: every sum below runs in one fixed order */
+    /* candidates in ascending id order, so every sum below runs in one fixed order:
+       mark the selected ids in probs (zeroed here, refilled below) and collect them
+       with one pass over the vocabulary, O(n_vocab) whatever top_k is */
     if (m < n) {
-        for (int i = 0; i < m; i++) {
-            for (int j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
-                int32_t t = ids[j]; ids[j] = ids[j - 1]; ids[j - 1] = t;
-            }
-        }
+        memset(probs, 0, sizeof(float) * (size_t)n);
+        for (int i = 0; i < m; i++) probs[ids[i]] = 1.0f;
+        int c = 0;
+        for (int32_t id = 0; id < n; id++)
+            if (probs[id] != 0.0f) ids[c++] = id;
     }
     float mx = -INFINITY;
     for (int i = 0; i < m; i++) mx = logits[ids[i]] > mx ? logits[ids[i]] : mx;
