@@ -50,6 +50,8 @@ _ERRORS: tuple[tuple[type[snap_errors.SnapshotError], type[errors.ServiceError]]
     (snap_errors.Cancelled, errors.Cancelled),
 )
 MAX_RETIRED = 4  # replaced clients kept open for their calls in flight
+# failures that are no answer from the service (it may be the same one, busy or down)
+_NO_ANSWER = (snap_errors.Unavailable, snap_errors.DeadlineExceeded, snap_errors.Cancelled)
 # a draft that cannot be read costs the draft only (the target is fetched alone)
 _DRAFT_ONLY_ERRORS = (snap_errors.DataLoss, snap_errors.FailedPrecondition,
                       snap_errors.Internal)
@@ -73,7 +75,7 @@ class SnapshotStore:
     timeout:      deadline of each call in seconds (`--snapshot-timeout`); transfers
                   get size / min_rate more.
     max_protocol: 2 (target + draft) or 1 (behave as a protocol-1 peer, never send
-                  or fetch drafts; `--snapshot-max-protocol`).
+                  or fetch drafts; `--snapshot-client-max-protocol`).
     retries, backoff: retries of an UNAVAILABLE call, and the first backoff in seconds
                   (doubling up to 2 s); with the defaults a call waits about 3 s for a
                   restarting service before it raises Unavailable.
@@ -135,14 +137,10 @@ class SnapshotStore:
             try:
                 res = client.put(name, target, draft, t_meta, d_meta,
                                  target_sha256=target_sha256)
-            except snap_errors.FailedPrecondition:
-                # a paired save refused: the service may have been replaced by a
-                # protocol-1 one since this channel said Hello. Negotiate again, once.
+            except snap_errors.SnapshotError as exc:
                 if draft is None:
                     raise
-                client = self._renegotiate(client)
-                if client.protocol >= 2:
-                    raise
+                client = self._renegotiated(client, exc)
                 res = client.put(name, target, draft, t_meta, d_meta,
                                  target_sha256=target_sha256)
         except snap_errors.SnapshotError as exc:
@@ -216,10 +214,25 @@ class SnapshotStore:
             c.close()
         return client
 
+    def _renegotiated(self, client: SnapshotClient,
+                      refusal: snap_errors.SnapshotError) -> SnapshotClient:
+        """After a paired save was refused: the service behind the address may have been
+        replaced by one that no longer speaks the negotiated protocol, and its refusal
+        can carry any status code (FAILED_PRECONDITION from a protocol-1 server of ours,
+        INVALID_ARGUMENT "unknown part" or a digest mismatch from older ones). A new
+        channel says Hello again; the refusal is raised unless the protocol changed.
+        No answer at all (unreachable, deadline) is not a refusal: it is raised."""
+        if isinstance(refusal, _NO_ANSWER):
+            raise refusal
+        new = self._renegotiate(client)
+        if new.protocol == client.protocol:
+            raise refusal
+        return new
+
     def _protocol_1_reason(self, client: SnapshotClient) -> str:
         if self.max_protocol < 2:
-            return ("this service is configured with --snapshot-max-protocol 1 (snapshot "
-                    "protocol 1: target files only)")
+            return ("this service is configured with --snapshot-client-max-protocol 1 "
+                    "(snapshot protocol 1: target files only)")
         info = client.server_info()  # known by now: no call
         if not info.hello_supported:
             return (f"the snapshot service at {self.addr} answers Hello with UNIMPLEMENTED "

@@ -279,7 +279,7 @@ def test_max_protocol_1_store_with_a_new_server(core: Core, slot: EncodedSlot,
     with SnapshotStore(v2.address, timeout=10, max_protocol=1, logger=logs[0]) as store:
         got = store.load("p1")  # the stored draft is not fetched
         assert (got.target, got.draft) == (slot.target, None)
-        check_protocol_1(core, slot, store, logs[1], "--snapshot-max-protocol 1")
+        check_protocol_1(core, slot, store, logs[1], "--snapshot-client-max-protocol 1")
     with SnapshotClient(v2.address, timeout=10) as client:
         assert client.stat("p1").draft is None  # its own save replaced the pair
 
@@ -311,6 +311,33 @@ def test_server_downgraded_to_protocol_1_under_a_live_store(
             assert store.load("d").draft is None
     assert len(logs[1].warnings()) == 1
 
+
+
+def test_protocol_2_service_replaced_by_a_hello_less_one_at_the_same_address(
+        slot: EncodedSlot, tmp_path: Path, logs: tuple[logging.Logger, Records]) -> None:
+    # a server from before Hello refuses the draft part with INVALID_ARGUMENT, not
+    # FAILED_PRECONDITION: the store says Hello again whatever the code, learns that
+    # the service now speaks protocol 1, and saves the target alone
+    port = free_port()
+    with SnapshotStore(f"127.0.0.1:{port}", timeout=10, logger=logs[0]) as store:
+        with FixedPortServer(tmp_path / "snap", port):
+            store.save("d", slot.target, slot.draft)
+            assert store.negotiated_protocol == 2
+        old = MinimalServer()
+        old.server.add_insecure_port(f"127.0.0.1:{port}")
+        with old:
+            assert store.save("d", slot.target, slot.draft,
+                              target_sha256=slot.target_sha256) == len(slot.target)
+            assert store.negotiated_protocol == 1
+            # the draft is refused twice (hashed in a trailer, then once more with the
+            # digest in its header, as to any server that refuses an empty digest)
+            assert old.parts_received == [pb.PART_TARGET, pb.PART_DRAFT, pb.PART_DRAFT,
+                                          pb.PART_TARGET]
+            assert old.store["d"][1] == slot.target
+            assert old.counter.calls["Hello"] == 1  # the new channel's Hello (UNIMPLEMENTED)
+            got = store.load("d")
+            assert (got.target, got.draft) == (slot.target, None)
+    assert len(logs[1].warnings()) == 1
 
 # --- restarts and failures --------------------------------------------------------------
 
