@@ -63,20 +63,23 @@ class SlotManager:
         store = self._need_store()
         try:
             enc = encode_slot(tstate, dstate, eng.target_spec, eng.draft_spec)
-            n_written = store.save(name, enc.target, enc.draft)
+            n_written = store.save(name, enc.target, enc.draft, target_sha256=enc.target_sha256)
         except BaseException as exc:
             self.metrics.saves.labels("error").inc()
             self.log.warning("slot save failed", extra=log.fields(
                 slot=id_slot, filename=name, error=str(exc)))
             raise
+        # a store that kept the target alone (a protocol-1 snapshot service) counts
+        # only the target's bytes
+        draft_saved = enc.draft is not None and n_written > len(enc.target)
         ms = 1e3 * (time.perf_counter() - t0)
         self.metrics.saves.labels("ok").inc()
         self.metrics.save_seconds.observe(ms / 1e3)
         self.metrics.save_bytes.inc(n_written)
         self.log.info("slot saved", extra=log.fields(
             slot=id_slot, filename=name, n_tokens=enc.n_tokens, bytes=n_written,
-            draft_saved=enc.draft is not None, ms=round(ms, 2)))
-        return SaveResult(id_slot, name, enc.n_tokens, n_written, enc.draft is not None, ms,
+            draft_saved=draft_saved, ms=round(ms, 2)))
+        return SaveResult(id_slot, name, enc.n_tokens, n_written, draft_saved, ms,
                           enc.target_sha256)
 
     def _capture(self, slot: int) -> tuple[bytes, bytes | None]:

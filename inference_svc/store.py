@@ -42,9 +42,12 @@ class SlotStore(Protocol):
         """What GetInfo reports, e.g. "local:/var/slots"."""
         ...
 
-    def save(self, name: str, target: bytes, draft: bytes | None) -> int:
-        """Stores both files as one save; returns the bytes written. Without a draft,
-        any sidecar of an earlier save under the name is removed."""
+    def save(self, name: str, target: bytes, draft: bytes | None, *,
+             target_sha256: str | None = None) -> int:
+        """Stores both files as one save; returns the bytes written: the target's alone
+        when the store kept no draft. Without a draft, any sidecar of an earlier save
+        under the name is removed. `target_sha256`: the target's hex SHA-256 when the
+        caller has it (a store that verifies the bytes need not hash them again)."""
         ...
 
     def load(self, name: str) -> StoredSlot:
@@ -103,7 +106,9 @@ class LocalStore:
             raise
         return tmp
 
-    def save(self, name: str, target: bytes, draft: bytes | None) -> int:
+    def save(self, name: str, target: bytes, draft: bytes | None, *,
+             target_sha256: str | None = None) -> int:
+        del target_sha256  # files are written as given; restore checks their digests
         path = self._path(name)
         side = path.with_name(name + DRAFT_SUFFIX)
         with self._lock:
