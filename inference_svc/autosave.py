@@ -28,9 +28,13 @@ class AutoRestoreReport:
 
 
 def restore_all(slots: SlotManager, instance_id: str, restore_timeout: float) -> AutoRestoreReport:
-    """Restores each slot N from auto-<instance>-slot<N> where one exists."""
+    """Restores each slot N from auto-<instance>-slot<N> where one exists. Every call
+    to a remote store is given the same deadline, `restore_timeout` seconds from now:
+    an unreachable store is retried with backoff until then, never after (0: the
+    snapshot service is not waited for at all; a local directory is read regardless)."""
     logger = log.get()
-    deadline = time.monotonic() + restore_timeout
+    start = time.monotonic()
+    deadline = start + restore_timeout
     restored = cold = 0
     unreachable = False
     for slot in range(slots.engine.n_slots):
@@ -40,14 +44,15 @@ def restore_all(slots: SlotManager, instance_id: str, restore_timeout: float) ->
             try:
                 if unreachable:
                     raise Unavailable("the store was unreachable for an earlier slot")
-                res = slots.restore(slot, name, log_failure=False)  # logged here
+                res = slots.restore(slot, name, log_failure=False,  # logged here
+                                    store_deadline=deadline)
             except NotFound:
                 cold += 1
                 break
             except Unavailable as exc:
                 left = deadline - time.monotonic()
-                if not unreachable and left > 0:  # retried until the deadline, not before it
-                    pause = min(delay, left)
+                if not unreachable and left > 0:  # retried until the deadline, not past it
+                    pause = delay if delay < left else 0.0  # else: one last try, at once
                     logger.info("slot store unreachable, retrying", extra=log.fields(
                         slot=slot, filename=name, retry_in_s=round(pause, 3), error=str(exc)))
                     time.sleep(pause)
@@ -56,7 +61,7 @@ def restore_all(slots: SlotManager, instance_id: str, restore_timeout: float) ->
                 if not unreachable:
                     logger.warning("slot store unreachable: starting cold", extra=log.fields(
                         store=slots.store.describe() if slots.store else None,
-                        waited_s=restore_timeout, error=str(exc)))
+                        waited_s=round(time.monotonic() - start, 3), error=str(exc)))
                 unreachable = True
                 cold += 1
                 break

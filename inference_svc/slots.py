@@ -12,12 +12,24 @@ import time
 from inference_svc import log
 from inference_svc.core import BadStateError
 from inference_svc.engine import Engine
-from inference_svc.errors import DataLoss, FailedPrecondition, ServiceError
+from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError
 from inference_svc.metrics import Metrics
 from inference_svc.names import validate_name
 from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
 from inference_svc.store import SlotStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
+
+
+def _caller_waits(deadline: float | None, name: str, error: BaseException | None) -> None:
+    """Raises once `deadline` has passed: a restore nobody waits for any more must not
+    replace the slot's content (the load's own error when it failed, else
+    DeadlineExceeded)."""
+    if deadline is None or time.monotonic() < deadline:
+        return
+    if error is not None:
+        raise error
+    raise DeadlineExceeded(f"the restore of {name!r} ran past its caller's deadline; the "
+                           "slot is unchanged")
 
 
 class SlotManager:
@@ -92,23 +104,37 @@ class SlotManager:
     # ------------------------------------------------------------------ restore
 
     def restore(self, id_slot: int, filename: str, time_remaining: float | None = None,
-                log_failure: bool = True) -> RestoreResult:
+                log_failure: bool = True, store_deadline: float | None = None
+                ) -> RestoreResult:
         """Replaces the slot's content with the saved one. Every check runs before the
-        slot is touched; on any failure the slot is left empty."""
+        slot is touched; on any failure the slot is left empty. The caller waits
+        `time_remaining` seconds: the store is given that long (and at most until
+        `store_deadline`, time.monotonic()), and once it has passed the caller has
+        given up, so the slot is left as it is (DeadlineExceeded, or the load's own
+        error)."""
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
         t0 = time.perf_counter()
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        load_by = min((d for d in (deadline, store_deadline) if d is not None), default=None)
         prepared: PreparedRestore | None = None
         error: BaseException | None = None
         name = filename
         try:
             name = validate_name(filename)
-            prepared = prepare_restore(self._need_store(), name, eng.target_spec, eng.draft_spec)
+            prepared = prepare_restore(self._need_store(), name, eng.target_spec, eng.draft_spec,
+                                       load_by)
         except (ServiceError, ValueError) as exc:
             error = exc
+
+        def apply(slot: int) -> tuple[DraftPolicy, str]:
+            _caller_waits(deadline, name, error)  # on the engine thread, just before
+            return self._apply(slot, prepared, error)
+
         try:
-            policy, note = eng.slot_op(id_slot, lambda s: self._apply(s, prepared, error),
-                                       time_remaining)
+            _caller_waits(deadline, name, error)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            policy, note = eng.slot_op(id_slot, apply, left)
         except BaseException as exc:
             self.metrics.restores.labels("error", "").inc()
             if log_failure:

@@ -124,11 +124,12 @@ class SnapshotStore:
         return self._protocol
 
     def save(self, name: str, target: bytes, draft: bytes | None, *,
-             target_sha256: str | None = None) -> int:
+             target_sha256: str | None = None, deadline: float | None = None) -> int:
         """Stores both files as one save; returns the bytes stored (the target's alone
         when a protocol-1 peer left the draft out). Without a draft, any draft of an
         earlier save under the name is dropped. `target_sha256`: the target's hex
-        SHA-256 when the caller has it (EncodedSlot.target_sha256), saves hashing it."""
+        SHA-256 when the caller has it (EncodedSlot.target_sha256), saves hashing it.
+        `deadline` (time.monotonic()): the save ends by then (Unavailable)."""
         validate_name(name)
         client = self._current()
         t_meta = part_meta(target)
@@ -136,13 +137,13 @@ class SnapshotStore:
         try:
             try:
                 res = client.put(name, target, draft, t_meta, d_meta,
-                                 target_sha256=target_sha256)
+                                 target_sha256=target_sha256, deadline=deadline)
             except snap_errors.SnapshotError as exc:
                 if draft is None:
                     raise
                 client = self._renegotiated(client, exc)
                 res = client.put(name, target, draft, t_meta, d_meta,
-                                 target_sha256=target_sha256)
+                                 target_sha256=target_sha256, deadline=deadline)
         except snap_errors.SnapshotError as exc:
             raise self._error(exc, name, "save") from exc
         self._protocol = res.protocol
@@ -150,19 +151,21 @@ class SnapshotStore:
             self._warn_protocol_1(client)
         return res.target.size + (res.draft.size if res.draft is not None else 0)
 
-    def load(self, name: str) -> StoredSlot:
+    def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
         """The stored bytes. A draft that cannot be read (corrupt, or a protocol-1
         peer) leaves draft None with the reason in draft_note; NotFound when there is
-        no snapshot of that name."""
+        no snapshot of that name. `deadline` (time.monotonic()): the load ends by then
+        (Unavailable)."""
         validate_name(name)
         client = self._current()
         try:
             try:
-                snap = client.get(name, digest_tail=slotfile.DIGEST_LEN)
+                snap = client.get(name, digest_tail=slotfile.DIGEST_LEN, deadline=deadline)
                 note = snap.draft_note
             except _DRAFT_ONLY_ERRORS as exc:
                 # the target alone may still be good: fetch it without the draft
-                snap = client.get(name, with_draft=False, digest_tail=slotfile.DIGEST_LEN)
+                snap = client.get(name, with_draft=False, digest_tail=slotfile.DIGEST_LEN,
+                                  deadline=deadline)
                 note = f"cannot read the draft sidecar: {exc.message}"
         except snap_errors.SnapshotError as exc:
             raise self._error(exc, name, "load") from exc

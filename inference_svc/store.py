@@ -50,8 +50,9 @@ class SlotStore(Protocol):
         caller has it (a store that verifies the bytes need not hash them again)."""
         ...
 
-    def load(self, name: str) -> StoredSlot:
-        """The stored bytes; NotFound when there is no target file of that name."""
+    def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
+        """The stored bytes; NotFound when there is no target file of that name.
+        `deadline` (time.monotonic()): a remote store gives up by then."""
         ...
 
 
@@ -131,7 +132,8 @@ class LocalStore:
                 raise Unavailable(f"cannot save {name!r} in {self.dir}: {exc}") from exc
         return len(target) + (len(draft) if draft is not None else 0)
 
-    def load(self, name: str) -> StoredSlot:
+    def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
+        del deadline  # a local read does not wait on anyone
         path = self._path(name)
         with self._lock:
             try:

@@ -5,9 +5,12 @@ computed reaches the store, and a restore whose caller gave up is not applied.""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from inference_svc import log, slotfile
@@ -112,3 +115,53 @@ def test_the_encoders_digest_reaches_the_store(pair: tuple[Path, Path], tmp_path
     assert given == [saved.target_sha256] * 2  # SaveSlot, then the auto-save at the stop
     assert saved.target_sha256 == slotfile.digest(bytes(stored))
 
+
+
+def test_a_restore_whose_caller_gave_up_is_not_applied(pair: tuple[Path, Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store answers after the RestoreSlot caller's deadline (here it ignores the
+    deadline it is given, the worst case): the caller has DEADLINE_EXCEEDED, and the
+    slot keeps the session it held."""
+    with running(service_config(*pair, slot_save_path=tmp_path / "slots")) as srv, \
+            InferenceClient(f"127.0.0.1:{srv.port}", timeout=60) as c, \
+            InferenceClient(f"127.0.0.1:{srv.port}", timeout=0.5) as hasty:
+        n = session(c, 0)
+        c.generate([9, 8, 7], id_slot=1, max_tokens=2, temperature=0.0)
+        other = c.save(1, "other")
+        assert other.n_saved == 5 != n
+        store = srv._store
+        assert store is not None
+        inner = store.load
+        deadlines: list[float | None] = []
+
+        def late_load(name: str, *, deadline: float | None = None) -> object:
+            deadlines.append(deadline)
+            time.sleep(1.0)
+            return inner(name, deadline=deadline)
+
+        slots = srv._slots
+        assert slots is not None
+        restore = slots.restore
+        ended: list[BaseException | None] = []
+        handler_done = threading.Event()
+
+        def watched_restore(*a: object, **kw: object) -> object:
+            try:
+                res = restore(*a, **kw)  # type: ignore[arg-type]
+                ended.append(None)
+                return res
+            except BaseException as exc:
+                ended.append(exc)
+                raise
+            finally:
+                handler_done.set()
+
+        monkeypatch.setattr(store, "load", late_load)
+        monkeypatch.setattr(slots, "restore", watched_restore)
+        with pytest.raises(grpc.RpcError) as err:
+            hasty.restore(0, "other")
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert handler_done.wait(10)  # the server's side of the call has ended
+        assert [type(e).__name__ for e in ended] == ["DeadlineExceeded"]
+        assert [s.n_tokens for s in c.slots()] == [n, 5]
+        assert len(deadlines) == 1 and deadlines[0] is not None  # the store was told

@@ -128,3 +128,15 @@ def test_get_deadline_follows_the_size_in_the_header() -> None:
     assert isinstance(err, SnapshotError), err
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 1.0 <= took < 2.0
+
+
+def test_a_deadline_bounds_the_retries_of_an_unreachable_service() -> None:
+    # nothing listens there: each attempt fails at once with UNAVAILABLE, and the
+    # client would retry 5 times with backoff (about 3 s) without a deadline
+    from snapshot_svc.testing import free_port
+    with SnapshotClient(f"127.0.0.1:{free_port()}", timeout=5.0, backoff=0.2) as client:
+        err, took = bounded(lambda: client.get("x", deadline=time.monotonic() + 0.3), 15.0)
+        assert isinstance(err, SnapshotError) and took < 0.3 + 0.2, (err, took)
+        err, took = bounded(lambda: client.get("x", deadline=time.monotonic()), 15.0)
+        assert isinstance(err, SnapshotError), err
+        assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 0.1
