@@ -58,24 +58,30 @@ class SlotManager:
         tstate, dstate = eng.slot_op(id_slot, self._capture, time_remaining)
         return self._persist(id_slot, name, tstate, dstate, t0)
 
-    def save_on_engine(self, id_slot: int, name: str) -> SaveResult | None:
+    def save_on_engine(self, id_slot: int, name: str, *, deadline: float | None = None,
+                       store: SlotStore | None = None) -> SaveResult | None:
         """Saves a slot whatever the engine's state (shutdown: it takes no jobs any more,
-        but runs calls between units); None when the slot is empty."""
+        but runs calls between units); None when the slot is empty. `store`: another
+        store than the configured one (the stop's local fallback); `deadline`
+        (time.monotonic()): when a remote store gives up."""
         t0 = time.perf_counter()
         captured = self.engine.call(
             lambda: self._capture(id_slot) if self.engine.dec.n_tokens(id_slot) else None)
         if captured is None:
             return None
-        return self._persist(id_slot, validate_name(name), captured[0], captured[1], t0)
+        return self._persist(id_slot, validate_name(name), captured[0], captured[1], t0,
+                             store=store, deadline=deadline)
 
     def _persist(self, id_slot: int, name: str, tstate: bytes, dstate: bytes | None,
-                 t0: float) -> SaveResult:
+                 t0: float, *, store: SlotStore | None = None,
+                 deadline: float | None = None) -> SaveResult:
         """Encodes captured state and writes it (off the engine thread)."""
         eng = self.engine
-        store = self._need_store()
+        store = store or self._need_store()
         try:
             enc = encode_slot(tstate, dstate, eng.target_spec, eng.draft_spec)
-            n_written = store.save(name, enc.target, enc.draft, target_sha256=enc.target_sha256)
+            n_written = store.save(name, enc.target, enc.draft, target_sha256=enc.target_sha256,
+                                   deadline=deadline)
         except BaseException as exc:
             self.metrics.saves.labels("error").inc()
             self.log.warning("slot save failed", extra=log.fields(
@@ -90,7 +96,7 @@ class SlotManager:
         self.metrics.save_bytes.inc(n_written)
         self.log.info("slot saved", extra=log.fields(
             slot=id_slot, filename=name, n_tokens=enc.n_tokens, bytes=n_written,
-            draft_saved=draft_saved, ms=round(ms, 2)))
+            draft_saved=draft_saved, store=store.describe(), ms=round(ms, 2)))
         return SaveResult(id_slot, name, enc.n_tokens, n_written, draft_saved, ms,
                           enc.target_sha256)
 
@@ -104,14 +110,14 @@ class SlotManager:
     # ------------------------------------------------------------------ restore
 
     def restore(self, id_slot: int, filename: str, time_remaining: float | None = None,
-                log_failure: bool = True, store_deadline: float | None = None
-                ) -> RestoreResult:
+                log_failure: bool = True, store_deadline: float | None = None,
+                store: SlotStore | None = None) -> RestoreResult:
         """Replaces the slot's content with the saved one. Every check runs before the
         slot is touched; on any failure the slot is left empty. The caller waits
         `time_remaining` seconds: the store is given that long (and at most until
         `store_deadline`, time.monotonic()), and once it has passed the caller has
         given up, so the slot is left as it is (DeadlineExceeded, or the load's own
-        error)."""
+        error). `store`: another store than the configured one (the local fallback)."""
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
         t0 = time.perf_counter()
@@ -122,8 +128,8 @@ class SlotManager:
         name = filename
         try:
             name = validate_name(filename)
-            prepared = prepare_restore(self._need_store(), name, eng.target_spec, eng.draft_spec,
-                                       load_by)
+            prepared = prepare_restore(store or self._need_store(), name, eng.target_spec,
+                                       eng.draft_spec, load_by)
         except (ServiceError, ValueError) as exc:
             error = exc
 

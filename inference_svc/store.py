@@ -43,11 +43,12 @@ class SlotStore(Protocol):
         ...
 
     def save(self, name: str, target: bytes, draft: bytes | None, *,
-             target_sha256: str | None = None) -> int:
+             target_sha256: str | None = None, deadline: float | None = None) -> int:
         """Stores both files as one save; returns the bytes written: the target's alone
         when the store kept no draft. Without a draft, any sidecar of an earlier save
         under the name is removed. `target_sha256`: the target's hex SHA-256 when the
-        caller has it (a store that verifies the bytes need not hash them again)."""
+        caller has it (a store that verifies the bytes need not hash them again).
+        `deadline` (time.monotonic()): a remote store gives up by then."""
         ...
 
     def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
@@ -108,8 +109,8 @@ class LocalStore:
         return tmp
 
     def save(self, name: str, target: bytes, draft: bytes | None, *,
-             target_sha256: str | None = None) -> int:
-        del target_sha256  # files are written as given; restore checks their digests
+             target_sha256: str | None = None, deadline: float | None = None) -> int:
+        del target_sha256, deadline  # written as given (restore checks the digests), locally
         path = self._path(name)
         side = path.with_name(name + DRAFT_SUFFIX)
         with self._lock:
