@@ -95,6 +95,34 @@ def test_sessions_survive_a_stop_with_the_store_down(pair: tuple[Path, Path],
         snap.stop(grace=0)
 
 
+
+def test_the_fallback_is_uploaded_once_the_store_answers_again(
+        pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from inference_svc import server
+
+    monkeypatch.setattr(server, "FALLBACK_RETRY_S", 0.1)
+    port = free_port()
+    addr, fallback = f"127.0.0.1:{port}", tmp_path / "fallback"
+    with inference(pair, addr, fallback) as srv, \
+            InferenceClient(f"127.0.0.1:{srv.port}", timeout=60) as c:
+        c.generate(PROMPTS[0], id_slot=0, max_tokens=N, temperature=0.0)
+        held = tokens(srv)
+    assert files(fallback) == ["auto-fb-slot0", "auto-fb-slot0.drft"]
+    snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+    with inference(pair, addr, fallback) as srv:  # restored from the fallback
+        assert tokens(srv) == held
+        snap.start()  # the store comes back while the service runs
+        try:
+            deadline = time.monotonic() + 20
+            while files(fallback) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert files(fallback) == []
+            with SnapshotClient(addr) as sc:
+                got = sc.get("auto-fb-slot0")
+            assert got.info.target.meta.n_tokens == len(held[0]) and got.draft is not None
+        finally:
+            snap.stop(grace=0)
+
 # --- process level: SIGTERM with the snapshot service frozen (SIGSTOP) --------------------
 
 
