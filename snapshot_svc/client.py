@@ -25,8 +25,11 @@ Behaviour:
 - Every byte is checked: the client sends size and SHA-256, the server verifies
   before it commits; `get` verifies what it receives (DataLoss on mismatch).
 - Every call has a deadline: `timeout` seconds, plus size / `min_rate` for data
-  transfers. Calls are retried with exponential backoff on UNAVAILABLE only
-  (`retries` times); any other failure raises at once.
+  transfers (a Get learns its size from its header: until then `timeout` alone),
+  and it ends by it even when the server stopped reading or sending (DeadlineExceeded).
+  Calls are retried with exponential backoff on UNAVAILABLE only (`retries` times);
+  any other failure raises at once. `put` and `get` also take an overall `deadline`
+  (time.monotonic()) that bounds every attempt, retry and pause.
 - Errors are `snapshot_svc.errors` types (`NotFound`, `DataLoss`,
   `FailedPrecondition`, `ResourceExhausted`, `InvalidArgument`, `Unavailable`...),
   each with the gRPC `.code`.
@@ -89,6 +92,7 @@ def _sha256(data: bytes) -> str:
 
 # how long past its gRPC deadline a call may take to report it before it is cancelled
 DEADLINE_SLACK_S = 1.0
+CLOSE_TIMEOUT_S = 1.0  # longest wait for a channel to close (see SnapshotClient.close)
 
 
 def _put_within(stub: SnapshotStub, requests: Iterator[object],
@@ -211,8 +215,15 @@ class SnapshotClient:
 
     # --- connection -------------------------------------------------------------------
 
-    def close(self) -> None:
-        self._channel.close()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Closes the channel, waiting at most `timeout` seconds. grpcio's close waits
+        for every call on the channel to complete, and a Put whose write is stuck on
+        flow control to a hung server never does, even cancelled: the close then goes
+        on on a daemon thread (it does not keep the process from exiting)."""
+        closer = threading.Thread(target=self._channel.close, name="snapshot-close",
+                                  daemon=True)
+        closer.start()
+        closer.join(timeout)
 
     def __enter__(self) -> SnapshotClient:
         return self

@@ -69,6 +69,20 @@ def test_put_to_a_frozen_service_ends_at_its_deadline(tmp_path: Path, mib: int) 
     assert 1.0 <= took < 3.0
 
 
+def test_close_after_a_put_stuck_on_a_frozen_service_returns(tmp_path: Path) -> None:
+    # the Put's last write never completes (the server stopped reading): grpcio's
+    # channel close waits for it forever; the client's close gives up after 1 s
+    data = blob(8, 8 * MIB)
+    with ServerProcess(tmp_path / "snap") as proc:
+        client = SnapshotClient(proc.address, timeout=1.0, min_rate=1e12, retries=0)
+        assert client.protocol == 2
+        with frozen(proc):
+            err, _ = bounded(lambda: client.put("frozen", data, target_sha256=sha(data)), 15.0)
+            assert isinstance(err, SnapshotError) and err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            err, took = bounded(client.close, limit=15.0)
+            assert err is None and took < 2.0, took
+
+
 def test_get_from_a_frozen_service_ends_at_its_base_timeout(tmp_path: Path) -> None:
     # the gRPC deadline of a Get allows for the largest snapshot (2 GiB at 32 MiB/s:
     # 64 s more); before the header says the real size, the base timeout is the bound
