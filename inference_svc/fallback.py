@@ -66,21 +66,31 @@ class Fallback:
 
     def upload(self, store: SlotStore, deadline: float | None = None) -> list[str]:
         """Copies every pending file into `store` (each by `deadline`, time.monotonic())
-        and removes it here once it is there; stops at the first failure. The names
-        uploaded."""
+        and removes it here once it is there, unless a newer file replaced it meanwhile
+        (a stop wrote it); stops at the first failure. The names uploaded."""
         done: list[str] = []
         for name in self.pending():
             with self._lock:
                 if self._closed:
                     break
                 try:
+                    inode = (self.store.dir / name).stat().st_ino
                     stored = self.store.load(name)
-                    store.save(name, stored.target, stored.draft, deadline=deadline)
-                except ServiceError as exc:
-                    self.log.info("fallback upload failed, kept locally", extra=log.fields(
-                        filename=name, fallback=self.describe(), error=str(exc)))
-                    break
-                self._discard(name)
+                except (OSError, ServiceError):
+                    continue  # removed or replaced meanwhile: the next round sees it
+            try:  # no lock held while the store is called: a stop never waits on it
+                store.save(name, stored.target, stored.draft, deadline=deadline)
+            except ServiceError as exc:
+                self.log.info("fallback upload failed, kept locally", extra=log.fields(
+                    filename=name, fallback=self.describe(), error=str(exc)))
+                break
+            with self._lock:
+                try:
+                    same = (self.store.dir / name).stat().st_ino == inode
+                except OSError:
+                    same = False
+                if same:  # files are replaced by rename: a new inode is a newer save
+                    self._discard(name)
             self.log.info("fallback uploaded", extra=log.fields(
                 filename=name, fallback=self.describe(), store=store.describe()))
             done.append(name)
@@ -96,11 +106,16 @@ class Fallback:
         self._thread = threading.Thread(target=run, name="fallback-upload", daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
-        """Stops the uploader; once this returns no upload runs or starts (one in
-        progress ends by its own deadline first)."""
+    def close(self, timeout: float) -> bool:
+        """Stops the uploader, waiting at most `timeout` seconds for an upload in
+        progress. True when none runs any more; False when one is still waiting on the
+        store: the caller must then not save to the store (that upload, of an older
+        copy, could land after its save), only here (a newer file here is never
+        removed by the late upload)."""
         self._stop.set()
         with self._lock:
             self._closed = True
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()

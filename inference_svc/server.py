@@ -39,6 +39,7 @@ from inference_svc.types import (
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks (issue 6)
 FALLBACK_RETRY_S = 5.0  # pause between uploads of the fallback while the store is down
+FALLBACK_CLOSE_S = 1.0  # the stop waits this long for an upload of the fallback to end
 
 
 def _time_remaining(context: grpc.ServicerContext) -> float | None:
@@ -374,13 +375,14 @@ class Server:
             rt.engine.drain(grace)
         if self._grpc is not None:
             self._grpc.stop(grace=1.0).wait()
-        if self._fallback is not None:
-            self._fallback.close()  # no upload of an older copy runs past this point
+        uploads_done = self._fallback is None or self._fallback.close(FALLBACK_CLOSE_S)
+        # while an upload of an older copy still waits on the store, save nothing there
+        # (it could land after the save): everything goes to the fallback
+        save_by = time.monotonic() + (self.cfg.auto_save_timeout if uploads_done else 0.0)
         saved = True
         if rt is not None and self._slots is not None and self._store is not None \
                 and self.cfg.auto_save:
-            rep = autosave.save_all(self._slots, self.cfg.instance_id,
-                                    time.monotonic() + self.cfg.auto_save_timeout,
+            rep = autosave.save_all(self._slots, self.cfg.instance_id, save_by,
                                     self._fallback)
             self.log.info("auto-save done", extra=log.fields(
                 saved=rep.saved, to_fallback=rep.to_fallback, failed=rep.failed))

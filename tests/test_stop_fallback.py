@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from inference_svc.client import InferenceClient
+from inference_svc.fallback import Fallback
 from inference_svc.server import Server
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.config import SnapshotConfig
@@ -164,3 +166,44 @@ def test_sigterm_with_a_frozen_store_ends_within_the_budget(pair: tuple[Path, Pa
             assert files(fallback) == []
             assert p2.records("auto-restore done")[0]["from_fallback"] == 0
             assert p2.stop() == 0
+
+
+# --- the uploader against a stop ------------------------------------------------------
+
+
+class BlockingStore:
+    """A store whose save waits until released (a hung snapshot service)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.saved: list[tuple[str, bytes]] = []
+
+    def describe(self) -> str:
+        return "blocking"
+
+    def save(self, name: str, target: bytes, draft: bytes | None, **kw: object) -> int:
+        self.entered.set()
+        assert self.release.wait(30)
+        self.saved.append((name, bytes(target)))
+        return len(target)
+
+
+def test_a_late_upload_never_removes_a_newer_fallback_file(tmp_path: Path) -> None:
+    """The stop waits 0.2 s for the uploader, which is stuck on the store: close says
+    so (the stop then saves only to the fallback). The stop's newer file survives the
+    late upload of the older one, which then finishes."""
+    fb = Fallback(tmp_path / "fb", "i")
+    fb.store.save("auto-i-slot0", b"old", None)
+    store = BlockingStore()
+    fb.start_uploader(store, interval=0.01, call_timeout=10.0)  # type: ignore[arg-type]
+    assert store.entered.wait(10)
+    assert fb.close(0.2) is False  # still waiting on the store
+    fb.store.save("auto-i-slot0", b"new", None)  # the stop's save, not blocked
+    store.release.set()
+    assert fb._thread is not None
+    fb._thread.join(10)
+    assert not fb._thread.is_alive()
+    assert store.saved == [("auto-i-slot0", b"old")]
+    assert (tmp_path / "fb" / "auto-i-slot0").read_bytes() == b"new"
+    assert fb.pending() == ["auto-i-slot0"]  # uploaded at the next start
