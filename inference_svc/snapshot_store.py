@@ -141,7 +141,7 @@ class SnapshotStore:
             except snap_errors.SnapshotError as exc:
                 if draft is None:
                     raise
-                client = self._renegotiated(client, exc)
+                client = self._renegotiated(client, exc, deadline)
                 res = client.put(name, target, draft, t_meta, d_meta,
                                  target_sha256=target_sha256, deadline=deadline)
         except snap_errors.SnapshotError as exc:
@@ -217,8 +217,8 @@ class SnapshotStore:
             c.close()
         return client
 
-    def _renegotiated(self, client: SnapshotClient,
-                      refusal: snap_errors.SnapshotError) -> SnapshotClient:
+    def _renegotiated(self, client: SnapshotClient, refusal: snap_errors.SnapshotError,
+                      deadline: float | None) -> SnapshotClient:
         """After a paired save was refused: the service behind the address may have been
         replaced by one that no longer speaks the negotiated protocol, and its refusal
         can carry any status code (FAILED_PRECONDITION from a protocol-1 server of ours,
@@ -228,7 +228,7 @@ class SnapshotStore:
         if isinstance(refusal, _NO_ANSWER):
             raise refusal
         new = self._renegotiate(client)
-        if new.protocol == client.protocol:
+        if new.server_info(deadline).protocol == client.protocol:
             raise refusal
         return new
 
