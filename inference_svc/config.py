@@ -187,7 +187,8 @@ def parser() -> argparse.ArgumentParser:
     a("--instance-id", default=d.instance_id,
       help="names this replica's auto-saved slots (default: the host name)")
     a("--restore-timeout", type=float, default=d.restore_timeout,
-      help="seconds to retry an unreachable store at start-up before starting cold")
+      help="seconds the start-up restore may wait for the snapshot service (every call and "
+           "retry ends by then) before the remaining slots start cold; 0: do not wait")
     a("--auto-save-timeout", type=float, default=d.auto_save_timeout,
       help="seconds the stop's auto-save may spend on the snapshot service (every call "
            "ends by then); slots not saved there by then go to --fallback-save-path")
