@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -29,28 +28,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return model_pair(tmp_path_factory.getbasetemp())
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def fields(self, msg: str) -> list[dict[str, object]]:
-        return [dict(getattr(r, "fields", {})) for r in self.records if r.getMessage() == msg]
-
-
-@pytest.fixture()
-def records() -> Iterator[Records]:
-    logger = log.get()
-    handler = Records()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
+def fields(caplog: pytest.LogCaptureFixture, msg: str) -> list[dict[str, object]]:
+    """The structured fields of the service's log records with this message."""
+    return [dict(getattr(r, "fields", {})) for r in caplog.records if r.getMessage() == msg]
 
 
 def session(c: InferenceClient, slot: int) -> int:
@@ -62,7 +42,9 @@ def session(c: InferenceClient, slot: int) -> int:
 
 @pytest.mark.parametrize("peer", ["client-max-protocol-1", "server-max-protocol-1"])
 def test_draft_saved_false_when_the_store_kept_no_draft(pair: tuple[Path, Path], tmp_path: Path,
-                                                        records: Records, peer: str) -> None:
+                                                        caplog: pytest.LogCaptureFixture,
+                                                        peer: str) -> None:
+    caplog.set_level(logging.INFO, logger=log.get().name)
     client_max = 1 if peer == "client-max-protocol-1" else 2
     server_max = 1 if peer == "server-max-protocol-1" else 2
     with running_server(tmp_path / "snap", max_protocol=server_max) as snap, \
@@ -75,7 +57,7 @@ def test_draft_saved_false_when_the_store_kept_no_draft(pair: tuple[Path, Path],
         info = sc.stat("p1")
     assert info.draft is None
     assert (saved.n_saved, saved.draft_saved, saved.n_written) == (n, False, info.target.size)
-    logged = [f for f in records.fields("slot saved") if f["filename"] == "p1"]
+    logged = [f for f in fields(caplog, "slot saved") if f["filename"] == "p1"]
     assert [(f["draft_saved"], f["bytes"]) for f in logged] == [(False, info.target.size)]
 
 

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,21 +297,29 @@ def test_hello_less_server(core: Core, slot: EncodedSlot,
         assert srv.counter.calls["Hello"] == 1  # asked once per channel, never again
 
 
-def test_server_downgraded_to_protocol_1_under_a_live_store(
-        slot: EncodedSlot, tmp_path: Path, logs: tuple[logging.Logger, Records]) -> None:
+@contextmanager
+def saved_with_protocol_2(slot: EncodedSlot, tmp_path: Path,
+                          logger: logging.Logger) -> Iterator[tuple[SnapshotStore, int]]:
+    """A store (and its port) whose channel negotiated protocol 2 with a server that
+    has gone since, after a paired save of "d"."""
     port = free_port()
-    with SnapshotStore(f"127.0.0.1:{port}", timeout=10, logger=logs[0]) as store:
+    with SnapshotStore(f"127.0.0.1:{port}", timeout=10, logger=logger) as store:
         with FixedPortServer(tmp_path / "snap", port):
             store.save("d", slot.target, slot.draft)
             assert store.negotiated_protocol == 2
-        with FixedPortServer(tmp_path / "snap", port, max_protocol=1):
-            # the channel negotiated protocol 2: the draft is refused, the store says
-            # Hello again on a new channel and saves the target alone
-            assert store.save("d", slot.target, slot.draft) == len(slot.target)
-            assert store.negotiated_protocol == 1
-            assert store.load("d").draft is None
-    assert len(logs[1].warnings()) == 1
+        yield store, port
 
+
+def test_server_downgraded_to_protocol_1_under_a_live_store(
+        slot: EncodedSlot, tmp_path: Path, logs: tuple[logging.Logger, Records]) -> None:
+    with saved_with_protocol_2(slot, tmp_path, logs[0]) as (store, port), \
+            FixedPortServer(tmp_path / "snap", port, max_protocol=1):
+        # the channel negotiated protocol 2: the draft is refused, the store says
+        # Hello again on a new channel and saves the target alone
+        assert store.save("d", slot.target, slot.draft) == len(slot.target)
+        assert store.negotiated_protocol == 1
+        assert store.load("d").draft is None
+    assert len(logs[1].warnings()) == 1
 
 
 def test_protocol_2_service_replaced_by_a_hello_less_one_at_the_same_address(
@@ -318,11 +327,7 @@ def test_protocol_2_service_replaced_by_a_hello_less_one_at_the_same_address(
     # a server from before Hello refuses the draft part with INVALID_ARGUMENT, not
     # FAILED_PRECONDITION: the store says Hello again whatever the code, learns that
     # the service now speaks protocol 1, and saves the target alone
-    port = free_port()
-    with SnapshotStore(f"127.0.0.1:{port}", timeout=10, logger=logs[0]) as store:
-        with FixedPortServer(tmp_path / "snap", port):
-            store.save("d", slot.target, slot.draft)
-            assert store.negotiated_protocol == 2
+    with saved_with_protocol_2(slot, tmp_path, logs[0]) as (store, port):
         old = MinimalServer()
         old.server.add_insecure_port(f"127.0.0.1:{port}")
         with old:
@@ -338,6 +343,7 @@ def test_protocol_2_service_replaced_by_a_hello_less_one_at_the_same_address(
             got = store.load("d")
             assert (got.target, got.draft) == (slot.target, None)
     assert len(logs[1].warnings()) == 1
+
 
 # --- restarts and failures --------------------------------------------------------------
 
