@@ -69,8 +69,8 @@ def run_case(case: str, a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "case": case, "stop_s": round(took, 2), "exit": rc, "slot_tokens": held,
             "auto_save": {k: done[0][k] for k in ("saved", "to_fallback", "failed")}
             if done else None,
-            "fallback_files": sorted(f.name for f in fallback.iterdir())
-            if fallback.exists() else []}
+            "fallback_files": sorted(f.name for f in (fallback / f"stop-{case}").iterdir())
+            if (fallback / f"stop-{case}").exists() else []}
         if case in ("up", "down"):
             with InferenceProcess(*argv) as p2:
                 rep = p2.records("auto-restore done")[0]

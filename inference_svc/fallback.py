@@ -1,7 +1,7 @@
 """The local fallback of the auto-save: where a stop puts the slots it could not get
 into the store (down, hung, or out of time), so no live session is lost.
 
-    fb = Fallback(Path("~/.local/state/warmslot/fallback"), "host-1")
+    fb = Fallback(Path("~/.local/state/warmslot/fallback"), "host-1")   # .../fallback/host-1/
     fb.store.save("auto-host-1-slot0", target, draft)   # written by the stop's auto-save
     fb.pending()                  # ["auto-host-1-slot0"]: this instance's, not uploaded yet
     fb.upload(store, deadline)    # into the store, each removed here once it is there
@@ -11,8 +11,9 @@ A file here is newer than the store's copy of the same name: it was written by t
 last stop, after the store's copy. So at start-up pending files go to the store first
 (or, with the store still down, are restored from here), and a later successful save
 of the name to the store, or a stop that finds the slot empty, removes the file here.
-Files are slot files in a `LocalStore` (the same bytes, atomic writes); only this
-instance's auto-save names are touched, so replicas may share the directory.
+Files are slot files in a `LocalStore` (the same bytes, atomic writes) in a
+subdirectory named after the instance, so replicas may share the directory (a
+store's start-up sweep of temporary files never meets another replica's save).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from inference_svc.store import LocalStore, SlotStore
 
 
 class Fallback:
-    """This instance's fallback slot files in `directory`. Thread-safe."""
+    """This instance's fallback slot files in `directory`/<instance_id>. Thread-safe."""
 
     def __init__(self, directory: Path, instance_id: str) -> None:
-        self.store = LocalStore(directory)  # OSError when the directory cannot be made
+        # OSError when the directory cannot be made
+        self.store = LocalStore(Path(directory) / instance_id)
         self._names = re.compile(rf"auto-{re.escape(instance_id)}-slot\d+")
         self._lock = threading.Lock()  # one upload or removal at a time
         self._closed = False
@@ -44,9 +46,13 @@ class Fallback:
         return self.store.describe()
 
     def pending(self) -> list[str]:
-        """This instance's auto-save names held here, sorted."""
-        return sorted(p.name for p in self.store.dir.iterdir()
-                      if self._names.fullmatch(p.name) and p.is_file())
+        """This instance's auto-save names held here, sorted ([] when the directory
+        cannot be read: nothing to upload or restore from it)."""
+        try:
+            return sorted(p.name for p in self.store.dir.iterdir()
+                          if self._names.fullmatch(p.name) and p.is_file())
+        except OSError:
+            return []
 
     def has(self, name: str) -> bool:
         return (self.store.dir / name).is_file()

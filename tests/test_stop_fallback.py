@@ -72,14 +72,14 @@ def test_sessions_survive_a_stop_with_the_store_down(pair: tuple[Path, Path],
         held = tokens(srv)
         assert [len(t) for t in held] == [len(p) + N for p in PROMPTS]
         assert srv.stop(1.0) is True  # no session lost: exit status 0
-    assert files(fallback) == ["auto-fb-slot0", "auto-fb-slot0.drft",
+    assert files(fallback / "fb") == ["auto-fb-slot0", "auto-fb-slot0.drft",
                                "auto-fb-slot1", "auto-fb-slot1.drft"]
     # 2. restart, the store still down: both slots come back from the fallback, which
     # keeps its files (they are not in the store yet)
     with inference(pair, addr, fallback) as srv:
         assert tokens(srv) == held
         assert srv.stop(1.0) is True
-    assert files(fallback) == ["auto-fb-slot0", "auto-fb-slot0.drft",
+    assert files(fallback / "fb") == ["auto-fb-slot0", "auto-fb-slot0.drft",
                                "auto-fb-slot1", "auto-fb-slot1.drft"]
     # 3. the store is back: the start uploads both, removes them locally, and restores
     # them from the store
@@ -87,12 +87,12 @@ def test_sessions_survive_a_stop_with_the_store_down(pair: tuple[Path, Path],
     snap.start()
     try:
         with inference(pair, addr, fallback) as srv:
-            assert files(fallback) == []
+            assert files(fallback / "fb") == []
             assert tokens(srv) == held
             with SnapshotClient(addr) as sc:
                 names = [i.name for i in sc.list("auto-fb-")]
             assert names == ["auto-fb-slot0", "auto-fb-slot1"]
-        assert files(fallback) == []  # this stop reached the store
+        assert files(fallback / "fb") == []  # this stop reached the store
     finally:
         snap.stop(grace=0)
 
@@ -109,16 +109,16 @@ def test_the_fallback_is_uploaded_once_the_store_answers_again(
             InferenceClient(f"127.0.0.1:{srv.port}", timeout=60) as c:
         c.generate(PROMPTS[0], id_slot=0, max_tokens=N, temperature=0.0)
         held = tokens(srv)
-    assert files(fallback) == ["auto-fb-slot0", "auto-fb-slot0.drft"]
+    assert files(fallback / "fb") == ["auto-fb-slot0", "auto-fb-slot0.drft"]
     snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
     with inference(pair, addr, fallback) as srv:  # restored from the fallback
         assert tokens(srv) == held
         snap.start()  # the store comes back while the service runs
         try:
             deadline = time.monotonic() + 20
-            while files(fallback) and time.monotonic() < deadline:
+            while files(fallback / "fb") and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert files(fallback) == []
+            assert files(fallback / "fb") == []
             with SnapshotClient(addr) as sc:
                 got = sc.get("auto-fb-slot0")
             assert got.info.target.meta.n_tokens == len(held[0]) and got.draft is not None
@@ -157,13 +157,13 @@ def test_sigterm_with_a_frozen_store_ends_within_the_budget(pair: tuple[Path, Pa
         # grace 1 s (nothing runs) + gRPC stop <= 1 s + the first Put's 3 s deadline
         # (+1 s slack) + two local writes
         assert took < 1 + 1 + 4 + 1 + 3, took
-        assert files(fallback) == ["auto-hung-slot0", "auto-hung-slot0.drft",
+        assert files(fallback / "hung") == ["auto-hung-slot0", "auto-hung-slot0.drft",
                                    "auto-hung-slot1", "auto-hung-slot1.drft"]
         rep = p.records("auto-save done")[0]
         assert (rep["saved"], rep["to_fallback"], rep["failed"]) == (0, 2, 0)
         with InferenceProcess(*argv) as p2:
             assert [s.n_tokens for s in p2.client.slots()] == held
-            assert files(fallback) == []
+            assert files(fallback / "hung") == []
             assert p2.records("auto-restore done")[0]["from_fallback"] == 0
             assert p2.stop() == 0
 
@@ -205,5 +205,5 @@ def test_a_late_upload_never_removes_a_newer_fallback_file(tmp_path: Path) -> No
     fb._thread.join(10)
     assert not fb._thread.is_alive()
     assert store.saved == [("auto-i-slot0", b"old")]
-    assert (tmp_path / "fb" / "auto-i-slot0").read_bytes() == b"new"
+    assert (tmp_path / "fb" / "i" / "auto-i-slot0").read_bytes() == b"new"
     assert fb.pending() == ["auto-i-slot0"]  # uploaded at the next start
