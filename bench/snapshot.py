@@ -4,13 +4,15 @@
 
 For each size (MiB) the same random bytes are
   - copied as a file on the same disk (shutil.copyfile, then fsync: as durable as a Put),
-  - saved with SnapshotClient.put (target only) to a snapshot server running as a
-    separate process on 127.0.0.1 (it verifies the SHA-256 and fsyncs before it commits):
-    `put` passes the digest the caller already has, as the inference service does (its
-    slot encoder computes the target's digest for the sidecar); `put_hashing` lets the
-    client compute it (while it sends, with the server's "sha256-trailer" feature:
-    the client's and the server's SHA-256 then share the 2 cores with everything else),
-  - read back with SnapshotClient.get (verified against the SHA-256 as it streams).
+  - saved to a snapshot server running as a separate process on 127.0.0.1 (it verifies
+    the SHA-256 and fsyncs before it commits): `put` goes through the inference
+    service's own store, SnapshotStore.save(name, target, None, target_sha256=...),
+    the call SlotManager makes with the digest its slot encoder computed (the service's
+    path, target only); `put_hashing` is SnapshotClient.put without a digest (the
+    client hashes while it sends, with the server's "sha256-trailer" feature: the
+    client's and the server's SHA-256 then share the 2 cores with everything else),
+  - read back with SnapshotStore.load, as a restore does (SnapshotClient.get, verified
+    against the SHA-256 as it streams, plus the digest of all but the file's trailer).
     A Get receives into a buffer whose pages are mapped up front and recycled when
     the caller releases the result (snapshot_svc/buffers.py): the first Get of a size
     maps fresh memory, later ones reuse it. `get` is the median over all repetitions;
@@ -45,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from inference_svc.snapshot_store import SnapshotStore  # noqa: E402
 from snapshot_svc import buffers  # noqa: E402
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.memory import tune_malloc  # noqa: E402
@@ -66,7 +69,8 @@ def copy_file(src: Path, dst: Path) -> float:
     return time.perf_counter() - t0
 
 
-def bench_size(client: SnapshotClient, work: Path, size: int, reps: int) -> dict[str, object]:
+def bench_size(client: SnapshotClient, store: SnapshotStore, work: Path, size: int,
+               reps: int) -> dict[str, object]:
     data = os.urandom(size)
     src, dst = work / "copy-src", work / "copy-dst"
     with open(src, "wb") as f:
@@ -83,10 +87,10 @@ def bench_size(client: SnapshotClient, work: Path, size: int, reps: int) -> dict
             times["put_hashing"].append(time.perf_counter() - t0)
             client.delete(name)  # each Put writes a new blob (no dedup shortcut)
             t0 = time.perf_counter()
-            client.put(name, data, target_sha256=digest)
+            store.save(name, data, None, target_sha256=digest)
             times["put"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            got = client.get(name)
+            got = store.load(name)
             times["get"].append(time.perf_counter() - t0)
             if got.target != data:
                 raise SystemExit("Get returned other bytes")
@@ -138,10 +142,11 @@ def main() -> int:
     try:
         with ServerProcess(work / "data", "--max-snapshot-bytes", str(max(sizes) + MIB),
                            *a.server_args.split()) as server, \
-                SnapshotClient(server.address, timeout=120) as client:
+                SnapshotClient(server.address, timeout=120) as client, \
+                SnapshotStore(server.address, timeout=120) as store:
             info = client.server_info()
             for size in sizes:
-                r = bench_size(client, work, size, a.reps)
+                r = bench_size(client, store, work, size, a.reps)
                 results.append(r)
                 print(f"{r['mib']:>4} MiB  copy {r['copy_MBps']:>7.1f} MB/s  "
                       f"put {r['put_MBps']:>7.1f} MB/s ({r['put_vs_copy']:.2f}x)  "
@@ -158,6 +163,7 @@ def main() -> int:
                 for r in judged) if judged else None
     print(json.dumps({
         "bench": "snapshot", "transport": "grpc loopback, server in a separate process",
+        "put_path": "inference_svc SnapshotStore.save with the encoder's target digest",
         "protocol": info.protocol, "chunk_bytes": info.max_chunk_bytes,
         "cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
         "target": f"put and get >= {TARGET_RATIO} x file copy for sizes >= 64 MiB",

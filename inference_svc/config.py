@@ -18,6 +18,12 @@ ENV_PREFIX = "WARMSLOT_"
 DRAFT_POLICIES = ("reprefill", "empty")
 
 
+def default_fallback_path() -> Path:
+    """`$XDG_STATE_HOME/warmslot/fallback`, i.e. `~/.local/state/warmslot/fallback`."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "warmslot" / "fallback"
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Request defaults for sampling (llama.cpp's defaults)."""
@@ -63,6 +69,11 @@ class Config:
     auto_save: bool = True  # save every slot on SIGTERM / SIGINT, restore them on start
     instance_id: str = field(default_factory=socket.gethostname)  # auto-<id>-slot<N>
     restore_timeout: float = 30.0  # seconds to wait for an unreachable store at start-up
+    # seconds the stop's auto-save may spend on the snapshot service; what is not saved
+    # by then goes to the local fallback (see README "Reliability" for the arithmetic)
+    auto_save_timeout: float = 60.0
+    # where the stop puts slots the snapshot service did not take (None: nowhere)
+    fallback_save_path: Path | None = field(default_factory=default_fallback_path)
     draft_restore_policy: str = "reprefill"
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
@@ -114,6 +125,8 @@ class Config:
             problems.append("--snapshot-client-max-protocol must be 1 or 2")
         if self.snapshot_timeout <= 0 or self.restore_timeout < 0:
             problems.append("--snapshot-timeout must be > 0 and --restore-timeout >= 0")
+        if self.auto_save_timeout < 0:
+            problems.append("--auto-save-timeout must be >= 0")
         if not self.instance_id or not all(c.isalnum() or c in "-_." for c in self.instance_id):
             problems.append(f"--instance-id {self.instance_id!r} must be letters, digits, "
                             f"'-', '_' or '.'")
@@ -174,7 +187,17 @@ def parser() -> argparse.ArgumentParser:
     a("--instance-id", default=d.instance_id,
       help="names this replica's auto-saved slots (default: the host name)")
     a("--restore-timeout", type=float, default=d.restore_timeout,
-      help="seconds to retry an unreachable store at start-up before starting cold")
+      help="seconds the start-up restore may wait for the snapshot service (every call and "
+           "retry ends by then) before the remaining slots start cold; 0: do not wait")
+    a("--auto-save-timeout", type=float, default=d.auto_save_timeout,
+      help="seconds the stop's auto-save may spend on the snapshot service (every call "
+           "ends by then); slots not saved there by then go to --fallback-save-path")
+    a("--fallback-save-path", type=_path_or_none, default=d.fallback_save_path,
+      help="with --snapshot-addr: directory where the stop writes the slots the snapshot "
+           "service did not take (down, hung, out of time); they are uploaded, then removed "
+           "here, at the next start or once the service answers again, and restored from "
+           "here while it does not ('none': no fallback; default "
+           "$XDG_STATE_HOME/warmslot/fallback)")
     a("--draft-restore-policy", choices=DRAFT_POLICIES, default=d.draft_restore_policy,
       help="draft of a restored slot without a usable .drft: re-prefill it from the tokens "
            "or start it empty")
@@ -246,7 +269,8 @@ def from_args(argv: Sequence[str] | None = None,
             snapshot_addr=ns.snapshot_addr, snapshot_timeout=ns.snapshot_timeout,
             snapshot_client_max_protocol=ns.snapshot_client_max_protocol,
             auto_save=ns.auto_save, instance_id=ns.instance_id,
-            restore_timeout=ns.restore_timeout,
+            restore_timeout=ns.restore_timeout, auto_save_timeout=ns.auto_save_timeout,
+            fallback_save_path=ns.fallback_save_path,
             draft_restore_policy=ns.draft_restore_policy, metrics_port=ns.metrics_port,
             metrics_host=ns.metrics_host,
             sampling=Sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p),

@@ -21,6 +21,7 @@ from inference_svc.config import DEFAULT_DRAFT, Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import Unavailable, status_of
+from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
@@ -37,6 +38,8 @@ from inference_svc.types import (
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks (issue 6)
+FALLBACK_RETRY_S = 5.0  # pause between uploads of the fallback while the store is down
+FALLBACK_CLOSE_S = 1.0  # the stop waits this long for an upload of the fallback to end
 
 
 def _time_remaining(context: grpc.ServicerContext) -> float | None:
@@ -267,6 +270,7 @@ class Server:
         self._models: list[Model] = []
         self._stopped = threading.Event()
         self._store: SlotStore | None = None
+        self._fallback: Fallback | None = None
         self._slots: SlotManager | None = None
         self._engine: Engine | None = None
 
@@ -319,10 +323,13 @@ class Server:
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
         if store is not None and cfg.auto_save:
-            rep = autosave.restore_all(slots, cfg.instance_id, cfg.restore_timeout)
+            fallback = self._open_fallback()
+            rep = autosave.restore_all(slots, cfg.instance_id, cfg.restore_timeout, fallback)
             self.log.info("auto-restore done", extra=log.fields(
                 instance_id=cfg.instance_id, restored=rep.restored, cold=rep.cold,
-                store_unreachable=rep.store_unreachable))
+                store_unreachable=rep.store_unreachable, from_fallback=rep.from_fallback))
+            if fallback is not None and fallback.pending():  # the store is down: later
+                fallback.start_uploader(store, FALLBACK_RETRY_S, cfg.snapshot_timeout)
         self.servicer.runtime = Runtime(engine, slots, rc, store)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", extra=log.fields(
@@ -341,6 +348,18 @@ class Server:
             self._store = LocalStore(cfg.slot_save_path)
         return self._store
 
+    def _open_fallback(self) -> Fallback | None:
+        """The local fallback of the auto-save (snapshot service only), or None."""
+        cfg = self.cfg
+        if cfg.snapshot_addr is None or cfg.fallback_save_path is None:
+            return None
+        try:
+            self._fallback = Fallback(cfg.fallback_save_path, cfg.instance_id)
+        except OSError as exc:
+            self.log.warning("no local fallback for the auto-save", extra=log.fields(
+                fallback_save_path=str(cfg.fallback_save_path), error=str(exc)))
+        return self._fallback
+
     def stop(self, grace: float | None = None) -> bool:
         """Stops taking requests, lets running generations finish for `grace` seconds
         (then cuts them at a step boundary), saves every non-empty slot when auto-save
@@ -356,10 +375,18 @@ class Server:
             rt.engine.drain(grace)
         if self._grpc is not None:
             self._grpc.stop(grace=1.0).wait()
+        uploads_done = self._fallback is None or self._fallback.close(FALLBACK_CLOSE_S)
+        # while an upload of an older copy still waits on the store, save nothing there
+        # (it could land after the save): everything goes to the fallback
+        save_by = time.monotonic() + (self.cfg.auto_save_timeout if uploads_done else 0.0)
         saved = True
         if rt is not None and self._slots is not None and self._store is not None \
                 and self.cfg.auto_save:
-            saved = autosave.save_all(self._slots, self.cfg.instance_id)
+            rep = autosave.save_all(self._slots, self.cfg.instance_id, save_by,
+                                    self._fallback)
+            self.log.info("auto-save done", extra=log.fields(
+                saved=rep.saved, to_fallback=rep.to_fallback, failed=rep.failed))
+            saved = rep.ok
         if rt is not None:
             self.servicer.runtime = None
         if self._engine is not None:  # also when stopped during start-up

@@ -12,12 +12,24 @@ import time
 from inference_svc import log
 from inference_svc.core import BadStateError
 from inference_svc.engine import Engine
-from inference_svc.errors import DataLoss, FailedPrecondition, ServiceError
+from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError
 from inference_svc.metrics import Metrics
 from inference_svc.names import validate_name
 from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
 from inference_svc.store import SlotStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
+
+
+def _caller_waits(deadline: float | None, name: str, error: BaseException | None) -> None:
+    """Raises once `deadline` has passed: a restore nobody waits for any more must not
+    replace the slot's content (the load's own error when it failed, else
+    DeadlineExceeded)."""
+    if deadline is None or time.monotonic() < deadline:
+        return
+    if error is not None:
+        raise error
+    raise DeadlineExceeded(f"the restore of {name!r} ran past its caller's deadline; the "
+                           "slot is unchanged")
 
 
 class SlotManager:
@@ -46,37 +58,46 @@ class SlotManager:
         tstate, dstate = eng.slot_op(id_slot, self._capture, time_remaining)
         return self._persist(id_slot, name, tstate, dstate, t0)
 
-    def save_on_engine(self, id_slot: int, name: str) -> SaveResult | None:
+    def save_on_engine(self, id_slot: int, name: str, *, deadline: float | None = None,
+                       store: SlotStore | None = None) -> SaveResult | None:
         """Saves a slot whatever the engine's state (shutdown: it takes no jobs any more,
-        but runs calls between units); None when the slot is empty."""
+        but runs calls between units); None when the slot is empty. `store`: another
+        store than the configured one (the stop's local fallback); `deadline`
+        (time.monotonic()): when a remote store gives up."""
         t0 = time.perf_counter()
         captured = self.engine.call(
             lambda: self._capture(id_slot) if self.engine.dec.n_tokens(id_slot) else None)
         if captured is None:
             return None
-        return self._persist(id_slot, validate_name(name), captured[0], captured[1], t0)
+        return self._persist(id_slot, validate_name(name), captured[0], captured[1], t0,
+                             store=store, deadline=deadline)
 
     def _persist(self, id_slot: int, name: str, tstate: bytes, dstate: bytes | None,
-                 t0: float) -> SaveResult:
+                 t0: float, *, store: SlotStore | None = None,
+                 deadline: float | None = None) -> SaveResult:
         """Encodes captured state and writes it (off the engine thread)."""
         eng = self.engine
-        store = self._need_store()
+        store = store or self._need_store()
         try:
             enc = encode_slot(tstate, dstate, eng.target_spec, eng.draft_spec)
-            n_written = store.save(name, enc.target, enc.draft)
+            n_written = store.save(name, enc.target, enc.draft, target_sha256=enc.target_sha256,
+                                   deadline=deadline)
         except BaseException as exc:
             self.metrics.saves.labels("error").inc()
             self.log.warning("slot save failed", extra=log.fields(
                 slot=id_slot, filename=name, error=str(exc)))
             raise
+        # a store that kept the target alone (a protocol-1 snapshot service) counts
+        # only the target's bytes
+        draft_saved = enc.draft is not None and n_written > len(enc.target)
         ms = 1e3 * (time.perf_counter() - t0)
         self.metrics.saves.labels("ok").inc()
         self.metrics.save_seconds.observe(ms / 1e3)
         self.metrics.save_bytes.inc(n_written)
         self.log.info("slot saved", extra=log.fields(
             slot=id_slot, filename=name, n_tokens=enc.n_tokens, bytes=n_written,
-            draft_saved=enc.draft is not None, ms=round(ms, 2)))
-        return SaveResult(id_slot, name, enc.n_tokens, n_written, enc.draft is not None, ms,
+            draft_saved=draft_saved, store=store.describe(), ms=round(ms, 2)))
+        return SaveResult(id_slot, name, enc.n_tokens, n_written, draft_saved, ms,
                           enc.target_sha256)
 
     def _capture(self, slot: int) -> tuple[bytes, bytes | None]:
@@ -89,23 +110,37 @@ class SlotManager:
     # ------------------------------------------------------------------ restore
 
     def restore(self, id_slot: int, filename: str, time_remaining: float | None = None,
-                log_failure: bool = True) -> RestoreResult:
+                log_failure: bool = True, store_deadline: float | None = None,
+                store: SlotStore | None = None) -> RestoreResult:
         """Replaces the slot's content with the saved one. Every check runs before the
-        slot is touched; on any failure the slot is left empty."""
+        slot is touched; on any failure the slot is left empty. The caller waits
+        `time_remaining` seconds: the store is given that long (and at most until
+        `store_deadline`, time.monotonic()), and once it has passed the caller has
+        given up, so the slot is left as it is (DeadlineExceeded, or the load's own
+        error). `store`: another store than the configured one (the local fallback)."""
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
         t0 = time.perf_counter()
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
+        load_by = min((d for d in (deadline, store_deadline) if d is not None), default=None)
         prepared: PreparedRestore | None = None
         error: BaseException | None = None
         name = filename
         try:
             name = validate_name(filename)
-            prepared = prepare_restore(self._need_store(), name, eng.target_spec, eng.draft_spec)
+            prepared = prepare_restore(store or self._need_store(), name, eng.target_spec,
+                                       eng.draft_spec, load_by)
         except (ServiceError, ValueError) as exc:
             error = exc
+
+        def apply(slot: int) -> tuple[DraftPolicy, str]:
+            _caller_waits(deadline, name, error)  # on the engine thread, just before
+            return self._apply(slot, prepared, error)
+
         try:
-            policy, note = eng.slot_op(id_slot, lambda s: self._apply(s, prepared, error),
-                                       time_remaining)
+            _caller_waits(deadline, name, error)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            policy, note = eng.slot_op(id_slot, apply, left)
         except BaseException as exc:
             self.metrics.restores.labels("error", "").inc()
             if log_failure:

@@ -50,6 +50,8 @@ _ERRORS: tuple[tuple[type[snap_errors.SnapshotError], type[errors.ServiceError]]
     (snap_errors.Cancelled, errors.Cancelled),
 )
 MAX_RETIRED = 4  # replaced clients kept open for their calls in flight
+# failures that are no answer from the service (it may be the same one, busy or down)
+_NO_ANSWER = (snap_errors.Unavailable, snap_errors.DeadlineExceeded, snap_errors.Cancelled)
 # a draft that cannot be read costs the draft only (the target is fetched alone)
 _DRAFT_ONLY_ERRORS = (snap_errors.DataLoss, snap_errors.FailedPrecondition,
                       snap_errors.Internal)
@@ -73,7 +75,7 @@ class SnapshotStore:
     timeout:      deadline of each call in seconds (`--snapshot-timeout`); transfers
                   get size / min_rate more.
     max_protocol: 2 (target + draft) or 1 (behave as a protocol-1 peer, never send
-                  or fetch drafts; `--snapshot-max-protocol`).
+                  or fetch drafts; `--snapshot-client-max-protocol`).
     retries, backoff: retries of an UNAVAILABLE call, and the first backoff in seconds
                   (doubling up to 2 s); with the defaults a call waits about 3 s for a
                   restarting service before it raises Unavailable.
@@ -122,11 +124,12 @@ class SnapshotStore:
         return self._protocol
 
     def save(self, name: str, target: bytes, draft: bytes | None, *,
-             target_sha256: str | None = None) -> int:
+             target_sha256: str | None = None, deadline: float | None = None) -> int:
         """Stores both files as one save; returns the bytes stored (the target's alone
         when a protocol-1 peer left the draft out). Without a draft, any draft of an
         earlier save under the name is dropped. `target_sha256`: the target's hex
-        SHA-256 when the caller has it (EncodedSlot.target_sha256), saves hashing it."""
+        SHA-256 when the caller has it (EncodedSlot.target_sha256), saves hashing it.
+        `deadline` (time.monotonic()): the save ends by then (Unavailable)."""
         validate_name(name)
         client = self._current()
         t_meta = part_meta(target)
@@ -134,17 +137,13 @@ class SnapshotStore:
         try:
             try:
                 res = client.put(name, target, draft, t_meta, d_meta,
-                                 target_sha256=target_sha256)
-            except snap_errors.FailedPrecondition:
-                # a paired save refused: the service may have been replaced by a
-                # protocol-1 one since this channel said Hello. Negotiate again, once.
+                                 target_sha256=target_sha256, deadline=deadline)
+            except snap_errors.SnapshotError as exc:
                 if draft is None:
                     raise
-                client = self._renegotiate(client)
-                if client.protocol >= 2:
-                    raise
+                client = self._renegotiated(client, exc, deadline)
                 res = client.put(name, target, draft, t_meta, d_meta,
-                                 target_sha256=target_sha256)
+                                 target_sha256=target_sha256, deadline=deadline)
         except snap_errors.SnapshotError as exc:
             raise self._error(exc, name, "save") from exc
         self._protocol = res.protocol
@@ -152,19 +151,21 @@ class SnapshotStore:
             self._warn_protocol_1(client)
         return res.target.size + (res.draft.size if res.draft is not None else 0)
 
-    def load(self, name: str) -> StoredSlot:
+    def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
         """The stored bytes. A draft that cannot be read (corrupt, or a protocol-1
         peer) leaves draft None with the reason in draft_note; NotFound when there is
-        no snapshot of that name."""
+        no snapshot of that name. `deadline` (time.monotonic()): the load ends by then
+        (Unavailable)."""
         validate_name(name)
         client = self._current()
         try:
             try:
-                snap = client.get(name, digest_tail=slotfile.DIGEST_LEN)
+                snap = client.get(name, digest_tail=slotfile.DIGEST_LEN, deadline=deadline)
                 note = snap.draft_note
             except _DRAFT_ONLY_ERRORS as exc:
                 # the target alone may still be good: fetch it without the draft
-                snap = client.get(name, with_draft=False, digest_tail=slotfile.DIGEST_LEN)
+                snap = client.get(name, with_draft=False, digest_tail=slotfile.DIGEST_LEN,
+                                  deadline=deadline)
                 note = f"cannot read the draft sidecar: {exc.message}"
         except snap_errors.SnapshotError as exc:
             raise self._error(exc, name, "load") from exc
@@ -216,10 +217,25 @@ class SnapshotStore:
             c.close()
         return client
 
+    def _renegotiated(self, client: SnapshotClient, refusal: snap_errors.SnapshotError,
+                      deadline: float | None) -> SnapshotClient:
+        """After a paired save was refused: the service behind the address may have been
+        replaced by one that no longer speaks the negotiated protocol, and its refusal
+        can carry any status code (FAILED_PRECONDITION from a protocol-1 server of ours,
+        INVALID_ARGUMENT "unknown part" or a digest mismatch from older ones). A new
+        channel says Hello again; the refusal is raised unless the protocol changed.
+        No answer at all (unreachable, deadline) is not a refusal: it is raised."""
+        if isinstance(refusal, _NO_ANSWER):
+            raise refusal
+        new = self._renegotiate(client)
+        if new.server_info(deadline).protocol == client.protocol:
+            raise refusal
+        return new
+
     def _protocol_1_reason(self, client: SnapshotClient) -> str:
         if self.max_protocol < 2:
-            return ("this service is configured with --snapshot-max-protocol 1 (snapshot "
-                    "protocol 1: target files only)")
+            return ("this service is configured with --snapshot-client-max-protocol 1 "
+                    "(snapshot protocol 1: target files only)")
         info = client.server_info()  # known by now: no call
         if not info.hello_supported:
             return (f"the snapshot service at {self.addr} answers Hello with UNIMPLEMENTED "

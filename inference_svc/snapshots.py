@@ -53,10 +53,10 @@ class PreparedRestore:
 
 
 def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
-                    draft: ModelSpec | None) -> PreparedRestore:
-    """Loads and checks a saved slot. Raises NotFound, slotfile errors for the target;
-    a sidecar that cannot be used only sets draft_note."""
-    stored = store.load(name)
+                    draft: ModelSpec | None, deadline: float | None = None) -> PreparedRestore:
+    """Loads (by `deadline`, time.monotonic()) and checks a saved slot. Raises NotFound,
+    slotfile errors for the target; a sidecar that cannot be used only sets draft_note."""
+    stored = store.load(name, deadline=deadline)
     t = slotfile.decode_target(stored.target, stored.target_body_sha256)
     slotfile.check_target(t, target)
     n_read = len(stored.target)

@@ -42,13 +42,18 @@ class SlotStore(Protocol):
         """What GetInfo reports, e.g. "local:/var/slots"."""
         ...
 
-    def save(self, name: str, target: bytes, draft: bytes | None) -> int:
-        """Stores both files as one save; returns the bytes written. Without a draft,
-        any sidecar of an earlier save under the name is removed."""
+    def save(self, name: str, target: bytes, draft: bytes | None, *,
+             target_sha256: str | None = None, deadline: float | None = None) -> int:
+        """Stores both files as one save; returns the bytes written: the target's alone
+        when the store kept no draft. Without a draft, any sidecar of an earlier save
+        under the name is removed. `target_sha256`: the target's hex SHA-256 when the
+        caller has it (a store that verifies the bytes need not hash them again).
+        `deadline` (time.monotonic()): a remote store gives up by then."""
         ...
 
-    def load(self, name: str) -> StoredSlot:
-        """The stored bytes; NotFound when there is no target file of that name."""
+    def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
+        """The stored bytes; NotFound when there is no target file of that name.
+        `deadline` (time.monotonic()): a remote store gives up by then."""
         ...
 
 
@@ -103,7 +108,9 @@ class LocalStore:
             raise
         return tmp
 
-    def save(self, name: str, target: bytes, draft: bytes | None) -> int:
+    def save(self, name: str, target: bytes, draft: bytes | None, *,
+             target_sha256: str | None = None, deadline: float | None = None) -> int:
+        del target_sha256, deadline  # written as given (restore checks the digests), locally
         path = self._path(name)
         side = path.with_name(name + DRAFT_SUFFIX)
         with self._lock:
@@ -126,7 +133,8 @@ class LocalStore:
                 raise Unavailable(f"cannot save {name!r} in {self.dir}: {exc}") from exc
         return len(target) + (len(draft) if draft is not None else 0)
 
-    def load(self, name: str) -> StoredSlot:
+    def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
+        del deadline  # a local read does not wait on anyone
         path = self._path(name)
         with self._lock:
             try:

@@ -25,8 +25,11 @@ Behaviour:
 - Every byte is checked: the client sends size and SHA-256, the server verifies
   before it commits; `get` verifies what it receives (DataLoss on mismatch).
 - Every call has a deadline: `timeout` seconds, plus size / `min_rate` for data
-  transfers. Calls are retried with exponential backoff on UNAVAILABLE only
-  (`retries` times); any other failure raises at once.
+  transfers (a Get learns its size from its header: until then `timeout` alone),
+  and it ends by it even when the server stopped reading or sending (DeadlineExceeded).
+  Calls are retried with exponential backoff on UNAVAILABLE only (`retries` times);
+  any other failure raises at once. `put` and `get` also take an overall `deadline`
+  (time.monotonic()) that bounds every attempt, retry and pause.
 - Errors are `snapshot_svc.errors` types (`NotFound`, `DataLoss`,
   `FailedPrecondition`, `ResourceExhausted`, `InvalidArgument`, `Unavailable`...),
   each with the gRPC `.code`.
@@ -41,7 +44,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -49,6 +52,7 @@ from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, __version_
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -84,6 +88,54 @@ CHANNEL_OPTIONS = (
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# how long past its gRPC deadline a call may take to report it before it is cancelled
+DEADLINE_SLACK_S = 1.0
+CLOSE_TIMEOUT_S = 1.0  # longest wait for a channel to close (see SnapshotClient.close)
+
+
+def _put_within(stub: SnapshotStub, requests: Iterator[object],
+                timeout: float) -> pb.PutResponse:
+    """A Put that ends within `timeout` (+ DEADLINE_SLACK_S) seconds.
+
+    Not the blocking call: grpcio's blocking stream-unary call waits until every
+    operation it started has completed, and a request write blocked on HTTP/2 flow
+    control (a hung server that stopped reading) never completes, so the call outlived
+    its deadline indefinitely. The future's own deadline applies, and a result that
+    does not come is cancelled."""
+    fut = stub.Put.future(requests, timeout=timeout)
+    try:
+        return fut.result(timeout=timeout + DEADLINE_SLACK_S)
+    except grpc.FutureTimeoutError:
+        fut.cancel()
+        raise DeadlineExceeded(f"no answer to the Put within {timeout:.3g} s") from None
+
+
+class _Watchdog:
+    """Cancels a call at a limit (time.monotonic()) that may be moved once the call has
+    said how much it will transfer; `fired` tells a cancel of ours from others."""
+
+    def __init__(self, call: grpc.Future, at: float) -> None:
+        self._call = call
+        self.fired = False
+        self._timer: threading.Timer | None = None
+        self.move(at)
+
+    def move(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(max(0.0, at - time.monotonic()), self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        self._call.cancel()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 class _PartSink:
@@ -163,8 +215,15 @@ class SnapshotClient:
 
     # --- connection -------------------------------------------------------------------
 
-    def close(self) -> None:
-        self._channel.close()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Closes the channel, waiting at most `timeout` seconds. grpcio's close waits
+        for every call on the channel to complete, and a Put whose write is stuck on
+        flow control to a hung server never does, even cancelled: the close then goes
+        on on a daemon thread (it does not keep the process from exiting)."""
+        closer = threading.Thread(target=self._channel.close, name="snapshot-close",
+                                  daemon=True)
+        closer.start()
+        closer.join(timeout)
 
     def __enter__(self) -> SnapshotClient:
         return self
@@ -172,26 +231,37 @@ class SnapshotClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, fn: Callable[[float], T], size: int = 0) -> T:
-        """Runs fn(deadline_seconds), retrying on UNAVAILABLE only, with backoff."""
-        timeout = self.timeout + size / self.min_rate
+    def _call(self, fn: Callable[[float], T], size: int = 0,
+              deadline: float | None = None) -> T:
+        """Runs fn(timeout_seconds), retrying on UNAVAILABLE only, with backoff. Each
+        attempt gets `timeout` + size / `min_rate` seconds, cut to what is left before
+        `deadline` (time.monotonic()), which also bounds the retries and their pauses."""
+        per_attempt = self.timeout + size / self.min_rate
         delay = self.backoff
         for attempt in range(self.retries + 1):
+            timeout = per_attempt
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise DeadlineExceeded("the caller's deadline passed before the call")
             try:
                 return fn(timeout)
             except grpc.RpcError as err:
                 code = err.code() if isinstance(err, grpc.Call) else None
                 if code != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
                     raise from_rpc_error(err) from None
-            time.sleep(delay * random.uniform(0.5, 1.0))
+                pause = delay * random.uniform(0.5, 1.0)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    raise from_rpc_error(err) from None  # no time left for another attempt
+            time.sleep(pause)
             delay = min(delay * 2, self.max_backoff)
         raise AssertionError("unreachable")
 
-    def server_info(self) -> ServerInfo:
-        """What Hello negotiated (Hello runs once, on first use)."""
+    def server_info(self, deadline: float | None = None) -> ServerInfo:
+        """What Hello negotiated (Hello runs once, on first use, by `deadline`)."""
         with self._lock:
             if self._info is None:
-                self._info = self._hello()
+                self._info = self._hello(deadline)
             info = self._info
         if isinstance(info, SnapshotError):
             raise info
@@ -202,11 +272,11 @@ class SnapshotClient:
         """The negotiated protocol version: 1 (target only) or 2 (target + draft)."""
         return self.server_info().protocol
 
-    def _hello(self) -> ServerInfo | SnapshotError:
+    def _hello(self, deadline: float | None) -> ServerInfo | SnapshotError:
         req = pb.HelloRequest(min_protocol=self.min_protocol, max_protocol=self.max_protocol,
                               features=list(CLIENT_FEATURES), client_version=__version__)
         try:
-            r = self._call(lambda t: self._stub.Hello(req, timeout=t))
+            r = self._call(lambda t: self._stub.Hello(req, timeout=t), deadline=deadline)
         except SnapshotError as exc:
             if exc.code != grpc.StatusCode.UNIMPLEMENTED:
                 raise
@@ -231,7 +301,8 @@ class SnapshotClient:
 
     def put(self, name: str, target: bytes, draft: bytes | None = None,
             target_meta: PartMeta | None = None, draft_meta: PartMeta | None = None, *,
-            target_sha256: str | None = None, draft_sha256: str | None = None) -> PutResult:
+            target_sha256: str | None = None, draft_sha256: str | None = None,
+            deadline: float | None = None) -> PutResult:
         """Saves a snapshot: the target bytes and, with protocol 2, the draft sidecar,
         committed together. With protocol 1 the draft is skipped (`draft_skipped`).
 
@@ -239,9 +310,10 @@ class SnapshotClient:
         already has it (the slot encoder computes the target's for the sidecar). Without
         it the bytes are hashed while they are sent when the server offers the
         "sha256-trailer" feature, before otherwise. The server verifies the digest
-        either way (DataLoss if wrong)."""
+        either way (DataLoss if wrong). `deadline` (time.monotonic()): the whole save
+        ends by then (DeadlineExceeded), whatever the per-call deadlines allow."""
         validate_name(name)
-        info = self.server_info()
+        info = self.server_info(deadline)
         target_meta = target_meta or PartMeta()
         trailer = "sha256-trailer" in info.features
 
@@ -251,7 +323,7 @@ class SnapshotClient:
         t_sha = digest_of(target, target_sha256)
         if draft is None or info.protocol < 2:
             skipped = draft is not None
-            r = self._put_part(name, Part.TARGET, target, t_sha, target_meta)
+            r = self._put_part(name, Part.TARGET, target, t_sha, target_meta, deadline=deadline)
             t_info = PartInfo(Part.TARGET, r.bytes, r.sha256, target_meta)
             note = (f"draft not saved: the snapshot service speaks protocol {info.protocol} "
                     "(target files only)" if skipped else "")
@@ -260,10 +332,10 @@ class SnapshotClient:
         d_sha = digest_of(draft, draft_sha256)
         for attempt in range(2):
             t_sha = self._put_part(name, Part.TARGET, target, t_sha, target_meta,
-                                   draft_follows=True).sha256
+                                   draft_follows=True, deadline=deadline).sha256
             try:
                 r = self._put_part(name, Part.DRAFT, draft, d_sha, draft_meta,
-                                   target_sha256=t_sha)
+                                   target_sha256=t_sha, deadline=deadline)
                 break
             except FailedPrecondition:
                 if attempt:  # the staged target was lost (server restarted): save again once
@@ -273,7 +345,8 @@ class SnapshotClient:
         return PutResult(name, r.commit_id, info.protocol, t_info, d_info)
 
     def _put_part(self, name: str, part: Part, data: bytes, sha: str | None, meta: PartMeta,
-                  *, draft_follows: bool = False, target_sha256: str = "") -> pb.PutResponse:
+                  *, draft_follows: bool = False, target_sha256: str = "",
+                  deadline: float | None = None) -> pb.PutResponse:
         """One part. `sha` None: hashed while sent, the digest goes in the trailer
         (the server must offer "sha256-trailer")."""
         limit = self.server_info().max_snapshot_bytes
@@ -302,14 +375,16 @@ class SnapshotClient:
             yield pb.PutRequest(trailer=pb.PutTrailer(sha256=sent[-1]))
 
         try:
-            r = self._call(lambda t: self._stub.Put(requests(), timeout=t), size=len(data))
+            r = self._call(lambda t: _put_within(self._stub, requests(), t), size=len(data),
+                           deadline=deadline)
         except InvalidArgument:
             if sha is not None:
                 raise
             # the server behind this channel was replaced by one without the trailer
             # (it refuses the empty sha256 in the header): once more, digest first
             return self._put_part(name, part, data, _sha256(data), meta,
-                                  draft_follows=draft_follows, target_sha256=target_sha256)
+                                  draft_follows=draft_follows, target_sha256=target_sha256,
+                                  deadline=deadline)
         want = sha if sha is not None else (sent[-1] if sent else "")
         if r.bytes != len(data) or r.sha256 != want:
             raise DataLoss(f"the server stored {r.bytes} bytes ({r.sha256}) of {name!r}, "
@@ -318,7 +393,8 @@ class SnapshotClient:
 
     # --- get --------------------------------------------------------------------------
 
-    def get(self, name: str, *, with_draft: bool = True, digest_tail: int = 0) -> Snapshot:
+    def get(self, name: str, *, with_draft: bool = True, digest_tail: int = 0,
+            deadline: float | None = None) -> Snapshot:
         """The exact bytes of a snapshot's target and, when one belongs to it, its draft.
 
         The draft returned always belongs to the target returned; when a newer save
@@ -326,13 +402,16 @@ class SnapshotClient:
 
         `digest_tail`: also compute, in the same pass, the SHA-256 of the target without
         its last `digest_tail` bytes (`Snapshot.target_prefix_sha256`): a format that
-        ends with a digest of the rest (slot files do) is checked without hashing twice."""
+        ends with a digest of the rest (slot files do) is checked without hashing twice.
+
+        `deadline` (time.monotonic()): the whole read ends by then (DeadlineExceeded)."""
         validate_name(name)
         if digest_tail < 0:
             raise ValueError(f"digest_tail must be >= 0, got {digest_tail}")
-        protocol = self.protocol
+        protocol = self.server_info(deadline).protocol
         for _ in range(3):
-            target, th, prefix_sha = self._get_part(name, Part.TARGET, tail=digest_tail)
+            target, th, prefix_sha = self._get_part(name, Part.TARGET, tail=digest_tail,
+                                                    deadline=deadline)
             t_info = PartInfo.from_pb(th.info)
             snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info)
             if protocol < 2 or not with_draft or not th.draft_sha256:
@@ -341,7 +420,8 @@ class SnapshotClient:
                 return Snapshot(name, target, None, snap, protocol, note,
                                 target_prefix_sha256=prefix_sha)
             try:
-                draft, dh, _ = self._get_part(name, Part.DRAFT, target_sha256=t_info.sha256)
+                draft, dh, _ = self._get_part(name, Part.DRAFT, target_sha256=t_info.sha256,
+                                              deadline=deadline)
             except NotFound:
                 continue  # replaced by a newer save between the two reads: read both again
             snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info,
@@ -363,14 +443,35 @@ class SnapshotClient:
         return data, PartInfo.from_pb(header.info)
 
     def _get_part(self, name: str, part: Part, *, target_sha256: str = "",
-                  tail: int = 0) -> tuple[memoryview, pb.GetHeader, str]:
+                  tail: int = 0, deadline: float | None = None
+                  ) -> tuple[memoryview, pb.GetHeader, str]:
         """(the verified bytes, the header, the SHA-256 of all but the last `tail` bytes
-        or "" when tail is 0 or more than the part's size)."""
+        or "" when tail is 0 or more than the part's size).
+
+        The size is known only once the header arrives, so the gRPC deadline allows for
+        the largest snapshot; a watchdog holds the call to `timeout` until the header
+        and to `timeout` + its real size / `min_rate` after it."""
         req = pb.GetRequest(name=name, part=int(part), target_sha256=target_sha256)
-        size_bound = self.server_info().max_snapshot_bytes or DEFAULT_MAX_SNAPSHOT_BYTES
+        size_bound = self.server_info(deadline).max_snapshot_bytes or DEFAULT_MAX_SNAPSHOT_BYTES
 
         def fetch(timeout: float) -> tuple[memoryview, pb.GetHeader, str]:
+            start = time.monotonic()
+            end = start + timeout  # the gRPC deadline (already cut to `deadline`)
             stream = self._stub.Get(req, timeout=timeout)
+            watch = _Watchdog(stream, min(start + self.timeout, end))
+            try:
+                return receive(stream, start, end, watch)
+            except grpc.RpcError:
+                if watch.fired:
+                    raise DeadlineExceeded(
+                        f"Get of {name!r}: no complete answer within "
+                        f"{time.monotonic() - start:.3g} s") from None
+                raise
+            finally:
+                watch.stop()
+
+        def receive(stream: Any, start: float, end: float,
+                    watch: _Watchdog) -> tuple[memoryview, pb.GetHeader, str]:
             header: pb.GetHeader | None = None
             sink: _PartSink | None = None
             try:
@@ -386,6 +487,8 @@ class SnapshotClient:
                         raise DataLoss(f"Get of {name!r}: the stream did not start with a "
                                        "header")
                     header = msg.header
+                    watch.move(min(start + self.timeout + header.info.size / self.min_rate,
+                                   end))
                     if header.info.size > size_bound:
                         stream.cancel()
                         raise DataLoss(f"Get of {name!r}: the header announces "
@@ -411,7 +514,7 @@ class SnapshotClient:
                 raise DataLoss(f"{part.label} of {name!r}: SHA-256 mismatch")
             return data, header, prefix_sha
 
-        return self._call(fetch, size=size_bound)
+        return self._call(fetch, size=size_bound, deadline=deadline)
 
     # --- metadata ---------------------------------------------------------------------
 

@@ -53,6 +53,12 @@ class ResourceExhausted(SnapshotError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineExceeded(SnapshotError):
+    """No answer within the call's deadline (the server may be hung)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unavailable(SnapshotError):
     """The server is shutting down or unreachable."""
 
@@ -74,7 +80,7 @@ class Internal(SnapshotError):
 _BY_CODE: Mapping[grpc.StatusCode, type[SnapshotError]] = MappingProxyType({
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, DataLoss, ResourceExhausted,
-                Unavailable, Cancelled, Internal)
+                DeadlineExceeded, Unavailable, Cancelled, Internal)
 })
 
 

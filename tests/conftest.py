@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,13 @@ from tests.factory import Shape, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_home(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The services' default state directory (the auto-save's local fallback) is a
+    temporary one: tests never read or write the user's ~/.local/state."""
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
 
 
 @pytest.fixture(scope="session")

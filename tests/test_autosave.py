@@ -109,9 +109,13 @@ def test_unreachable_snapshot_service_starts_cold(pairs: tuple) -> None:
         waited = time.monotonic() - t0
         assert warnings(p) == ["slot store unreachable: starting cold"]
         assert p.records("auto-restore done")[0]["store_unreachable"] is True
-        # each attempt is the client's own ~3 s of UNAVAILABLE retries, then backoff
+        # each attempt is the client's own UNAVAILABLE retries (~3 s), then backoff
         assert len(p.records("slot store unreachable, retrying")) >= 1
         assert 6 <= waited < 30
+        # the restore gave up at its deadline, not a whole attempt (~3 s) after it
+        given_up = next(r for r in p.lines if r.get("msg") == "slot store unreachable: "
+                        "starting cold")
+        assert 6.0 <= given_up["waited_s"] < 6.5, given_up
         assert slot_tokens(p) == [0, 0]
 
 
@@ -165,11 +169,11 @@ class _Clock:
         self.now += s
 
 
-def test_an_unreachable_store_is_retried_until_the_restore_timeout(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each attempt costs 2.75 s (the client's own retries); after the second (5.7 s)
-    a full backoff step would pass the 6 s deadline: the pause is cut to the deadline
-    and a third attempt runs, instead of giving up 0.3 s early."""
+def _unreachable_store(monkeypatch: pytest.MonkeyPatch, cost: float
+                       ) -> tuple[_Clock, list[tuple[float, float | None]], object]:
+    """A fake clock in autosave and slots whose every restore costs `cost` seconds of
+    it, cut at the store deadline it is given (as the snapshot client does), and
+    ends Unavailable."""
     from types import SimpleNamespace
 
     from inference_svc import autosave
@@ -177,16 +181,39 @@ def test_an_unreachable_store_is_retried_until_the_restore_timeout(
 
     clock = _Clock()
     monkeypatch.setattr(autosave, "time", clock)
-    attempts: list[float] = []
+    attempts: list[tuple[float, float | None]] = []
 
-    def restore(slot: int, name: str, log_failure: bool) -> None:
-        attempts.append(round(clock.now, 3))
-        clock.now += 2.75
+    def restore(slot: int, name: str, log_failure: bool,
+                store_deadline: float | None = None) -> None:
+        attempts.append((round(clock.now, 3), store_deadline))
+        end = clock.now + cost
+        clock.now = end if store_deadline is None else min(end, store_deadline)
         raise Unavailable("connection refused")
 
     slots = SimpleNamespace(engine=SimpleNamespace(n_slots=2), restore=restore,
                             store=SimpleNamespace(describe=lambda: "snapshot service"))
+    return clock, attempts, slots
+
+
+def test_an_unreachable_store_is_retried_until_the_restore_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attempt costs 2.75 s (the client's own retries). After the second (5.7 s)
+    the next pause (0.4 s) would pass the 6 s deadline: the last attempt runs at once,
+    with the 0.3 s left, and the wait ends at 6 s, not a whole attempt later."""
+    from inference_svc import autosave
+
+    clock, attempts, slots = _unreachable_store(monkeypatch, 2.75)
     rep = autosave.restore_all(slots, "t1", 6.0)  # type: ignore[arg-type]
-    assert attempts == [0.0, 2.95, 6.0]  # slot 1 is not tried once the store is given up
-    assert round(clock.now, 3) == 8.75
+    assert attempts == [(0.0, 6.0), (2.95, 6.0), (5.7, 6.0)]  # slot 1 is not tried
+    assert round(clock.now, 3) == 6.0
+    assert (rep.restored, rep.cold, rep.store_unreachable) == (0, 2, True)
+
+
+def test_restore_timeout_0_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inference_svc import autosave
+
+    clock, attempts, slots = _unreachable_store(monkeypatch, 2.75)
+    rep = autosave.restore_all(slots, "t1", 0.0)  # type: ignore[arg-type]
+    assert attempts == [(0.0, 0.0)]  # told that no time is left
+    assert clock.now == 0.0
     assert (rep.restored, rep.cold, rep.store_unreachable) == (0, 2, True)

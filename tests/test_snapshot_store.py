@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,7 +280,7 @@ def test_max_protocol_1_store_with_a_new_server(core: Core, slot: EncodedSlot,
     with SnapshotStore(v2.address, timeout=10, max_protocol=1, logger=logs[0]) as store:
         got = store.load("p1")  # the stored draft is not fetched
         assert (got.target, got.draft) == (slot.target, None)
-        check_protocol_1(core, slot, store, logs[1], "--snapshot-max-protocol 1")
+        check_protocol_1(core, slot, store, logs[1], "--snapshot-client-max-protocol 1")
     with SnapshotClient(v2.address, timeout=10) as client:
         assert client.stat("p1").draft is None  # its own save replaced the pair
 
@@ -296,19 +297,51 @@ def test_hello_less_server(core: Core, slot: EncodedSlot,
         assert srv.counter.calls["Hello"] == 1  # asked once per channel, never again
 
 
-def test_server_downgraded_to_protocol_1_under_a_live_store(
-        slot: EncodedSlot, tmp_path: Path, logs: tuple[logging.Logger, Records]) -> None:
+@contextmanager
+def saved_with_protocol_2(slot: EncodedSlot, tmp_path: Path,
+                          logger: logging.Logger) -> Iterator[tuple[SnapshotStore, int]]:
+    """A store (and its port) whose channel negotiated protocol 2 with a server that
+    has gone since, after a paired save of "d"."""
     port = free_port()
-    with SnapshotStore(f"127.0.0.1:{port}", timeout=10, logger=logs[0]) as store:
+    with SnapshotStore(f"127.0.0.1:{port}", timeout=10, logger=logger) as store:
         with FixedPortServer(tmp_path / "snap", port):
             store.save("d", slot.target, slot.draft)
             assert store.negotiated_protocol == 2
-        with FixedPortServer(tmp_path / "snap", port, max_protocol=1):
-            # the channel negotiated protocol 2: the draft is refused, the store says
-            # Hello again on a new channel and saves the target alone
-            assert store.save("d", slot.target, slot.draft) == len(slot.target)
+        yield store, port
+
+
+def test_server_downgraded_to_protocol_1_under_a_live_store(
+        slot: EncodedSlot, tmp_path: Path, logs: tuple[logging.Logger, Records]) -> None:
+    with saved_with_protocol_2(slot, tmp_path, logs[0]) as (store, port), \
+            FixedPortServer(tmp_path / "snap", port, max_protocol=1):
+        # the channel negotiated protocol 2: the draft is refused, the store says
+        # Hello again on a new channel and saves the target alone
+        assert store.save("d", slot.target, slot.draft) == len(slot.target)
+        assert store.negotiated_protocol == 1
+        assert store.load("d").draft is None
+    assert len(logs[1].warnings()) == 1
+
+
+def test_protocol_2_service_replaced_by_a_hello_less_one_at_the_same_address(
+        slot: EncodedSlot, tmp_path: Path, logs: tuple[logging.Logger, Records]) -> None:
+    # a server from before Hello refuses the draft part with INVALID_ARGUMENT, not
+    # FAILED_PRECONDITION: the store says Hello again whatever the code, learns that
+    # the service now speaks protocol 1, and saves the target alone
+    with saved_with_protocol_2(slot, tmp_path, logs[0]) as (store, port):
+        old = MinimalServer()
+        old.server.add_insecure_port(f"127.0.0.1:{port}")
+        with old:
+            assert store.save("d", slot.target, slot.draft,
+                              target_sha256=slot.target_sha256) == len(slot.target)
             assert store.negotiated_protocol == 1
-            assert store.load("d").draft is None
+            # the draft is refused twice (hashed in a trailer, then once more with the
+            # digest in its header, as to any server that refuses an empty digest)
+            assert old.parts_received == [pb.PART_TARGET, pb.PART_DRAFT, pb.PART_DRAFT,
+                                          pb.PART_TARGET]
+            assert old.store["d"][1] == slot.target
+            assert old.counter.calls["Hello"] == 1  # the new channel's Hello (UNIMPLEMENTED)
+            got = store.load("d")
+            assert (got.target, got.draft) == (slot.target, None)
     assert len(logs[1].warnings()) == 1
 
 
