@@ -12,7 +12,7 @@ import time
 from inference_svc import log
 from inference_svc.core import BadStateError
 from inference_svc.engine import Engine
-from inference_svc.errors import DataLoss, FailedPrecondition, ServiceError
+from inference_svc.errors import DataLoss, FailedPrecondition
 from inference_svc.metrics import Metrics
 from inference_svc.names import validate_name
 from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
@@ -90,21 +90,17 @@ class SlotManager:
 
     def restore(self, id_slot: int, filename: str, time_remaining: float | None = None,
                 log_failure: bool = True) -> RestoreResult:
-        """Replaces the slot's content with the saved one. Every check runs before the
-        slot is touched; on any failure the slot is left empty."""
+        """Replaces the slot's content with the saved one. Every check (name, file found,
+        digest, version, model, fit) runs before the slot is touched, so a failed check
+        leaves the slot as it was; only a failure while applying leaves it empty."""
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
         t0 = time.perf_counter()
-        prepared: PreparedRestore | None = None
-        error: BaseException | None = None
         name = filename
         try:
             name = validate_name(filename)
             prepared = prepare_restore(self._need_store(), name, eng.target_spec, eng.draft_spec)
-        except (ServiceError, ValueError) as exc:
-            error = exc
-        try:
-            policy, note = eng.slot_op(id_slot, lambda s: self._apply(s, prepared, error),
+            policy, note = eng.slot_op(id_slot, lambda s: self._apply(s, prepared),
                                        time_remaining)
         except BaseException as exc:
             self.metrics.restores.labels("error", "").inc()
@@ -112,7 +108,6 @@ class SlotManager:
                 self.log.warning("slot restore failed", extra=log.fields(
                     slot=id_slot, filename=name, error=str(exc)))
             raise
-        assert prepared is not None
         ms = 1e3 * (time.perf_counter() - t0)
         m = self.metrics
         m.restores.labels("ok", policy.label).inc()
@@ -124,15 +119,11 @@ class SlotManager:
         return RestoreResult(id_slot, name, prepared.n_tokens, prepared.n_read,
                              policy is DraftPolicy.SIDECAR, policy, ms, note)
 
-    def _apply(self, slot: int, prepared: PreparedRestore | None,
-               error: BaseException | None) -> tuple[DraftPolicy, str]:
+    def _apply(self, slot: int, prepared: PreparedRestore) -> tuple[DraftPolicy, str]:
         """On the engine thread: empties the slot, then loads the checked state."""
         eng = self.engine
         dec = eng.dec
         dec.clear(slot)
-        if error is not None:
-            raise error
-        assert prepared is not None
         try:
             eng.tctx.set_state_parts(slot, *prepared.target_parts)
         except BadStateError as exc:
