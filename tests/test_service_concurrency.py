@@ -208,6 +208,25 @@ def test_cancellation_frees_the_slot(client: InferenceClient, server: Server, ho
     assert (last.timings.prompt_n, last.timings.cache_n) == (1, len(p) + len(got) - 1)
 
 
+def test_busy_slots_gauge_follows_the_slots(client: InferenceClient, server: Server) -> None:
+    """warmslot_slots_busy counts the busy slots after a generation ends while another
+    one keeps running (nothing admitted in between)."""
+    def busy_gauge() -> float | None:
+        return server.metrics.registry.get_sample_value("warmslot_slots_busy")
+
+    long = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
+                                               temperature=0.0, speculative=False))
+    next(long)
+    _, last = client.generate(prompt_of(1), max_tokens=4, id_slot=1, temperature=0.0)
+    assert last.done
+    # ListSlots runs on the engine thread between rounds, after the gauge is published
+    assert [s.busy for s in client.slots()] == [True, False]
+    assert busy_gauge() == 1
+    long.cancel()
+    wait_idle(client, 0)
+    assert busy_gauge() == 0
+
+
 def test_request_cancelled_while_waiting(client: InferenceClient) -> None:
     running = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
                                                   speculative=False))
