@@ -209,7 +209,7 @@ def encode_draft(d: DraftFile) -> bytes:
 
 def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
           head: struct.Struct, body_sha256: str | None = None) -> memoryview:
-    """Checks magic, version, header length and digest; returns the file without trailer.
+    """Checks magic, digest, version and header length; returns the file without trailer.
     `body_sha256`: the hex SHA-256 of the file without its trailer when the caller
     computed it while reading the bytes (it is checked against the trailer instead of
     hashing the body again)."""
@@ -221,6 +221,15 @@ def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
         other = {TARGET_MAGIC: "a target file", DRAFT_MAGIC: "a draft sidecar"}.get(got_magic)
         what = f"it is {other}" if other else f"magic {got_magic!r} is not {magic!r}"
         raise CorruptSlotFile(f"not a warmslot {kind}: {what}")
+    # the trailer (SHA-256 of everything before it, the last 32 bytes in every version) is
+    # checked before any header field is trusted: a bit flip in the version field is
+    # corruption, not a newer format
+    if len(view) < _PREFIX.size + DIGEST_LEN:
+        raise CorruptSlotFile(f"{kind} is {len(view)} bytes long: truncated")
+    body = view[:-DIGEST_LEN]
+    got = bytes.fromhex(body_sha256) if body_sha256 else hashlib.sha256(body).digest()
+    if got != bytes(view[-DIGEST_LEN:]):
+        raise CorruptSlotFile(f"{kind} digest mismatch: the file is truncated or corrupt")
     if version > newest:
         raise UnsupportedSlotFile(
             f"{kind} format version {version} is newer than this server reads ({newest}); "
@@ -230,10 +239,6 @@ def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
     if header_len < head.size or len(view) < header_len + DIGEST_LEN:
         raise CorruptSlotFile(f"{kind} of {len(view)} bytes with a header of {header_len} bytes: "
                               f"truncated or corrupt")
-    body = view[:-DIGEST_LEN]
-    got = bytes.fromhex(body_sha256) if body_sha256 else hashlib.sha256(body).digest()
-    if got != bytes(view[-DIGEST_LEN:]):
-        raise CorruptSlotFile(f"{kind} digest mismatch: the file is truncated or corrupt")
     return body
 
 

@@ -125,6 +125,26 @@ def test_version_byte_flips_say_newer() -> None:
         sf.decode_target(with_digest(data))
 
 
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_corrupt_version_field_is_data_loss(which: str) -> None:
+    """The trailer is verified before the version is trusted: a flipped version bit, or the
+    right magic followed by random bytes, is corruption (DATA_LOSS), never "newer"."""
+    tbytes = sf.encode_target(target())
+    data = tbytes if which == "target" else draft_for(tbytes)
+    decode = sf.decode_target if which == "target" else sf.decode_draft
+    for i in range(4, 8):
+        for bit in range(8):
+            bad = bytearray(data)
+            bad[i] ^= 1 << bit
+            with pytest.raises(sf.CorruptSlotFile, match="digest mismatch"):
+                decode(bytes(bad))
+    rng = np.random.default_rng(11)
+    for n in (12, 100, len(data)):
+        junk = data[:4] + rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        with pytest.raises(sf.CorruptSlotFile):
+            decode(junk)
+
+
 def test_wrong_kind_of_file() -> None:
     tbytes = sf.encode_target(target())
     with pytest.raises(sf.CorruptSlotFile, match="it is a target file"):
