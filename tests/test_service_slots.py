@@ -190,6 +190,27 @@ def test_empty_draft_policy(pair: tuple[Path, Path], tmp_path: Path, ref: Refere
         assert last.timings.draft_prompt_n == len(b) - saved.n_saved  # only the new tokens
 
 
+def test_sidecar_with_counters_out_of_range_is_not_used(client: InferenceClient,
+                                                       store_dir: Path, ref: Reference) -> None:
+    """A sidecar whose n_steps is 2^64-1 (digest recomputed) restores the target without
+    it, and the next turn generates (the core would overflow the counter: INTERNAL)."""
+    a = client.tokenize(TEXT_A)
+    out, _ = gen(client, a, 0)
+    client.save(0, "ctr")
+    d = slotfile.decode_draft((store_dir / "ctr.drft").read_bytes())
+    state = bytearray(d.state)
+    state[48:56] = (2**64 - 1).to_bytes(8, "little")  # WSSP v1 n_steps
+    (store_dir / "ctr.drft").write_bytes(
+        slotfile.encode_draft(dataclasses.replace(d, state=bytes(state))))
+    r = client.restore(1, "ctr")
+    assert (r.draft_restored, r.draft_policy_applied) == (False, pb.DRAFT_POLICY_REPREFILL)
+    assert "counter n_steps = 18446744073709551615 is out of range" in r.draft_note
+    b = a + out + client.tokenize(TEXT_NEW)
+    out_b, last = gen(client, b, 1, speculative=True)
+    assert out_b == ref.generate(b, N)
+    assert last.timings.draft_prompt_n == len(b)  # the draft re-prefilled everything
+
+
 def _rewrite(path: Path, **changes: object) -> None:
     t = slotfile.decode_target(path.read_bytes())
     path.write_bytes(slotfile.encode_target(dataclasses.replace(t, **changes)))

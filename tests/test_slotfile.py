@@ -40,8 +40,13 @@ def core_kv(tokens: list[int], layout: sf.KVLayout, seed: int = 0) -> bytes:
     return head + struct.pack(f"<{n}i", *tokens) + kv_bytes(n, layout, seed)
 
 
-def core_spec(tokens: list[int], offset: int) -> bytes:
-    head = struct.pack("<4I4Q36Q", sf.CORE_SPEC_MAGIC, 1, offset, 0, 1, 2, 3, 4, *range(36))
+# counters as the core keeps them: n_steps, n_drafted, n_accepted, n_draft_prefill, then
+# drafted_at[16] (adding up to n_drafted) and accepted_at[16] (adding up to n_accepted)
+COUNTERS = (4, 6, 3, 2, 3, 2, 1, *[0] * 13, 2, 1, *[0] * 14)
+
+
+def core_spec(tokens: list[int], offset: int, counters: tuple[int, ...] = COUNTERS) -> bytes:
+    head = struct.pack("<4I4Q36Q", sf.CORE_SPEC_MAGIC, 1, offset, 0, 1, 2, 3, 4, *counters)
     return head + core_kv(tokens, SPEC_D.layout, seed=1)
 
 
@@ -202,6 +207,35 @@ def test_draft_checks() -> None:
     short = dataclasses.replace(t, tokens=t.tokens[:3], kv=bytes(t.kv)[:3 * 64])
     with pytest.raises(sf.CorruptSlotFile, match="past the target"):
         sf.check_draft(d, sf.digest(tbytes), short, SPEC_D)
+
+
+@pytest.mark.parametrize("index, value, message", [
+    (0, 2**64 - 1, r"counter n_steps = 18446744073709551615 is out of range"),
+    (3, 2**53, r"counter n_draft_prefill = 9007199254740992 is out of range"),
+    (1, 2**64 - 1, r"counter n_drafted = 18446744073709551615 is out of range"),
+    (1, 7, r"add up to 6 drafted / 3 accepted, the totals say 7 / 3"),
+    (2, 4, r"add up to 6 drafted / 3 accepted, the totals say 6 / 4"),
+    (22, 2, r"add up to 6 drafted / 5 accepted, the totals say 6 / 3"),
+])
+def test_draft_counters_out_of_range_are_refused(index: int, value: int, message: str) -> None:
+    """A sidecar whose counters the core never writes (digest recomputed) is corrupt."""
+    tbytes = sf.encode_target(target())
+    counters = list(COUNTERS)
+    counters[index] = value
+    d = sf.draft_from_core(core_spec(list(range(3, 8)), 0, tuple(counters)), sf.digest(tbytes),
+                           SPEC_D)
+    with pytest.raises(sf.CorruptSlotFile, match=message):
+        sf.decode_draft(sf.encode_draft(d))
+
+
+def test_more_accepted_than_drafted_at_a_position_is_refused() -> None:
+    tbytes = sf.encode_target(target())
+    counters = list(COUNTERS)
+    counters[20:23] = [1, 0, 2]  # accepted_at: still 3 in all, but 2 where 1 was drafted
+    d = sf.draft_from_core(core_spec(list(range(3, 8)), 0, tuple(counters)), sf.digest(tbytes),
+                           SPEC_D)
+    with pytest.raises(sf.CorruptSlotFile, match="2 tokens accepted at draft position 2, only 1"):
+        sf.decode_draft(sf.encode_draft(d))
 
 
 def test_draft_header_must_agree_with_its_state() -> None:
