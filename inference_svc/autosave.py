@@ -1,5 +1,6 @@
-"""Restart-resume: every non-empty slot saved as `auto-<instance>-slot<N>` on stop,
-and restored from there at start-up, before the service reports SERVING.
+"""Restart-resume: every non-empty slot saved as `auto-<instance>-slot<N>` on stop (and
+the auto-save of every empty slot deleted), and restored from there at start-up, before
+the service reports SERVING.
 
 A snapshot that does not fit (another model, a context too small, a corrupt file,
 a newer format) is one warning and a cold start of that slot, never a failed
@@ -76,13 +77,18 @@ def restore_all(slots: SlotManager, instance_id: str, restore_timeout: float) ->
 
 
 def save_all(slots: SlotManager, instance_id: str) -> bool:
-    """Saves every non-empty slot; True when every save succeeded."""
+    """Saves every non-empty slot and deletes the auto-save of every empty one (an
+    earlier stop's, or one restored and then erased), so the next start restores
+    exactly what the slots hold now; True when every save and delete succeeded."""
     logger = log.get()
     ok = True
     for slot in range(slots.engine.n_slots):
         name = auto_name(instance_id, slot)
         try:
             res = slots.save_on_engine(slot, name)
+            if res is None and slots.store is not None and slots.store.delete(name):
+                logger.info("auto-save of an empty slot deleted", extra=log.fields(
+                    slot=slot, filename=name))
         except Exception as exc:  # one failed slot must not cost the others
             logger.error("auto-save failed", extra=log.fields(
                 slot=slot, filename=name, error=str(exc)))

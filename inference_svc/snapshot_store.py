@@ -176,6 +176,18 @@ class SnapshotStore:
                           target_sha256=snap.info.target.sha256,  # verified by the Get
                           target_body_sha256=snap.target_prefix_sha256 or None)
 
+    def delete(self, name: str) -> bool:
+        """Removes the snapshot (both parts); False when there was none."""
+        validate_name(name)
+        client = self._current()
+        try:
+            client.delete(name)
+        except snap_errors.NotFound:
+            return False
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, name, "delete") from exc
+        return True
+
     # --- lifecycle --------------------------------------------------------------------
 
     def close(self) -> None:

@@ -51,6 +51,10 @@ class SlotStore(Protocol):
         """The stored bytes; NotFound when there is no target file of that name."""
         ...
 
+    def delete(self, name: str) -> bool:
+        """Removes both files of the name; False when there was nothing to remove."""
+        ...
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -145,3 +149,22 @@ class LocalStore:
             except OSError as exc:
                 draft, note = None, f"cannot read the draft sidecar: {exc}"
         return StoredSlot(target, draft, note)
+
+    def delete(self, name: str) -> bool:
+        path = self._path(name)
+        with self._lock:
+            try:
+                removed = False
+                # the sidecar first: a crash between the two leaves a target without one,
+                # never a sidecar without its target
+                for p in (path.with_name(name + DRAFT_SUFFIX), path):
+                    try:
+                        p.unlink()
+                        removed = True
+                    except FileNotFoundError:
+                        pass
+                if removed:
+                    _fsync_dir(self.dir)
+            except OSError as exc:
+                raise Unavailable(f"cannot delete {name!r} in {self.dir}: {exc}") from exc
+        return removed

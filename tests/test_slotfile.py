@@ -275,3 +275,18 @@ def test_local_store(tmp_path: Path) -> None:
     (tmp_path / "dir").mkdir()
     with pytest.raises(NotFound):
         store.load("dir")
+
+
+def test_local_store_delete(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.save("a", b"T", b"D")
+    store.save("b", b"T", None)
+    assert store.delete("a") is True
+    assert sorted(os.listdir(tmp_path)) == ["b"]
+    with pytest.raises(NotFound):
+        store.load("a")
+    assert store.delete("a") is False  # nothing left to remove: not an error
+    assert store.delete("b") is True
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(InvalidArgument):
+        store.delete("../b")
