@@ -211,6 +211,26 @@ def test_sidecar_with_counters_out_of_range_is_not_used(client: InferenceClient,
     assert last.timings.draft_prompt_n == len(b)  # the draft re-prefilled everything
 
 
+def test_names_of_the_local_store_own_files_are_refused(client: InferenceClient,
+                                                        store_dir: Path) -> None:
+    """'.tmp-*' would be swept at the next start as a temporary file; 'good.drft' would
+    overwrite the sidecar of 'good'."""
+    a = client.tokenize(TEXT_A)
+    gen(client, a, 0)
+    client.save(0, "good")
+    sidecar = (store_dir / "good.drft").read_bytes()
+    gen(client, a + client.tokenize(TEXT_NEW), 1)
+    for name in (".tmp-keepme", "good.drft"):
+        with pytest.raises(grpc.RpcError) as err:
+            client.save(1, name)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"bad slot file name {name!r}" in err.value.details()
+        assert "the local store's own files" in err.value.details()
+    assert not (store_dir / ".tmp-keepme").exists()
+    assert (store_dir / "good.drft").read_bytes() == sidecar
+    assert client.restore(1, "good").draft_restored
+
+
 def _rewrite(path: Path, **changes: object) -> None:
     t = slotfile.decode_target(path.read_bytes())
     path.write_bytes(slotfile.encode_target(dataclasses.replace(t, **changes)))
