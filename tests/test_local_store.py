@@ -7,6 +7,7 @@ target with another save's sidecar, and keeps no leftover file."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from inference_svc.errors import InvalidArgument
-from inference_svc.store import LocalStore
+from inference_svc.store import LocalStore, _name_key
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD = (b"T1" * 3000, b"D1" * 300)
@@ -23,7 +24,7 @@ OLD = (b"T1" * 3000, b"D1" * 300)
 CHILD = """
 import os, sys
 from pathlib import Path
-from inference_svc.store import LocalStore
+from inference_svc.store import LocalStore, _name_key
 
 directory, crash_at, new_draft = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = LocalStore(directory)
@@ -95,10 +96,16 @@ def test_names_of_the_store_own_files_are_refused(tmp_path: Path, name: str) -> 
     assert sorted(os.listdir(tmp_path)) == ["good", "good.drft"]
 
 
-def test_names_starting_with_a_dot_are_kept_through_a_crash(tmp_path: Path) -> None:
+def test_names_starting_with_a_dot_are_settled_at_start_up(tmp_path: Path) -> None:
     """A name starting with '.' that is not reserved is an ordinary name, also when a
-    crash left its save pending."""
+    crash left its committed save pending (target renamed, sidecar not yet)."""
     store = LocalStore(tmp_path)
-    store.save(".hidden", b"T", b"D")
+    store.save(".hidden", b"T1", b"D1")
+    (tmp_path / ".hidden").write_bytes(b"T2")  # the new target is in place ...
+    key = _name_key(".hidden")  # ... its sidecar still pending
+    (tmp_path / f".pending-{key}-{hashlib.sha256(b'T2').hexdigest()}").write_bytes(b"D2")
+    (tmp_path / f".pending-{key}-{hashlib.sha256(b'T3').hexdigest()}").write_bytes(b"D3")
+    LocalStore(tmp_path)
     assert sorted(os.listdir(tmp_path)) == [".hidden", ".hidden.drft"]
-    assert store.load(".hidden").draft == b"D"
+    got = store.load(".hidden")
+    assert (got.target, got.draft) == (b"T2", b"D2")
