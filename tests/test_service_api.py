@@ -152,7 +152,7 @@ def test_good_unusual_names(client: InferenceClient) -> None:
         assert client.restore(1, name).n_restored > 0
     # names of the local store's own files ('a.b.drft' is the sidecar of 'a.b')
     for name in ("a.b.drft", ".tmp-x", ".pending-x"):
-        code, details = _code(lambda: client.save(0, name))  # noqa: B023 - called at once
+        code, details = _code(lambda n=name: client.save(0, n))
         assert code == INVALID and "the local store's own files" in details
 
 
