@@ -12,8 +12,6 @@ import threading
 from types import FrameType
 
 from inference_svc import config, log
-from inference_svc.core import CoreError
-from inference_svc.server import Server
 from snapshot_svc.memory import tune_malloc
 
 
@@ -25,6 +23,15 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()  # snapshot transfers reuse chunk memory (see snapshot_svc.memory)
     cfg = config.from_args(sys.argv[1:] if argv is None else argv)
     logger = log.setup(cfg.log_level, cfg.log_format)
+    from inference_svc.core import CoreError
+
+    try:
+        cfg.check_models()  # before the server's imports: a bad model file fails at once
+    except (CoreError, OSError) as exc:
+        logger.error("cannot start", extra=log.fields(error=str(exc)))
+        return 1
+    from inference_svc.server import Server
+
     stop = threading.Event()
     starting = [True]
 
@@ -47,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if srv.stop(0) else 1
     except (CoreError, OSError, ValueError) as exc:
         starting[0] = False
-        logger.error("cannot start", extra=log.fields(error=str(exc)))
         srv.stop(0)
+        logger.error("cannot start", extra=log.fields(error=str(exc)))  # the last line
         return 1
     while not stop.wait(1.0):
         pass

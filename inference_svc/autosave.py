@@ -1,5 +1,6 @@
-"""Restart-resume: every non-empty slot saved as `auto-<instance>-slot<N>` on stop,
-and restored from there at start-up, before the service reports SERVING.
+"""Restart-resume: every non-empty slot saved as `auto-<instance>-slot<N>` on stop (and
+the auto-save of every empty slot deleted), and restored from there at start-up, before
+the service reports SERVING.
 
 A snapshot that does not fit (another model, a context too small, a corrupt file,
 a newer format) is one warning and a cold start of that slot, never a failed
@@ -121,7 +122,9 @@ def save_all(slots: SlotManager, instance_id: str, deadline: float | None = None
     (time.monotonic()). With a `fallback`, a slot the store did not take is written
     there instead, and once the store is found unreachable (or the deadline has
     passed) the remaining slots go straight there; a name saved in the store or whose
-    slot is empty has its fallback file removed (it is older than the stop)."""
+    slot is empty has its fallback file removed (it is older than the stop). The
+    auto-save of every empty slot is deleted from the store (an earlier stop's, or one
+    restored and then erased), so the next start restores exactly what the slots hold."""
     logger = log.get()
     saved = to_fallback = failed = 0
     store_down = False
@@ -141,6 +144,8 @@ def save_all(slots: SlotManager, instance_id: str, deadline: float | None = None
                 saved += res is not None
                 if fallback is not None:
                     fallback.discard(name)
+                if res is None and slots.store is not None:
+                    _delete_stale(slots, slot, name, deadline)
                 continue
         if fallback is None:
             logger.error("auto-save failed", extra=log.fields(
@@ -163,3 +168,16 @@ def save_all(slots: SlotManager, instance_id: str, deadline: float | None = None
                                                     fallback=fallback.describe(),
                                                     error=str(error)))
     return AutoSaveReport(saved, to_fallback, failed)
+
+
+def _delete_stale(slots: SlotManager, slot: int, name: str, deadline: float | None) -> None:
+    """Deletes the auto-save of an empty slot; a failure is logged, not raised (the
+    stale copy then comes back at the next start, as an unreachable store's would)."""
+    logger = log.get()
+    try:
+        if slots.store is not None and slots.store.delete(name, deadline=deadline):
+            logger.info("auto-save of an empty slot deleted", extra=log.fields(
+                slot=slot, filename=name))
+    except Exception as exc:
+        logger.error("auto-save of an empty slot could not be deleted", extra=log.fields(
+            slot=slot, filename=name, error=str(exc)))

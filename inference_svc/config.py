@@ -94,6 +94,25 @@ class Config:
     def grpc_workers(self) -> int:
         return self.workers or self.slots + self.max_queue + 8
 
+    @property
+    def draft_to_load(self) -> Path | None:
+        """The draft model file to load: None without a draft, or when the default draft
+        is missing (speculative decoding is then off)."""
+        d = self.draft
+        if d is None or (not d.exists() and d.resolve() == DEFAULT_DRAFT):
+            return None
+        return d
+
+    def check_models(self) -> None:
+        """The model files' cheap checks (they exist, a supported architecture in the
+        header): milliseconds, so a model that cannot load is refused before anything
+        starts. Raises ModelLoadError."""
+        from inference_svc.core import check_model_file  # the core loads numpy: on demand
+
+        check_model_file(self.model)
+        if self.draft_to_load is not None:
+            check_model_file(self.draft_to_load)
+
     def __post_init__(self) -> None:
         problems = []
         if self.slots < 1:

@@ -369,9 +369,9 @@ class Engine:
                     self._guarded(job, self._stop, Unavailable("the server is shutting down"))
                 elif job not in batched:
                     self._guarded(job, self._unit)
-            if admitted or not self._active:
-                self.metrics.slots_busy.set(sum(s.job is not None for s in self._slots))
-                self.metrics.queue_depth.set(len(self._waiting))
+            # every round: a generation that ended while others run changes the count too
+            self.metrics.slots_busy.set(sum(s.job is not None for s in self._slots))
+            self.metrics.queue_depth.set(len(self._waiting))
             if not self._active:
                 with self._cond:
                     self._cond.notify_all()  # drain() waits for this
@@ -404,6 +404,7 @@ class Engine:
             else:
                 keep.append(job)
         self._waiting = keep
+        self.metrics.queue_depth.set(len(keep))
 
     def _admit_locked(self) -> list[Job]:
         idle = {s.id for s in self._slots if s.job is None}

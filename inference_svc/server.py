@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inference_svc import __version__, autosave, log, slotfile
-from inference_svc.config import DEFAULT_DRAFT, Config
+from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import Unavailable, status_of
@@ -279,7 +279,11 @@ class Server:
             self.health.set(name, status)
 
     def start(self) -> int:
+        """Listens (health NOT_SERVING until load() is done). The model files are
+        checked first (Config.check_models), so a model that cannot load never opens
+        the port."""
         cfg = self.cfg
+        cfg.check_models()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers,
                                                         thread_name_prefix="grpc"),
                              interceptors=[ErrorInterceptor(self.metrics)],
@@ -308,13 +312,13 @@ class Server:
         target = Model.load(cfg.model)
         self._models.append(target)
         draft = None
-        if cfg.draft is not None:
-            if not cfg.draft.exists() and cfg.draft.resolve() == DEFAULT_DRAFT:
-                self.log.warning("no draft model: speculative decoding is off",
-                                 extra=log.fields(draft=str(cfg.draft)))
-            else:
-                draft = Model.load(cfg.draft)
-                self._models.append(draft)
+        draft_path = cfg.draft_to_load
+        if draft_path is not None:
+            draft = Model.load(draft_path)
+            self._models.append(draft)
+        elif cfg.draft is not None:
+            self.log.warning("no draft model: speculative decoding is off",
+                             extra=log.fields(draft=str(cfg.draft)))
         engine = Engine(cfg, target, draft, self.metrics)
         self._engine = engine  # closed by stop() even if start-up is cut short
         store = self._open_store()
@@ -367,6 +371,8 @@ class Server:
         if self._stopped.is_set():
             return True
         self._stopped.set()
+        if self._grpc is None and self._engine is None and not self._models:
+            return True  # refused before it listened: nothing to drain, save, free or log
         grace = self.cfg.shutdown_grace if grace is None else grace
         self.log.info("stopping", extra=log.fields(grace_s=grace))
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -379,7 +385,7 @@ class Server:
         # while an upload of an older copy still waits on the store, save nothing there
         # (it could land after the save): everything goes to the fallback
         save_by = time.monotonic() + (self.cfg.auto_save_timeout if uploads_done else 0.0)
-        saved = True
+        saved: bool | None = None  # None: no auto-save ran (not serving yet, or off)
         if rt is not None and self._slots is not None and self._store is not None \
                 and self.cfg.auto_save:
             rep = autosave.save_all(self._slots, self.cfg.instance_id, save_by,
@@ -400,7 +406,7 @@ class Server:
         if self._metrics_stop is not None:
             self._metrics_stop()
         self.log.info("stopped", extra=log.fields(auto_save_ok=saved))
-        return saved
+        return saved is not False
 
 
 def serve(cfg: Config) -> Server:

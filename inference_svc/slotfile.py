@@ -53,6 +53,10 @@ _CORE_KV_HEAD = struct.Struct("<8I")
 CORE_SPEC_MAGIC = 0x50535357  # "WSSP"
 CORE_SPEC_VERSION = 1
 _CORE_SPEC_HEAD = struct.Struct("<4I4Q36Q")
+SPEC_MAX_DRAFT = 16  # drafted_at / accepted_at entries (the core's WS_SPEC_MAX_DRAFT)
+# largest counter a restored draft state may hold: centuries of steps at any speed, and far
+# enough below 2^64 that no later step of the core can overflow it
+MAX_COUNTER = 2**53 - 1
 
 
 class SlotFileError(ValueError):
@@ -209,7 +213,7 @@ def encode_draft(d: DraftFile) -> bytes:
 
 def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
           head: struct.Struct, body_sha256: str | None = None) -> memoryview:
-    """Checks magic, version, header length and digest; returns the file without trailer.
+    """Checks magic, digest, version and header length; returns the file without trailer.
     `body_sha256`: the hex SHA-256 of the file without its trailer when the caller
     computed it while reading the bytes (it is checked against the trailer instead of
     hashing the body again)."""
@@ -221,6 +225,15 @@ def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
         other = {TARGET_MAGIC: "a target file", DRAFT_MAGIC: "a draft sidecar"}.get(got_magic)
         what = f"it is {other}" if other else f"magic {got_magic!r} is not {magic!r}"
         raise CorruptSlotFile(f"not a warmslot {kind}: {what}")
+    # the trailer (SHA-256 of everything before it, the last 32 bytes in every version) is
+    # checked before any header field is trusted: a bit flip in the version field is
+    # corruption, not a newer format
+    if len(view) < _PREFIX.size + DIGEST_LEN:
+        raise CorruptSlotFile(f"{kind} is {len(view)} bytes long: truncated")
+    body = view[:-DIGEST_LEN]
+    got = bytes.fromhex(body_sha256) if body_sha256 else hashlib.sha256(body).digest()
+    if got != bytes(view[-DIGEST_LEN:]):
+        raise CorruptSlotFile(f"{kind} digest mismatch: the file is truncated or corrupt")
     if version > newest:
         raise UnsupportedSlotFile(
             f"{kind} format version {version} is newer than this server reads ({newest}); "
@@ -230,10 +243,6 @@ def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
     if header_len < head.size or len(view) < header_len + DIGEST_LEN:
         raise CorruptSlotFile(f"{kind} of {len(view)} bytes with a header of {header_len} bytes: "
                               f"truncated or corrupt")
-    body = view[:-DIGEST_LEN]
-    got = bytes.fromhex(body_sha256) if body_sha256 else hashlib.sha256(body).digest()
-    if got != bytes(view[-DIGEST_LEN:]):
-        raise CorruptSlotFile(f"{kind} digest mismatch: the file is truncated or corrupt")
     return body
 
 
@@ -299,6 +308,7 @@ def decode_draft(data: bytes | memoryview) -> DraftFile:
         raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype}")
     found, extra = _read_sections(body, header_len, n_sections, {TAG_DRAFT_STATE}, kind)
     state = found[TAG_DRAFT_STATE]
+    _check_core_spec_counters(state, kind)
     inner = _core_spec_fields(state)
     if inner is not None and inner != (offset, n_tokens):
         raise CorruptSlotFile(f"{kind}: header says {n_tokens} tokens from {offset}, its state "
@@ -411,6 +421,32 @@ def _core_spec_fields(state: bytes | memoryview) -> tuple[int, int] | None:
     if head[0] != CORE_SPEC_MAGIC or head[1] != CORE_SPEC_VERSION:
         return None
     return head[2], _CORE_KV_HEAD.unpack_from(state, _CORE_SPEC_HEAD.size)[6]
+
+
+def _check_core_spec_counters(state: bytes | memoryview, kind: str) -> None:
+    """Refuses counters of a WSSP v1 draft state that the core never writes: a value past
+    MAX_COUNTER (the next step would overflow), per-position counts that do not add up to
+    the totals, or more accepted than drafted at a position."""
+    if _core_spec_fields(state) is None:
+        return
+    c = _CORE_SPEC_HEAD.unpack_from(state)[8:]
+    names = ["n_steps", "n_drafted", "n_accepted", "n_draft_prefill"]
+    names += [f"drafted_at[{i}]" for i in range(SPEC_MAX_DRAFT)]
+    names += [f"accepted_at[{i}]" for i in range(SPEC_MAX_DRAFT)]
+    for name, v in zip(names, c, strict=True):
+        if v > MAX_COUNTER:
+            raise CorruptSlotFile(f"{kind}: counter {name} = {v} is out of range "
+                                  f"(at most {MAX_COUNTER})")
+    n_drafted, n_accepted = c[1], c[2]
+    drafted_at, accepted_at = c[4:4 + SPEC_MAX_DRAFT], c[4 + SPEC_MAX_DRAFT:]
+    if sum(drafted_at) != n_drafted or sum(accepted_at) != n_accepted:
+        raise CorruptSlotFile(f"{kind}: per-position counters add up to {sum(drafted_at)} drafted "
+                              f"/ {sum(accepted_at)} accepted, the totals say {n_drafted} / "
+                              f"{n_accepted}")
+    bad = next((i for i in range(SPEC_MAX_DRAFT) if accepted_at[i] > drafted_at[i]), None)
+    if bad is not None:
+        raise CorruptSlotFile(f"{kind}: {accepted_at[bad]} tokens accepted at draft position "
+                              f"{bad}, only {drafted_at[bad]} drafted there")
 
 
 def draft_from_core(state: bytes | memoryview, target_digest: str,

@@ -12,7 +12,7 @@ import time
 from inference_svc import log
 from inference_svc.core import BadStateError
 from inference_svc.engine import Engine
-from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition, ServiceError
+from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from inference_svc.metrics import Metrics
 from inference_svc.names import validate_name
 from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
@@ -20,16 +20,12 @@ from inference_svc.store import SlotStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
 
 
-def _caller_waits(deadline: float | None, name: str, error: BaseException | None) -> None:
-    """Raises once `deadline` has passed: a restore nobody waits for any more must not
-    replace the slot's content (the load's own error when it failed, else
-    DeadlineExceeded)."""
-    if deadline is None or time.monotonic() < deadline:
-        return
-    if error is not None:
-        raise error
-    raise DeadlineExceeded(f"the restore of {name!r} ran past its caller's deadline; the "
-                           "slot is unchanged")
+def _caller_waits(deadline: float | None, name: str) -> None:
+    """Raises DeadlineExceeded once `deadline` has passed: a restore nobody waits for
+    any more must not replace the slot's content."""
+    if deadline is not None and time.monotonic() >= deadline:
+        raise DeadlineExceeded(f"the restore of {name!r} ran past its caller's deadline; "
+                               "the slot is unchanged")
 
 
 class SlotManager:
@@ -112,33 +108,29 @@ class SlotManager:
     def restore(self, id_slot: int, filename: str, time_remaining: float | None = None,
                 log_failure: bool = True, store_deadline: float | None = None,
                 store: SlotStore | None = None) -> RestoreResult:
-        """Replaces the slot's content with the saved one. Every check runs before the
-        slot is touched; on any failure the slot is left empty. The caller waits
-        `time_remaining` seconds: the store is given that long (and at most until
-        `store_deadline`, time.monotonic()), and once it has passed the caller has
-        given up, so the slot is left as it is (DeadlineExceeded, or the load's own
-        error). `store`: another store than the configured one (the local fallback)."""
+        """Replaces the slot's content with the saved one. Every check (name, file found,
+        digest, version, model, fit) runs before the slot is touched, so a failed check
+        leaves the slot as it was; only a failure while applying leaves it empty. The
+        caller waits `time_remaining` seconds: the store is given that long (and at most
+        until `store_deadline`, time.monotonic()), and once it has passed the caller has
+        given up, so the slot is left as it is (DeadlineExceeded). `store`: another store
+        than the configured one (the local fallback)."""
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
         t0 = time.perf_counter()
         deadline = None if time_remaining is None else time.monotonic() + time_remaining
         load_by = min((d for d in (deadline, store_deadline) if d is not None), default=None)
-        prepared: PreparedRestore | None = None
-        error: BaseException | None = None
         name = filename
         try:
             name = validate_name(filename)
             prepared = prepare_restore(store or self._need_store(), name, eng.target_spec,
                                        eng.draft_spec, load_by)
-        except (ServiceError, ValueError) as exc:
-            error = exc
 
-        def apply(slot: int) -> tuple[DraftPolicy, str]:
-            _caller_waits(deadline, name, error)  # on the engine thread, just before
-            return self._apply(slot, prepared, error)
+            def apply(slot: int) -> tuple[DraftPolicy, str]:
+                _caller_waits(deadline, name)  # on the engine thread, just before
+                return self._apply(slot, prepared)
 
-        try:
-            _caller_waits(deadline, name, error)
+            _caller_waits(deadline, name)
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             policy, note = eng.slot_op(id_slot, apply, left)
         except BaseException as exc:
@@ -147,7 +139,6 @@ class SlotManager:
                 self.log.warning("slot restore failed", extra=log.fields(
                     slot=id_slot, filename=name, error=str(exc)))
             raise
-        assert prepared is not None
         ms = 1e3 * (time.perf_counter() - t0)
         m = self.metrics
         m.restores.labels("ok", policy.label).inc()
@@ -159,15 +150,11 @@ class SlotManager:
         return RestoreResult(id_slot, name, prepared.n_tokens, prepared.n_read,
                              policy is DraftPolicy.SIDECAR, policy, ms, note)
 
-    def _apply(self, slot: int, prepared: PreparedRestore | None,
-               error: BaseException | None) -> tuple[DraftPolicy, str]:
+    def _apply(self, slot: int, prepared: PreparedRestore) -> tuple[DraftPolicy, str]:
         """On the engine thread: empties the slot, then loads the checked state."""
         eng = self.engine
         dec = eng.dec
         dec.clear(slot)
-        if error is not None:
-            raise error
-        assert prepared is not None
         try:
             eng.tctx.set_state_parts(slot, *prepared.target_parts)
         except BadStateError as exc:

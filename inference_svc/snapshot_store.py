@@ -177,6 +177,19 @@ class SnapshotStore:
                           target_sha256=snap.info.target.sha256,  # verified by the Get
                           target_body_sha256=snap.target_prefix_sha256 or None)
 
+    def delete(self, name: str, *, deadline: float | None = None) -> bool:
+        """Removes the snapshot (both parts); False when there was none. `deadline`
+        (time.monotonic()): the call ends by then."""
+        validate_name(name)
+        client = self._current()
+        try:
+            client.delete(name, deadline)
+        except snap_errors.NotFound:
+            return False
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, name, "delete") from exc
+        return True
+
     # --- lifecycle --------------------------------------------------------------------
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ bytes of a target file are the same whichever store holds it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import uuid
@@ -56,6 +57,19 @@ class SlotStore(Protocol):
         `deadline` (time.monotonic()): a remote store gives up by then."""
         ...
 
+    def delete(self, name: str, *, deadline: float | None = None) -> bool:
+        """Removes both files of the name; False when there was nothing to remove.
+        `deadline` (time.monotonic()): a remote store gives up by then."""
+        ...
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -65,28 +79,57 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+TEMP_PREFIX = ".tmp-"  # a file being written; removed at start-up
+PENDING_PREFIX = ".pending-"  # a save's sidecar (or its absence) waiting for its target
+RESERVED = (f"names starting with {TEMP_PREFIX!r} or {PENDING_PREFIX!r} or ending with "
+            f"{DRAFT_SUFFIX!r} are the local store's own files")
+
+
+def _name_key(name: str) -> str:
+    """The fixed-length key of a name in pending file names (any name length fits)."""
+    return hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
 class LocalStore:
-    """`<dir>/<name>` and `<dir>/<name>.drft`, written atomically: each file goes to a
-    temporary file that is fsynced and renamed, then the directory is fsynced. A save
-    and a load of the store never interleave, so a reader gets the pair of one save
-    (the sidecar records its target's digest, which restore checks as well)."""
+    """`<dir>/<name>` and `<dir>/<name>.drft`, the pair written atomically.
+
+    Each file goes to a temporary file that is fsynced. The new sidecar (or, for a save
+    without one, an empty marker) is renamed to `.pending-<key(name)>-<digest>` first,
+    `<digest>` being the SHA-256 of the new target; then the target is renamed into place
+    (the commit point); then the pending file becomes `<name>.drft` (or the old sidecar
+    and the marker are removed), the directory fsynced after each step. A pending file
+    whose digest is the target's belongs to a committed save and is finished; any other
+    is left over from a save that never committed and is removed. That happens at
+    start-up for the whole directory, and before every load, save and delete of a name,
+    so a reader always gets the pair of one save, whatever step a crash interrupted."""
 
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._sweep()
+        with self._lock:
+            self._sweep()
 
     def describe(self) -> str:
         return f"local:{self.dir}"
 
     def _sweep(self) -> None:
-        """Removes temporary files left by a crash mid-save."""
-        for p in self.dir.glob(".tmp-*"):
+        """Removes temporary files left by a crash mid-save and settles pending sidecars."""
+        for p in self.dir.glob(f"{TEMP_PREFIX}*"):
             try:
                 p.unlink()
             except OSError:
                 pass
+        keys = {p.name[len(PENDING_PREFIX):].split("-", 1)[0]
+                for p in self.dir.glob(f"{PENDING_PREFIX}*")}
+        if not keys:
+            return
+        for p in self.dir.iterdir():
+            if _name_key(p.name) in keys and not self._reserved(p.name) and p.is_file():
+                self._settle(p.name)
+        for p in self.dir.glob(f"{PENDING_PREFIX}*"):  # no target of that name any more
+            p.unlink(missing_ok=True)
+        _fsync_dir(self.dir)
 
     def _path(self, name: str) -> Path:
         validate_name(name)
@@ -94,10 +137,37 @@ class LocalStore:
             raise InvalidArgument(
                 f"bad slot file name {name!r}: the local store keeps '<name>{DRAFT_SUFFIX}' next "
                 f"to it, so names are limited to {LOCAL_MAX_NAME_BYTES} bytes here")
+        if self._reserved(name):
+            raise InvalidArgument(f"bad slot file name {name!r}: {RESERVED}")
         return self.dir / name
 
+    @staticmethod
+    def _reserved(name: str) -> bool:
+        return name.startswith((TEMP_PREFIX, PENDING_PREFIX)) or name.endswith(DRAFT_SUFFIX)
+
+    def _pending(self, name: str) -> list[Path]:
+        return sorted(self.dir.glob(f"{PENDING_PREFIX}{_name_key(name)}-*"))
+
+    def _settle(self, name: str) -> None:
+        """Finishes the committed save of `name` a crash interrupted, or removes what a
+        save that never committed left (under the lock)."""
+        pending = self._pending(name)
+        if not pending:
+            return
+        path = self.dir / name
+        current = _file_sha256(path) if path.is_file() else None
+        for p in pending:
+            if p.name.rsplit("-", 1)[1] != current:
+                p.unlink()
+            elif p.stat().st_size == 0:  # a save without a sidecar
+                path.with_name(name + DRAFT_SUFFIX).unlink(missing_ok=True)
+                p.unlink()
+            else:
+                os.replace(p, path.with_name(name + DRAFT_SUFFIX))
+        _fsync_dir(self.dir)
+
     def _write_temp(self, data: bytes) -> Path:
-        tmp = self.dir / f".tmp-{uuid.uuid4().hex}"
+        tmp = self.dir / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
         try:
             with open(tmp, "xb") as f:
                 f.write(data)
@@ -110,23 +180,33 @@ class LocalStore:
 
     def save(self, name: str, target: bytes, draft: bytes | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
-        del target_sha256, deadline  # written as given (restore checks the digests), locally
+        """`target_sha256`: the target's hex SHA-256 when the caller has it (saves
+        hashing it again); `deadline`: nothing to wait for locally."""
+        del deadline
         path = self._path(name)
         side = path.with_name(name + DRAFT_SUFFIX)
+        digest = target_sha256 or hashlib.sha256(target).hexdigest()
+        pending = self.dir / f"{PENDING_PREFIX}{_name_key(name)}-{digest}"
         with self._lock:
             temps: list[Path] = []
             try:
+                self._settle(name)
                 temps.append(self._write_temp(target))
+                temps.append(self._write_temp(draft if draft is not None else b""))
+                os.replace(temps[1], pending)
+                temps[1] = pending
+                _fsync_dir(self.dir)
+                os.replace(temps[0], path)  # the commit point
+                temps.clear()  # from here on, a failure leaves the pending file to _settle
+                _fsync_dir(self.dir)
                 if draft is not None:
-                    temps.append(self._write_temp(draft))
-                os.replace(temps[0], path)
-                if draft is not None:
-                    os.replace(temps[1], side)
+                    os.replace(pending, side)
                 else:
                     side.unlink(missing_ok=True)
+                    pending.unlink()
                 _fsync_dir(self.dir)
             except OSError as exc:
-                for t in temps:
+                for t in temps:  # before the commit point: the earlier save stays whole
                     t.unlink(missing_ok=True)
                 if exc.errno in (28, 122):  # ENOSPC, EDQUOT
                     raise ResourceExhausted(f"no space left to save {name!r}: {exc}") from exc
@@ -138,6 +218,7 @@ class LocalStore:
         path = self._path(name)
         with self._lock:
             try:
+                self._settle(name)
                 target = path.read_bytes()
             except FileNotFoundError:
                 raise NotFound(f"no slot file {name!r} in {self.dir}") from None
@@ -153,3 +234,23 @@ class LocalStore:
             except OSError as exc:
                 draft, note = None, f"cannot read the draft sidecar: {exc}"
         return StoredSlot(target, draft, note)
+
+    def delete(self, name: str, *, deadline: float | None = None) -> bool:
+        del deadline  # local files: nothing to wait for
+        path = self._path(name)
+        with self._lock:
+            try:
+                removed = False
+                # pending and sidecar first: a crash in between leaves a target without a
+                # sidecar, never a sidecar without its target
+                for p in (*self._pending(name), path.with_name(name + DRAFT_SUFFIX), path):
+                    try:
+                        p.unlink()
+                        removed = True
+                    except FileNotFoundError:
+                        pass
+                if removed:
+                    _fsync_dir(self.dir)
+            except OSError as exc:
+                raise Unavailable(f"cannot delete {name!r} in {self.dir}: {exc}") from exc
+        return removed

@@ -529,10 +529,12 @@ class SnapshotClient:
         r = self._call(lambda t: self._stub.List(pb.ListRequest(prefix=prefix), timeout=t))
         return [SnapshotInfo.from_pb(s) for s in r.snapshots]
 
-    def delete(self, name: str) -> int:
-        """Removes both parts of a snapshot (NotFound if there is none); the bytes freed."""
+    def delete(self, name: str, deadline: float | None = None) -> int:
+        """Removes both parts of a snapshot (NotFound if there is none); the bytes freed.
+        `deadline` (time.monotonic()): the call and its retries end by then."""
         validate_name(name)
-        r = self._call(lambda t: self._stub.Delete(pb.DeleteRequest(name=name), timeout=t))
+        r = self._call(lambda t: self._stub.Delete(pb.DeleteRequest(name=name), timeout=t),
+                       deadline=deadline)
         return r.bytes_freed
 
 

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import pytest
 
-from snapshot_svc.testing import free_port
+from snapshot_svc.testing import ServerProcess, free_port
 from tests.fixtures.servicekit import model_pair
 from tests.resumekit import InferenceProcess, Session
 
@@ -54,6 +55,40 @@ def test_restores_after_restart_and_keeps_serving(pairs: tuple, tmp_path: Path) 
         assert slot_tokens(p) == [n, 0]
         assert warnings(p) == []
         assert p.stop() == 0
+
+
+@pytest.mark.parametrize("store", ["local", "snapshot"])
+def test_an_erased_session_stays_erased_after_restarts(pairs: tuple, tmp_path: Path,
+                                                       store: str) -> None:
+    """Save slot 0 (stop), restart, EraseSlot(0), restart: slot 0 is empty, its old
+    auto-save deleted at the second stop, and it stays empty at the third start."""
+    (target, draft), _ = pairs
+    with contextlib.ExitStack() as stack:
+        if store == "local":
+            files = tmp_path / "slots"
+            store_args: tuple[str, ...] = ("--slot-save-path", str(files))
+        else:
+            files = tmp_path / "snapshots"
+            snap = stack.enter_context(ServerProcess(files))
+            store_args = ("--snapshot-addr", snap.address)
+        with InferenceProcess(*args(target, draft, *store_args)) as p:
+            s = Session(max_tokens=10)
+            s.turn(p, list(range(1, 35)))
+            assert p.stop() == 0
+        n = len(s.history)
+        with InferenceProcess(*args(target, draft, *store_args)) as p:
+            assert slot_tokens(p) == [n, 0]
+            assert p.client.erase(0).n_erased == n
+            assert p.stop() == 0
+            assert [r["filename"] for r in p.records("auto-save of an empty slot deleted")] \
+                == ["auto-t1-slot0"]
+            assert p.records("auto-save failed") == []
+        if store == "local":
+            assert sorted(f.name for f in files.iterdir()) == []
+        with InferenceProcess(*args(target, draft, *store_args)) as p:
+            assert slot_tokens(p) == [0, 0]
+            assert p.records("auto-restore done")[0]["restored"] == 0
+            assert p.stop() == 0
 
 
 def test_other_model_is_a_cold_start(pairs: tuple, tmp_path: Path) -> None:

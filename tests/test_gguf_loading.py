@@ -131,3 +131,21 @@ def test_cli_reports_one_line_and_fails(tmp_path: Path, small_model_path: Path,
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_architecture_is_checked_before_the_file_is_parsed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unsupported architecture is refused from the header alone: the full reader
+    (vocabulary, tensors) never runs."""
+    from tests.factory import Shape, write_model
+
+    bad = tmp_path / "gemma3.gguf"
+    write_model(bad, Shape(n_vocab=300, n_embd=64, n_layer=1, n_head=4, n_head_kv=2, n_ff=96),
+                arch="gemma3")
+
+    def no_reader(*args: object, **kw: object) -> None:
+        raise AssertionError("the GGUF file was parsed")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_reader)
+    with pytest.raises(ModelLoadError, match="architecture 'gemma3' is not supported"):
+        load_gguf(bad)

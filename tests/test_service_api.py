@@ -147,9 +147,13 @@ def test_bad_file_names(client: InferenceClient, rpc: str, case: str, name: str)
 
 def test_good_unusual_names(client: InferenceClient) -> None:
     client.generate(PROMPT, max_tokens=2, id_slot=0)
-    for name in ("a", ".hidden", "with space", "ünïcødé-名前", "x" * 250, "a.b.drft"):
+    for name in ("a", ".hidden", "with space", "ünïcødé-名前", "x" * 250, "a.drft.b", ".tmp"):
         assert client.save(0, name).n_saved > 0
         assert client.restore(1, name).n_restored > 0
+    # names of the local store's own files ('a.b.drft' is the sidecar of 'a.b')
+    for name in ("a.b.drft", ".tmp-x", ".pending-x"):
+        code, details = _code(lambda n=name: client.save(0, n))
+        assert code == INVALID and "the local store's own files" in details
 
 
 def test_detokenize_rejects_unknown_ids(client: InferenceClient) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from inference_svc.client import InferenceClient, make_request
+from inference_svc.core.speculative import SamplingParams
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
 from tests.fixtures.servicekit import (
@@ -208,17 +209,60 @@ def test_cancellation_frees_the_slot(client: InferenceClient, server: Server, ho
     assert (last.timings.prompt_n, last.timings.cache_n) == (1, len(p) + len(got) - 1)
 
 
-def test_request_cancelled_while_waiting(client: InferenceClient) -> None:
-    running = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
-                                                  speculative=False))
-    next(running)
-    waiting = client.generate_stream(make_request(prompt_of(1), max_tokens=4, id_slot=0))
-    time.sleep(0.02)
-    waiting.cancel()
-    running.cancel()
-    wait_idle(client, 0)
-    _, last = client.generate(prompt_of(1), max_tokens=4, id_slot=0)
+def test_busy_slots_gauge_follows_the_slots(client: InferenceClient, server: Server) -> None:
+    """warmslot_slots_busy counts the busy slots after a generation ends while another
+    one keeps running (nothing admitted in between)."""
+    def busy_gauge() -> float | None:
+        return server.metrics.registry.get_sample_value("warmslot_slots_busy")
+
+    long = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
+                                               temperature=0.0, speculative=False))
+    next(long)
+    _, last = client.generate(prompt_of(1), max_tokens=4, id_slot=1, temperature=0.0)
     assert last.done
+    # ListSlots runs on the engine thread between rounds, after the gauge is published
+    assert [s.busy for s in client.slots()] == [True, False]
+    assert busy_gauge() == 1
+    long.cancel()
+    wait_idle(client, 0)
+    assert busy_gauge() == 0
+
+
+def sample(srv: Server, name: str, **labels: str) -> float:
+    return srv.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def wait_for(pred: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_request_cancelled_while_waiting(pair: tuple[Path, Path]) -> None:
+    """A request cancelled while it waits for a busy slot leaves the queue at once (the
+    slot's generation still running), with CANCELLED, and never runs. Its own server
+    lets requests wait 30 s, so nothing but the cancel can take it out of the queue."""
+    with running(service_config(*pair, ctx=CTX, max_queue_wait=30.0, max_queue=3)) as srv, \
+            fresh_client(srv) as client:
+        long = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
+                                                   speculative=False))
+        next(long)
+        waiting = client.generate_stream(make_request(prompt_of(1), max_tokens=4, id_slot=0))
+        wait_for(lambda: sample(srv, "warmslot_queue_depth") == 1, "the request never queued")
+        waiting.cancel()
+        wait_for(lambda: sample(srv, "warmslot_requests_total", method="Generate",
+                                code="CANCELLED") == 1, "the cancel was not seen")
+        assert sample(srv, "warmslot_queue_depth") == 0
+        assert client.slots()[0].busy, "the slot freed: the request left by admission"
+        long.cancel()
+        wait_idle(client, 0)
+        # only the long generation's prompt was ever processed
+        assert sample(srv, "warmslot_tokens_total", kind="prompt") == len(prompt_of(0))
+        assert sample(srv, "warmslot_requests_total", method="Generate",
+                      code="CANCELLED") == 2
+        _, last = client.generate(prompt_of(1), max_tokens=4, id_slot=0)
+        assert last.done and last.timings.predicted_n == 4
 
 
 def test_long_prompt_in_chunks(client: InferenceClient, ref: Reference, server: Server) -> None:
@@ -250,20 +294,48 @@ def test_eos_stops_and_is_not_kept(tmp_path_factory: pytest.TempPathFactory) -> 
         assert n_eos >= 3
 
 
-def test_batched_sampled_steps_match_single_runs(client: InferenceClient,
-                                                 server: Server) -> None:
+def test_batched_sampled_steps_match_single_runs(client: InferenceClient, server: Server,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Two seeded, sampled, non-speculative streams that the engine steps in one forward
-    pass give the same tokens as each request run alone."""
+    pass give the same tokens as each request run alone. The engine is held while both
+    queue, so both are admitted in one round and every decoding step after the prefill
+    is one batched pass for the two slots (counted on the decoder)."""
     def req(slot: int) -> pb.GenerateRequest:
         return make_request(prompt_of(slot), max_tokens=60, id_slot=slot, temperature=0.9,
                             top_k=40, seed=1000 + slot, speculative=False, cache_prompt=False)
 
     alone = {s: [t for r in client.generate_stream(req(s)) for t in r.tokens] for s in (0, 1)}
+    assert len(alone[0]) == len(alone[1]) == 60
+
+    engine = server._engine
+    assert engine is not None and engine.dec is not None
+    batched: list[list[int]] = []
+    step_multi = engine.dec.step_multi
+
+    def counted(slots: list[int], samplings: list[SamplingParams]) -> list[int]:
+        batched.append(list(slots))
+        return step_multi(slots, samplings)
+
+    monkeypatch.setattr(engine.dec, "step_multi", counted)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(30)
+
+    holder = threading.Thread(target=engine.call, args=(hold,))
+    holder.start()
     together: dict[int, list[int]] = {}
+    try:
+        assert held.wait(10), "the engine never ran the hold"
+        streams = {s: client.generate_stream(req(s)) for s in (0, 1)}
+        wait_for(lambda: sample(server, "warmslot_queue_depth") == 2, "the requests never queued")
+    finally:
+        release.set()
+        holder.join(30)
 
     def run(slot: int) -> None:
-        with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
-            together[slot] = [t for r in c.generate_stream(req(slot)) for t in r.tokens]
+        together[slot] = [t for r in streams[slot] for t in r.tokens]
 
     threads = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
     for t in threads:
@@ -271,4 +343,5 @@ def test_batched_sampled_steps_match_single_runs(client: InferenceClient,
     for t in threads:
         t.join(60)
     assert together == alone
-    assert len(alone[0]) == len(alone[1]) == 60
+    # the first token of each comes from its prefill, the other 59 from batched steps
+    assert batched == [[0, 1]] * 59

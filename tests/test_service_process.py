@@ -177,3 +177,44 @@ def test_sigterm_stops_gracefully(proc: Proc) -> None:
         assert outcome == {"error": grpc.StatusCode.UNAVAILABLE}
     msgs = proc.messages()
     assert "signal" in msgs and "stopping" in msgs and msgs[-1] == "stopped"
+
+
+def run_to_exit(*args: str) -> tuple[int, list[dict[str, object]]]:
+    r = subprocess.run([sys.executable, "-m", "inference_svc", "--host", "127.0.0.1", "--port",
+                        "0", "--log-format", "json", "--threads", "1", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    return r.returncode, [json.loads(line) for line in r.stderr.splitlines()]
+
+
+def test_unsupported_model_is_refused_before_listening(tmp_path: Path) -> None:
+    """The architecture comes from the file's header, before the port is opened: one
+    error line, nothing else started or claimed."""
+    from tests.factory import Shape, write_model
+
+    bad = tmp_path / "gpt2.gguf"
+    write_model(bad, Shape(n_vocab=300, n_embd=64, n_layer=1, n_head=4, n_head_kv=2, n_ff=96),
+                arch="gpt2")
+    rc, lines = run_to_exit("--model", str(bad), "--draft", "none")
+    assert rc == 1
+    assert [r["msg"] for r in lines] == ["cannot start"]
+    assert lines[0]["error"] == (f"{bad}: architecture 'gpt2' is not supported "
+                                 f"(supported: llama)")
+    good, _ = model_pair(tmp_path, "draft-check")
+    rc, lines = run_to_exit("--model", str(good), "--draft", str(bad))  # the draft too
+    assert rc == 1 and [r["msg"] for r in lines] == ["cannot start"]
+    assert "architecture 'gpt2' is not supported" in str(lines[0]["error"])
+
+
+def test_a_model_failing_to_load_ends_with_the_error(tmp_path: Path) -> None:
+    """A problem found while loading (after the port opened): the stop claims no
+    auto-save, and the last line is the error."""
+    target, _ = model_pair(tmp_path, "cut")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(target.read_bytes()[:-1000])
+    rc, lines = run_to_exit("--model", str(cut), "--draft", "none", "--slot-save-path",
+                            str(tmp_path / "slots"))
+    assert rc == 1
+    msgs = [r["msg"] for r in lines]
+    assert msgs == ["listening", "stopping", "stopped", "cannot start"]
+    assert lines[2]["auto_save_ok"] is None
+    assert "not a readable GGUF file" in str(lines[3]["error"])

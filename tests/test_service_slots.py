@@ -1,6 +1,6 @@
 """Slots through real gRPC, in the spirit of llama.cpp's server slot tests: prompt
 reuse counts, save / erase / restore into the same and another slot, the draft
-restore policies, and restores that fail (the slot is left empty and usable)."""
+restore policies, and restores that fail their checks (the slot keeps what it held)."""
 
 from __future__ import annotations
 
@@ -190,6 +190,47 @@ def test_empty_draft_policy(pair: tuple[Path, Path], tmp_path: Path, ref: Refere
         assert last.timings.draft_prompt_n == len(b) - saved.n_saved  # only the new tokens
 
 
+def test_sidecar_with_counters_out_of_range_is_not_used(client: InferenceClient,
+                                                       store_dir: Path, ref: Reference) -> None:
+    """A sidecar whose n_steps is 2^64-1 (digest recomputed) restores the target without
+    it, and the next turn generates (the core would overflow the counter: INTERNAL)."""
+    a = client.tokenize(TEXT_A)
+    out, _ = gen(client, a, 0)
+    client.save(0, "ctr")
+    d = slotfile.decode_draft((store_dir / "ctr.drft").read_bytes())
+    state = bytearray(d.state)
+    state[48:56] = (2**64 - 1).to_bytes(8, "little")  # WSSP v1 n_steps
+    (store_dir / "ctr.drft").write_bytes(
+        slotfile.encode_draft(dataclasses.replace(d, state=bytes(state))))
+    r = client.restore(1, "ctr")
+    assert (r.draft_restored, r.draft_policy_applied) == (False, pb.DRAFT_POLICY_REPREFILL)
+    assert "counter n_steps = 18446744073709551615 is out of range" in r.draft_note
+    b = a + out + client.tokenize(TEXT_NEW)
+    out_b, last = gen(client, b, 1, speculative=True)
+    assert out_b == ref.generate(b, N)
+    assert last.timings.draft_prompt_n == len(b)  # the draft re-prefilled everything
+
+
+def test_names_of_the_local_store_own_files_are_refused(client: InferenceClient,
+                                                        store_dir: Path) -> None:
+    """'.tmp-*' would be swept at the next start as a temporary file; 'good.drft' would
+    overwrite the sidecar of 'good'."""
+    a = client.tokenize(TEXT_A)
+    gen(client, a, 0)
+    client.save(0, "good")
+    sidecar = (store_dir / "good.drft").read_bytes()
+    gen(client, a + client.tokenize(TEXT_NEW), 1)
+    for name in (".tmp-keepme", "good.drft"):
+        with pytest.raises(grpc.RpcError) as err:
+            client.save(1, name)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"bad slot file name {name!r}" in err.value.details()
+        assert "the local store's own files" in err.value.details()
+    assert not (store_dir / ".tmp-keepme").exists()
+    assert (store_dir / "good.drft").read_bytes() == sidecar
+    assert client.restore(1, "good").draft_restored
+
+
 def _rewrite(path: Path, **changes: object) -> None:
     t = slotfile.decode_target(path.read_bytes())
     path.write_bytes(slotfile.encode_target(dataclasses.replace(t, **changes)))
@@ -207,7 +248,7 @@ def _rewrite(path: Path, **changes: object) -> None:
     ("token outside vocabulary", grpc.StatusCode.DATA_LOSS),
     ("bad name", grpc.StatusCode.INVALID_ARGUMENT),
 ])
-def test_failed_restore_leaves_the_slot_empty_and_usable(
+def test_failed_restore_leaves_the_slot_as_it_was(
         client: InferenceClient, store_dir: Path, ref: Reference, case: str,
         code: grpc.StatusCode) -> None:
     a = client.tokenize(TEXT_A)
@@ -245,8 +286,8 @@ def test_failed_restore_leaves_the_slot_empty_and_usable(
         _rewrite(path, tokens=(5000,) + t.tokens[1:])
     elif case == "bad name":
         name = "../good"
-    gen(client, a, 1)
-    assert n_tokens(client, 1) > 0
+    live, _ = gen(client, a, 1)
+    assert n_tokens(client, 1) == len(a) + N
     with pytest.raises(grpc.RpcError) as err:
         client.restore(1, name)
     assert err.value.code() == code, err.value.details()
@@ -254,9 +295,12 @@ def test_failed_restore_leaves_the_slot_empty_and_usable(
         assert "newer" in err.value.details()
     if case == "context too small":
         assert "256" in err.value.details()
-    assert n_tokens(client, 1) == 0
-    out, last = gen(client, a, 1)  # usable: everything is processed again
-    assert last.timings.prompt_n == len(a) and out == ref.generate(a, N)
+    # every check runs before the slot is touched: the live session is still there
+    assert n_tokens(client, 1) == len(a) + N
+    cont = client.tokenize(TEXT_NEW)
+    out, last = gen(client, a + live + cont, 1)  # only the new tokens are processed
+    assert (last.timings.prompt_n, last.timings.cache_n) == (len(cont), len(a) + N)
+    assert out == ref.generate(a + live + cont, N)
 
 
 def test_save_needs_a_store(pair: tuple[Path, Path]) -> None:

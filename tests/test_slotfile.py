@@ -40,8 +40,13 @@ def core_kv(tokens: list[int], layout: sf.KVLayout, seed: int = 0) -> bytes:
     return head + struct.pack(f"<{n}i", *tokens) + kv_bytes(n, layout, seed)
 
 
-def core_spec(tokens: list[int], offset: int) -> bytes:
-    head = struct.pack("<4I4Q36Q", sf.CORE_SPEC_MAGIC, 1, offset, 0, 1, 2, 3, 4, *range(36))
+# counters as the core keeps them: n_steps, n_drafted, n_accepted, n_draft_prefill, then
+# drafted_at[16] (adding up to n_drafted) and accepted_at[16] (adding up to n_accepted)
+COUNTERS = (4, 6, 3, 2, 3, 2, 1, *[0] * 13, 2, 1, *[0] * 14)
+
+
+def core_spec(tokens: list[int], offset: int, counters: tuple[int, ...] = COUNTERS) -> bytes:
+    head = struct.pack("<4I4Q36Q", sf.CORE_SPEC_MAGIC, 1, offset, 0, 1, 2, 3, 4, *counters)
     return head + core_kv(tokens, SPEC_D.layout, seed=1)
 
 
@@ -125,6 +130,26 @@ def test_version_byte_flips_say_newer() -> None:
         sf.decode_target(with_digest(data))
 
 
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_corrupt_version_field_is_data_loss(which: str) -> None:
+    """The trailer is verified before the version is trusted: a flipped version bit, or the
+    right magic followed by random bytes, is corruption (DATA_LOSS), never "newer"."""
+    tbytes = sf.encode_target(target())
+    data = tbytes if which == "target" else draft_for(tbytes)
+    decode = sf.decode_target if which == "target" else sf.decode_draft
+    for i in range(4, 8):
+        for bit in range(8):
+            bad = bytearray(data)
+            bad[i] ^= 1 << bit
+            with pytest.raises(sf.CorruptSlotFile, match="digest mismatch"):
+                decode(bytes(bad))
+    rng = np.random.default_rng(11)
+    for n in (12, 100, len(data)):
+        junk = data[:4] + rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        with pytest.raises(sf.CorruptSlotFile):
+            decode(junk)
+
+
 def test_wrong_kind_of_file() -> None:
     tbytes = sf.encode_target(target())
     with pytest.raises(sf.CorruptSlotFile, match="it is a target file"):
@@ -184,6 +209,35 @@ def test_draft_checks() -> None:
         sf.check_draft(d, sf.digest(tbytes), short, SPEC_D)
 
 
+@pytest.mark.parametrize("index, value, message", [
+    (0, 2**64 - 1, r"counter n_steps = 18446744073709551615 is out of range"),
+    (3, 2**53, r"counter n_draft_prefill = 9007199254740992 is out of range"),
+    (1, 2**64 - 1, r"counter n_drafted = 18446744073709551615 is out of range"),
+    (1, 7, r"add up to 6 drafted / 3 accepted, the totals say 7 / 3"),
+    (2, 4, r"add up to 6 drafted / 3 accepted, the totals say 6 / 4"),
+    (22, 2, r"add up to 6 drafted / 5 accepted, the totals say 6 / 3"),
+])
+def test_draft_counters_out_of_range_are_refused(index: int, value: int, message: str) -> None:
+    """A sidecar whose counters the core never writes (digest recomputed) is corrupt."""
+    tbytes = sf.encode_target(target())
+    counters = list(COUNTERS)
+    counters[index] = value
+    d = sf.draft_from_core(core_spec(list(range(3, 8)), 0, tuple(counters)), sf.digest(tbytes),
+                           SPEC_D)
+    with pytest.raises(sf.CorruptSlotFile, match=message):
+        sf.decode_draft(sf.encode_draft(d))
+
+
+def test_more_accepted_than_drafted_at_a_position_is_refused() -> None:
+    tbytes = sf.encode_target(target())
+    counters = list(COUNTERS)
+    counters[20:23] = [1, 0, 2]  # accepted_at: still 3 in all, but 2 where 1 was drafted
+    d = sf.draft_from_core(core_spec(list(range(3, 8)), 0, tuple(counters)), sf.digest(tbytes),
+                           SPEC_D)
+    with pytest.raises(sf.CorruptSlotFile, match="2 tokens accepted at draft position 2, only 1"):
+        sf.decode_draft(sf.encode_draft(d))
+
+
 def test_draft_header_must_agree_with_its_state() -> None:
     tbytes = sf.encode_target(target())
     d = sf.decode_draft(draft_for(tbytes))
@@ -221,3 +275,18 @@ def test_local_store(tmp_path: Path) -> None:
     (tmp_path / "dir").mkdir()
     with pytest.raises(NotFound):
         store.load("dir")
+
+
+def test_local_store_delete(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    store.save("a", b"T", b"D")
+    store.save("b", b"T", None)
+    assert store.delete("a") is True
+    assert sorted(os.listdir(tmp_path)) == ["b"]
+    with pytest.raises(NotFound):
+        store.load("a")
+    assert store.delete("a") is False  # nothing left to remove: not an error
+    assert store.delete("b") is True
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(InvalidArgument):
+        store.delete("../b")

@@ -10,7 +10,7 @@ from .errors import (
     ModelLoadError,
     ThreadError,
 )
-from .gguf_file import GGUFModel, HParams, load_gguf
+from .gguf_file import GGUFModel, HParams, check_model_file, load_gguf
 from .model import Context, Model
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -29,5 +29,6 @@ __all__ = [
     "StreamDecoder",
     "ThreadError",
     "Tokenizer",
+    "check_model_file",
     "load_gguf",
 ]

@@ -189,11 +189,83 @@ def _tokenizer(reader: Any) -> TokenizerData:
     )
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
-    """Loads a GGUF model; every problem is a ModelLoadError naming it."""
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_ARCH_KEY = b"general.architecture"
+
+
+def peek_architecture(path: Path) -> str | None:
+    """general.architecture read straight from the GGUF header, skipping the metadata
+    before it (writers put it first), so a model of another architecture is refused
+    before its vocabulary and tensors are parsed. None when the header cannot say
+    (not little-endian GGUF v2/v3, or no such key): the full reader decides then."""
+    import struct
+
+    with open(path, "rb") as f:
+
+        def take(n: int) -> bytes:
+            b = f.read(n)
+            if len(b) != n:
+                raise EOFError
+            return b
+
+        def u32() -> int:
+            return int(struct.unpack("<I", take(4))[0])
+
+        def u64() -> int:
+            return int(struct.unpack("<Q", take(8))[0])
+
+        def skip(vtype: int) -> None:
+            if vtype in _GGUF_SCALARS:
+                f.seek(_GGUF_SCALARS[vtype], 1)
+            elif vtype == _GGUF_STRING:
+                f.seek(u64(), 1)
+            elif vtype == _GGUF_ARRAY:
+                itype, count = u32(), u64()
+                if itype in _GGUF_SCALARS:
+                    f.seek(_GGUF_SCALARS[itype] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(itype)
+            else:
+                raise ValueError(f"GGUF value type {vtype}")
+
+        try:
+            if take(4) != b"GGUF" or u32() not in (2, 3):
+                return None
+            u64()  # tensor count
+            for _ in range(min(u64(), 1 << 16)):
+                key = take(u64())
+                vtype = u32()
+                if key == _ARCH_KEY:
+                    return take(u64()).decode() if vtype == _GGUF_STRING else None
+                skip(vtype)
+        except (EOFError, ValueError, UnicodeDecodeError, struct.error, OSError):
+            return None
+    return None
+
+
+def _check_architecture(path: Path, arch: str | None) -> None:
+    if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+
+def check_model_file(path: str | Path) -> None:
+    """The cheap checks of a model file (it exists, a supported architecture in its
+    header), in milliseconds whatever its size; load_gguf runs them first too."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
+    _check_architecture(path, peek_architecture(path))
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    """Loads a GGUF model; every problem is a ModelLoadError naming it."""
+    path = Path(path)
+    check_model_file(path)
     from gguf import GGUFReader
 
     try:
@@ -202,11 +274,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     try:
         arch = str(_field(reader, "general.architecture"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{path}: architecture {arch!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        _check_architecture(path, arch)
         tensors: dict[str, np.ndarray] = {}
         types: dict[str, str] = {}
         for t in reader.tensors:

@@ -14,7 +14,7 @@ deploy/build-offline.sh; skipped, with the reason, when no docker engine can be 
 - a second replica restores the first one's saved session by name.
 
 The session checks need restart-resume (--snapshot-addr, --instance-id, auto-save and
-auto-restore in the inference service); without it they skip and say so.
+auto-restore in the inference service); an image without it is stale and fails them.
 Figures (image size, start-to-SERVING times, stop times) go to build/deploy-report.json.
 """
 
@@ -84,10 +84,13 @@ def features(engine: Any) -> set[str]:
 
 
 def require_resume(features: set[str]) -> None:
+    """The source has restart-resume, so an image without its flags was not built from
+    this tree (a failed or skipped build left an older one): a failure, never a skip."""
     missing = {"--snapshot-addr", "--instance-id"} - features
     if missing:
-        pytest.skip(f"restart-resume (issue 7) not in the image yet: the inference service "
-                    f"has no {', '.join(sorted(missing))}")
+        pytest.fail(f"the image {IMAGE} is stale: its inference service has no "
+                    f"{', '.join(sorted(missing))}, which this source has; rebuild it with "
+                    f"deploy/build-offline.sh")
 
 
 @dataclass
