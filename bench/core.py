@@ -43,7 +43,7 @@ def memory_bandwidth(n_bytes: int = 1 << 29, reps: int = 5) -> float:
 
 
 def weight_bytes_per_token(model: Model) -> int:
-    """F32 bytes of every matrix a decoded token reads (all but the embedding lookup)."""
+    """Stored bytes of every tensor a decoded token reads (all but the embedding lookup)."""
     total = 0
     for name, t in model.content.tensors.items():
         if name == "token_embd.weight":

@@ -85,7 +85,8 @@ def build(variant: str) -> Path:
     ffi.set_source(
         module,
         '#include "warmslot.h"',
-        sources=[str(NATIVE / "warmslot.c"), str(NATIVE / "speculative.c")],
+        sources=[str(NATIVE / "warmslot.c"), str(NATIVE / "quant.c"),
+                 str(NATIVE / "speculative.c")],
         include_dirs=[str(NATIVE)],
         extra_compile_args=WARN + NUMERIC + arch_flags(spec.get("march")) + spec["cflags"],
         extra_link_args=spec["ldflags"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,19 @@ from tests.factory import Shape, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fingerprint_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Model fingerprints are cached in a directory of this session, not the user's."""
+    path = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("WARMSLOT_CACHE_DIR")
+    os.environ["WARMSLOT_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("WARMSLOT_CACHE_DIR", None)
+    else:
+        os.environ["WARMSLOT_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")

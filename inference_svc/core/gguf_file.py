@@ -1,19 +1,24 @@
-"""Reads a llama-architecture GGUF file into F32 arrays, hyper-parameters,
-tokenizer metadata and a model fingerprint. The C core parses no files."""
+"""Reads a llama-architecture GGUF file: hyper-parameters, tokenizer metadata, a model
+fingerprint, and the tensors as they are stored, memory-mapped from the file (no copy,
+no dequantization; the C core computes on the stored types). The C core parses no
+files."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+import mmap
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .errors import ModelLoadError
+from .fingerprint import model_fingerprint
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+# the GGML types the C core computes with (weights stay in these types)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K",
+                   "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -44,18 +49,56 @@ class TokenizerData:
     eos_id: int | None
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor as stored: `data` is its bytes, a view of the file's memory map."""
+
+    name: str
+    type: int                # GGML type id
+    type_name: str
+    shape: tuple[int, ...]   # numpy order: (rows, cols) or (n,)
+    data: np.ndarray         # uint8 [nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    def dequantize(self) -> np.ndarray:
+        """The values as F32 (a new array): natively for F32/F16/BF16, else through
+        gguf's own dequantizer (the reference's view of the weights)."""
+        from gguf import GGMLQuantizationType as Q
+        from gguf import quants
+
+        qtype = Q(self.type)
+        if qtype == Q.F32:
+            arr = self.data.view(np.float32).copy()
+        elif qtype == Q.F16:
+            arr = self.data.view(np.float16).astype(np.float32)
+        elif qtype == Q.BF16:
+            arr = (self.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = quants.dequantize(self.data.reshape(self.shape[0], -1) if len(self.shape) > 1
+                                    else self.data, qtype)
+        return np.ascontiguousarray(arr.reshape(self.shape), dtype=np.float32)
+
+
 @dataclass
 class GGUFModel:
-    """A model file's content: F32 weights by GGUF tensor name, and metadata."""
+    """A model file's content: stored tensors by GGUF name, and metadata. `close()`
+    releases the memory map (every array view of it must be gone by then)."""
 
     path: Path
     name: str
     architecture: str
     hparams: HParams
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, Tensor]
     tokenizer: TokenizerData
     fingerprint: str
-    tensor_types: dict[str, str] = field(default_factory=dict)
+    _map: mmap.mmap | None = field(default=None, repr=False)
 
     @property
     def tied_output(self) -> bool:
@@ -63,7 +106,23 @@ class GGUFModel:
 
     @property
     def n_params(self) -> int:
-        return int(sum(t.size for t in self.tensors.values()))
+        return sum(t.n_elements for t in self.tensors.values())
+
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        return {name: t.type_name for name, t in self.tensors.items()}
+
+    def dequantized(self) -> dict[str, np.ndarray]:
+        """Every tensor as F32 (new arrays): the reference's weights."""
+        return {name: t.dequantize() for name, t in self.tensors.items()}
+
+    def close(self) -> None:
+        """Drops the tensor views and unmaps the file. If something outside still holds
+        a view, the map stays until that view is collected."""
+        self.tensors = {}
+        if self._map is not None:
+            mapping, self._map = self._map, None
+            _unmap(mapping)
 
 
 def _field(reader: Any, key: str, default: Any = None, required: bool = True) -> Any:
@@ -75,32 +134,7 @@ def _field(reader: Any, key: str, default: Any = None, required: bool = True) ->
     return f.contents()
 
 
-def _to_f32(tensor: Any) -> np.ndarray:
-    """F32/F16/BF16 natively; every other GGML type through gguf's own dequantizer."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import quants
-
-    qtype = tensor.tensor_type
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # numpy (rows, cols)
-    data = np.asarray(tensor.data)
-    if qtype == Q.F32:
-        arr = data.astype(np.float32, copy=False)
-    elif qtype == Q.F16:
-        arr = data.astype(np.float32)
-    elif qtype == Q.BF16:
-        raw = data.view(np.uint8).reshape(-1).view(np.uint16).astype(np.uint32) << 16
-        arr = raw.view(np.float32)
-    else:
-        try:
-            arr = quants.dequantize(data, qtype)
-        except (NotImplementedError, ValueError, KeyError) as exc:
-            raise ModelLoadError(
-                f"tensor {tensor.name!r} has type {qtype.name}, which cannot be dequantized: {exc}"
-            ) from exc
-    return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
-
-
-def _hparams(reader: Any, arch: str, tensors: dict[str, np.ndarray]) -> HParams:
+def _hparams(reader: Any, arch: str, tensors: dict[str, Tensor]) -> HParams:
     p = f"{arch}."
     n_embd = int(_field(reader, p + "embedding_length"))
     n_head = int(_field(reader, p + "attention.head_count"))
@@ -145,7 +179,7 @@ def _expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _validate(hp: HParams, tensors: dict[str, np.ndarray]) -> None:
+def _validate(hp: HParams, tensors: dict[str, Tensor]) -> None:
     for name, shape in _expected_shapes(hp).items():
         t = tensors.get(name)
         if t is None:
@@ -155,21 +189,31 @@ def _validate(hp: HParams, tensors: dict[str, np.ndarray]) -> None:
     out = tensors.get("output.weight")
     if out is not None and out.shape != (hp.n_vocab, hp.n_embd):
         raise ModelLoadError(f"tensor 'output.weight' has shape {out.shape}")
+    # the norm weights (small, copied to F32 for the core) must be finite; the matrices
+    # are not scanned: that would read the whole file at every load
     for name, t in tensors.items():
-        if not np.isfinite(t).all():
+        if len(t.shape) == 1 and not np.isfinite(t.dequantize()).all():
             raise ModelLoadError(f"tensor {name!r} holds NaN or infinite values")
 
 
-def fingerprint(hp: HParams, tensors: dict[str, np.ndarray]) -> str:
-    """SHA-256 over the hyper-parameters and the F32 bytes of every tensor, by name."""
-    h = hashlib.sha256()
-    h.update(b"warmslot-model-v1\0")
-    h.update(json.dumps(asdict(hp), sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(name.encode() + b"\0" + json.dumps(list(t.shape)).encode() + b"\0")
-        h.update(t.tobytes())
-    return h.hexdigest()
+def _stored_tensors(reader: Any, mapping: mmap.mmap) -> dict[str, Tensor]:
+    """Every tensor as a view of `mapping`; an unsupported type is an error naming the
+    tensor, raised before any tensor is used."""
+    tensors: dict[str, Tensor] = {}
+    for t in reader.tensors:
+        type_name = t.tensor_type.name
+        if type_name not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"tensor {t.name!r} has type {type_name}, which the core does not support "
+                f"(supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy (rows, cols)
+        if t.data_offset + t.n_bytes > len(mapping):
+            raise ModelLoadError(f"tensor {t.name!r} extends past the end of the file")
+        data = np.frombuffer(mapping, dtype=np.uint8, count=int(t.n_bytes),
+                             offset=int(t.data_offset))
+        tensors[t.name] = Tensor(t.name, int(t.tensor_type), type_name, shape, data)
+    return tensors
 
 
 def _tokenizer(reader: Any) -> TokenizerData:
@@ -189,8 +233,16 @@ def _tokenizer(reader: Any) -> TokenizerData:
     )
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
-    """Loads a GGUF model; every problem is a ModelLoadError naming it."""
+def _unmap(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:
+        pass  # views in a traceback: unmapped when they are collected
+
+
+def load_gguf(path: str | Path, cache_dir: Path | None = None) -> GGUFModel:
+    """Loads a GGUF model; every problem is a ModelLoadError naming it. The fingerprint
+    is cached under cache_dir (see fingerprint.cache_dir) by file identity."""
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
@@ -200,6 +252,8 @@ def load_gguf(path: str | Path) -> GGUFModel:
         reader = GGUFReader(str(path), "r")
     except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         arch = str(_field(reader, "general.architecture"))
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -207,11 +261,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
                 f"{path}: architecture {arch!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        tensors: dict[str, np.ndarray] = {}
-        types: dict[str, str] = {}
-        for t in reader.tensors:
-            tensors[t.name] = _to_f32(t)
-            types[t.name] = t.tensor_type.name
+        tensors = _stored_tensors(reader, mapping)
         hp = _hparams(reader, arch, tensors)
         _validate(hp, tensors)
         tok = _tokenizer(reader)
@@ -220,17 +270,12 @@ def load_gguf(path: str | Path) -> GGUFModel:
                 f"{path}: tokenizer has {len(tok.tokens)} tokens, the model {hp.n_vocab}"
             )
         name = str(_field(reader, "general.name", path.stem, required=False))
+        fp = model_fingerprint(path, hp, tensors, cache_dir)
     except ModelLoadError:
+        _unmap(mapping)
         raise
     except Exception as exc:
+        _unmap(mapping)
         raise ModelLoadError(f"{path}: malformed GGUF content: {exc}") from exc
-    return GGUFModel(
-        path=path,
-        name=name,
-        architecture=arch,
-        hparams=hp,
-        tensors=tensors,
-        tokenizer=tok,
-        fingerprint=fingerprint(hp, tensors),
-        tensor_types=types,
-    )
+    return GGUFModel(path=path, name=name, architecture=arch, hparams=hp, tensors=tensors,
+                     tokenizer=tok, fingerprint=fp, _map=mapping)
