@@ -346,6 +346,79 @@ static inline chunk32 unpack32(const int32_t type, const uint8_t *row, int c) {
 }
 #endif
 
+/*
+ * AVX-512 (when the build targets it): one 16-lane register holds the 8 canonical
+ * lanes of two rows (row a low, row b high), so every lane still performs the
+ * canonical sequence of its row, and the AVX2 and portable builds give its bits.
+ */
+#if WS_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define WS_AVX512 1
+typedef struct {
+    __m512 v[4];
+} chunk32x2;
+
+static inline __m512 pair_ps(float a, float b) {
+    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+static inline __m512 join_ps(__m256 a, __m256 b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+
+/* 8 bytes of a then 8 bytes of b, as one register of 16 bytes */
+static inline __m128i bytes_pair(const uint8_t *a, const uint8_t *b) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a),
+                              _mm_loadl_epi64((const __m128i *)(const void *)b));
+}
+
+static inline __attribute__((always_inline)) chunk32x2 unpack32x2(const int32_t type,
+                                                                  const uint8_t *ra,
+                                                                  const uint8_t *rb, int c) {
+    chunk32x2 w;
+    switch (type) {
+    case WS_TYPE_Q8_0: {
+        const uint8_t *a = ra + (size_t)c * 34, *b = rb + (size_t)c * 34;
+        const __m512 d = pair_ps(half_scalar(a), half_scalar(b));
+        for (int g = 0; g < 4; g++) {
+            const __m512i q = _mm512_cvtepi8_epi32(bytes_pair(a + 2 + 8 * g, b + 2 + 8 * g));
+            w.v[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+        }
+        return w;
+    }
+    case WS_TYPE_Q4_0:
+    case WS_TYPE_Q4_1: {
+        const int q41 = type == WS_TYPE_Q4_1, bs = q41 ? 20 : 18, off = q41 ? 4 : 2;
+        const uint8_t *a = ra + (size_t)c * bs, *b = rb + (size_t)c * bs;
+        const __m128i la = _mm_loadu_si128((const __m128i *)(const void *)(a + off));
+        const __m128i lb = _mm_loadu_si128((const __m128i *)(const void *)(b + off));
+        const __m512i wl = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(la, lb));
+        const __m512i wh = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(la, lb));
+        const __m512i m4 = _mm512_set1_epi32(0xF);
+        const __m512i q[4] = {_mm512_and_si512(wl, m4), _mm512_and_si512(wh, m4),
+                              _mm512_srli_epi32(wl, 4), _mm512_srli_epi32(wh, 4)};
+        const __m512 d = pair_ps(half_scalar(a), half_scalar(b));
+        if (q41) {
+            const __m512 m = pair_ps(half_scalar(a + 2), half_scalar(b + 2));
+            for (int g = 0; g < 4; g++) w.v[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[g]), d, m);
+        } else {
+            const __m512i eight = _mm512_set1_epi32(8);
+            for (int g = 0; g < 4; g++)
+                w.v[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[g], eight)));
+        }
+        return w;
+    }
+    default: {
+        const chunk32 a = unpack32(type, ra, c), b = unpack32(type, rb, c);
+        for (int g = 0; g < 4; g++) w.v[g] = join_ps(a.v[g], b.v[g]);
+        return w;
+    }
+    }
+}
+#else
+#define WS_AVX512 0
+#endif
+
 /* ------------------------------------------------------------------------- */
 /* rows as floats                                                              */
 
@@ -492,15 +565,28 @@ static void matmul_f32(float *out, int ldo, const float *W, const float *X, int 
 /* ------------------------------------------------------------------------- */
 /* typed products                                                              */
 
+/* the end of a row's canonical dot: the lanes' sum, then for plain rows whose length
+   is not a multiple of 32 the rest of the row (8-lane steps, then in order) */
+static inline __attribute__((always_inline)) float
+finish_row(lanes8 a, const uint8_t *w, const float *x, int n, const int32_t type) {
+    const int n32 = n & ~31, n8 = n & ~7;
+    if (n32 == n) return l8_sum(a);
+    float rest[32];
+    for (int k = n32; k < n; k++) rest[k - n32] = plain_at(type, w, k);
+    for (int k = n32; k < n8; k += 8) a = l8_fma(l8_load(rest + (k - n32)), l8_load(x + k), a);
+    float s = l8_sum(a);
+    for (int k = n8; k < n; k++) s = fmaf(rest[k - n32], x[k], s);
+    return s;
+}
+
 /*
  * R rows (1 or 4) x 1 token, unpacking in registers: per row the canonical dot of
- * its unpacked values with x (chunks of 32 in order = 8-lane FMAs in order of k;
- * the plain types' last partial chunk through plain_at, as dot_tail does).
+ * its unpacked values with x (chunks of 32 in order = 8-lane FMAs in order of k).
  */
 static inline __attribute__((always_inline)) void
 qtile_rx1(float *out, const ws_tensor *W, const float *x, int r, int add, const int R,
           const int32_t type) {
-    const int n = W->cols, n32 = n & ~31, n8 = n & ~7;
+    const int n = W->cols, n32 = n & ~31;
     const size_t rb = ws_type_row_bytes(type, n);
     const uint8_t *w[4];
     lanes8 a[4];
@@ -520,25 +606,44 @@ qtile_rx1(float *out, const ws_tensor *W, const float *x, int r, int add, const 
             a[i] = l8_fma(q.v[3], x3, a[i]);
         }
     }
-    for (int i = 0; i < R; i++) {
-        float s;
-        if (n32 == n) {
-            s = l8_sum(a[i]);
-        } else { /* plain types only: the rest of the row as the canonical dot's end */
-            float rest[32];
-            for (int k = n32; k < n; k++) rest[k - n32] = plain_at(type, w[i], k);
-            for (int k = n32; k < n8; k += 8) a[i] = l8_fma(l8_load(rest + (k - n32)), l8_load(x + k), a[i]);
-            s = l8_sum(a[i]);
-            for (int k = n8; k < n; k++) s = fmaf(rest[k - n32], x[k], s);
+    for (int i = 0; i < R; i++) store_out(out + r + i, finish_row(a[i], w[i], x, n, type), add);
+}
+
+#if WS_AVX512
+/* 8 rows x 1 token as 4 row pairs: 4 independent FMA chains of 16 lanes */
+static inline __attribute__((always_inline)) void
+qtile_8x1(float *out, const ws_tensor *W, const float *x, int r, int add, const int32_t type) {
+    const int n = W->cols, n32 = n & ~31;
+    const size_t rb = ws_type_row_bytes(type, n);
+    const uint8_t *w[8];
+    __m512 a[4];
+    for (int i = 0; i < 8; i++) w[i] = (const uint8_t *)W->data + (size_t)(r + i) * rb;
+    for (int p = 0; p < 4; p++) a[p] = _mm512_setzero_ps();
+    for (int c = 0; c < n32 / 32; c++) {
+        const float *xc = x + 32 * c;
+        __m512 xv[4];
+        for (int g = 0; g < 4; g++) xv[g] = _mm512_broadcast_f32x8(_mm256_loadu_ps(xc + 8 * g));
+        for (int p = 0; p < 4; p++) {
+            const chunk32x2 q = unpack32x2(type, w[2 * p], w[2 * p + 1], c);
+            for (int g = 0; g < 4; g++) a[p] = _mm512_fmadd_ps(q.v[g], xv[g], a[p]);
         }
-        store_out(out + r + i, s, add);
+    }
+    for (int p = 0; p < 4; p++) {
+        store_out(out + r + 2 * p, finish_row(_mm512_castps512_ps256(a[p]), w[2 * p], x, n, type),
+                  add);
+        store_out(out + r + 2 * p + 1,
+                  finish_row(_mm512_extractf32x8_ps(a[p], 1), w[2 * p + 1], x, n, type), add);
     }
 }
+#endif
 
 static inline __attribute__((always_inline)) void
 qmatvec(float *out, const ws_tensor *W, const float *x, int r0, int r1, int add,
         const int32_t type) {
     int r = r0;
+#if WS_AVX512
+    for (; r + 8 <= r1; r += 8) qtile_8x1(out, W, x, r, add, type);
+#endif
     for (; r + 4 <= r1; r += 4) qtile_rx1(out, W, x, r, add, 4, type);
     for (; r < r1; r++) qtile_rx1(out, W, x, r, add, 1, type);
 }

@@ -221,3 +221,13 @@ def test_quantized_batch_size_and_threads(mixed_model: Path, threads: int) -> No
                     reason="compares the release build with the portable one")
 def test_portable_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> None:
     assert logits_digests(mixed_model, "portable") == logits_digests(mixed_model, "release")
+
+
+@pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
+                    reason="compares the release build with the AVX2 one")
+@pytest.mark.skipif(not list((ROOT / "inference_svc" / "core").glob("_native_avx2*.so")),
+                    reason="the AVX2 build is not built (make native-avx2)")
+def test_avx2_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> None:
+    """On an AVX-512 machine the release build pairs rows in 16 lanes; the AVX2 build
+    computes the same canonical 8-lane order in 8 lanes."""
+    assert logits_digests(mixed_model, "avx2") == logits_digests(mixed_model, "release")
