@@ -210,3 +210,17 @@ def test_cli_reports_one_line_and_fails(tmp_path: Path, small_model_path: Path,
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_header_parser_agrees_with_the_gguf_reader(tmp_path: Path) -> None:
+    from inference_svc.core.gguf_parse import parse
+
+    path = tmp_path / "mixed.gguf"
+    write_model(path, Shape(n_embd=256, n_ff=512, dtype="mixed"), seed=6)
+    header = parse(path.read_bytes())
+    reader = gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert header.fields == expected
+    assert [(t.name, t.type, t.offset, list(t.dims)) for t in header.tensors] == [
+        (t.name, int(t.tensor_type), int(t.data_offset), t.shape.tolist())
+        for t in reader.tensors]

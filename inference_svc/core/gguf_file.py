@@ -6,6 +6,7 @@ files."""
 from __future__ import annotations
 
 import mmap
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 
 from .errors import ModelLoadError
 from .fingerprint import model_fingerprint
+from .gguf_parse import Header, parse
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # the GGML types the C core computes with (weights stay in these types)
@@ -125,35 +127,34 @@ class GGUFModel:
             _unmap(mapping)
 
 
-def _field(reader: Any, key: str, default: Any = None, required: bool = True) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
+def _field(header: Header, key: str, default: Any = None, required: bool = True) -> Any:
+    if key not in header.fields:
         if required and default is None:
             raise ModelLoadError(f"GGUF metadata key {key!r} is missing")
         return default
-    return f.contents()
+    return header.fields[key]
 
 
-def _hparams(reader: Any, arch: str, tensors: dict[str, Tensor]) -> HParams:
+def _hparams(header: Header, arch: str, tensors: dict[str, Tensor]) -> HParams:
     p = f"{arch}."
-    n_embd = int(_field(reader, p + "embedding_length"))
-    n_head = int(_field(reader, p + "attention.head_count"))
+    n_embd = int(_field(header, p + "embedding_length"))
+    n_head = int(_field(header, p + "attention.head_count"))
     if n_head <= 0 or n_embd % n_head != 0:
         raise ModelLoadError(f"embedding_length {n_embd} is not a multiple of head_count {n_head}")
     tok = tensors.get("token_embd.weight")
     if tok is None:
         raise ModelLoadError("tensor 'token_embd.weight' is missing")
     return HParams(
-        n_vocab=int(_field(reader, p + "vocab_size", tok.shape[0])),
+        n_vocab=int(_field(header, p + "vocab_size", tok.shape[0])),
         n_embd=n_embd,
-        n_layer=int(_field(reader, p + "block_count")),
+        n_layer=int(_field(header, p + "block_count")),
         n_head=n_head,
-        n_head_kv=int(_field(reader, p + "attention.head_count_kv", n_head)),
-        n_ff=int(_field(reader, p + "feed_forward_length")),
-        n_rot=int(_field(reader, p + "rope.dimension_count", n_embd // n_head)),
-        n_ctx_train=int(_field(reader, p + "context_length")),
-        rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        n_head_kv=int(_field(header, p + "attention.head_count_kv", n_head)),
+        n_ff=int(_field(header, p + "feed_forward_length")),
+        n_rot=int(_field(header, p + "rope.dimension_count", n_embd // n_head)),
+        n_ctx_train=int(_field(header, p + "context_length")),
+        rms_eps=float(_field(header, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(header, p + "rope.freq_base", 10000.0)),
     )
 
 
@@ -196,33 +197,43 @@ def _validate(hp: HParams, tensors: dict[str, Tensor]) -> None:
             raise ModelLoadError(f"tensor {name!r} holds NaN or infinite values")
 
 
-def _stored_tensors(reader: Any, mapping: mmap.mmap) -> dict[str, Tensor]:
+def _stored_tensors(header: Header, mapping: mmap.mmap) -> dict[str, Tensor]:
     """Every tensor as a view of `mapping`; an unsupported type is an error naming the
     tensor, raised before any tensor is used."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     tensors: dict[str, Tensor] = {}
-    for t in reader.tensors:
-        type_name = t.tensor_type.name
-        if type_name not in SUPPORTED_TYPES:
+    for t in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(t.type)
+        except ValueError:
+            raise ModelLoadError(f"tensor {t.name!r} has unknown type id {t.type}") from None
+        if qtype.name not in SUPPORTED_TYPES:
             raise ModelLoadError(
-                f"tensor {t.name!r} has type {type_name}, which the core does not support "
+                f"tensor {t.name!r} has type {qtype.name}, which the core does not support "
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # numpy (rows, cols)
-        if t.data_offset + t.n_bytes > len(mapping):
-            raise ModelLoadError(f"tensor {t.name!r} extends past the end of the file")
-        data = np.frombuffer(mapping, dtype=np.uint8, count=int(t.n_bytes),
-                             offset=int(t.data_offset))
-        tensors[t.name] = Tensor(t.name, int(t.tensor_type), type_name, shape, data)
+        block, size = GGML_QUANT_SIZES[qtype]
+        if not t.dims or t.dims[0] % block:
+            raise ModelLoadError(f"tensor {t.name!r} of shape {list(t.dims)} is not a whole "
+                                 f"number of {qtype.name} blocks of {block}")
+        n_bytes = int(np.prod(t.dims)) // block * size
+        if t.offset + n_bytes > len(mapping):
+            raise ModelLoadError(f"not a readable GGUF file: tensor {t.name!r} extends past "
+                                 "the end of the file (truncated?)")
+        data = np.frombuffer(mapping, dtype=np.uint8, count=n_bytes, offset=t.offset)
+        shape = tuple(reversed(t.dims))  # numpy (rows, cols)
+        tensors[t.name] = Tensor(t.name, int(qtype), qtype.name, shape, data)
     return tensors
 
 
-def _tokenizer(reader: Any) -> TokenizerData:
-    model = str(_field(reader, "tokenizer.ggml.model"))
-    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
-    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), required=False)
-    merges = _field(reader, "tokenizer.ggml.merges", [], required=False)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", None, required=False)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", None, required=False)
+def _tokenizer(header: Header) -> TokenizerData:
+    model = str(_field(header, "tokenizer.ggml.model"))
+    tokens = [str(t) for t in _field(header, "tokenizer.ggml.tokens")]
+    types = _field(header, "tokenizer.ggml.token_type", [1] * len(tokens), required=False)
+    merges = _field(header, "tokenizer.ggml.merges", [], required=False)
+    bos = _field(header, "tokenizer.ggml.bos_token_id", None, required=False)
+    eos = _field(header, "tokenizer.ggml.eos_token_id", None, required=False)
     return TokenizerData(
         model=model,
         tokens=tokens,
@@ -246,30 +257,32 @@ def load_gguf(path: str | Path, cache_dir: Path | None = None) -> GGUFModel:
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path), "r")
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # an empty file cannot be mapped
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        arch = str(_field(reader, "general.architecture"))
+        header = parse(mapping)
+    except (ValueError, struct.error, UnicodeDecodeError) as exc:
+        _unmap(mapping)
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    try:
+        arch = str(_field(header, "general.architecture"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{path}: architecture {arch!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        tensors = _stored_tensors(reader, mapping)
-        hp = _hparams(reader, arch, tensors)
+        tensors = _stored_tensors(header, mapping)
+        hp = _hparams(header, arch, tensors)
         _validate(hp, tensors)
-        tok = _tokenizer(reader)
+        tok = _tokenizer(header)
         if len(tok.tokens) != hp.n_vocab:
             raise ModelLoadError(
                 f"{path}: tokenizer has {len(tok.tokens)} tokens, the model {hp.n_vocab}"
             )
-        name = str(_field(reader, "general.name", path.stem, required=False))
+        name = str(_field(header, "general.name", path.stem, required=False))
         fp = model_fingerprint(path, hp, tensors, cache_dir)
     except ModelLoadError:
         _unmap(mapping)
