@@ -358,18 +358,20 @@ typedef struct {
     __m512 v[4];
 } chunk32x2;
 
-static inline __m512 pair_ps(float a, float b) {
-    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+/* the f16 pairs (d, m) at a and at b as registers [d_a x8 | d_b x8] and
+   [m_a x8 | m_b x8]: one conversion and two permutes instead of four scalar
+   conversions and broadcasts */
+static inline void scales_pair(const uint8_t *a, const uint8_t *b, __m512 *d, __m512 *m) {
+    int32_t sa, sb;
+    memcpy(&sa, a, sizeof sa);
+    memcpy(&sb, b, sizeof sb);
+    const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(sa, sb, 0, 0)));
+    *d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), v);
+    *m = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), v);
 }
 
 static inline __m512 join_ps(__m256 a, __m256 b) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
-}
-
-/* 8 bytes of a then 8 bytes of b, as one register of 16 bytes */
-static inline __m128i bytes_pair(const uint8_t *a, const uint8_t *b) {
-    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a),
-                              _mm_loadl_epi64((const __m128i *)(const void *)b));
 }
 
 static inline __attribute__((always_inline)) chunk32x2 unpack32x2(const int32_t type,
@@ -379,10 +381,15 @@ static inline __attribute__((always_inline)) chunk32x2 unpack32x2(const int32_t 
     switch (type) {
     case WS_TYPE_Q8_0: {
         const uint8_t *a = ra + (size_t)c * 34, *b = rb + (size_t)c * 34;
-        const __m512 d = pair_ps(half_scalar(a), half_scalar(b));
-        for (int g = 0; g < 4; g++) {
-            const __m512i q = _mm512_cvtepi8_epi32(bytes_pair(a + 2 + 8 * g, b + 2 + 8 * g));
-            w.v[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q));
+        __m512 d, unused;
+        scales_pair(a, b, &d, &unused); /* d, then the first two quants: not used */
+        for (int h = 0; h < 2; h++) {
+            const __m128i la = _mm_loadu_si128((const __m128i *)(const void *)(a + 2 + 16 * h));
+            const __m128i lb = _mm_loadu_si128((const __m128i *)(const void *)(b + 2 + 16 * h));
+            const __m512i lo = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(la, lb));
+            const __m512i hi = _mm512_cvtepi8_epi32(_mm_unpackhi_epi64(la, lb));
+            w.v[2 * h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
+            w.v[2 * h + 1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
         }
         return w;
     }
@@ -397,9 +404,9 @@ static inline __attribute__((always_inline)) chunk32x2 unpack32x2(const int32_t 
         const __m512i m4 = _mm512_set1_epi32(0xF);
         const __m512i q[4] = {_mm512_and_si512(wl, m4), _mm512_and_si512(wh, m4),
                               _mm512_srli_epi32(wl, 4), _mm512_srli_epi32(wh, 4)};
-        const __m512 d = pair_ps(half_scalar(a), half_scalar(b));
+        __m512 d, m;
+        scales_pair(a, b, &d, &m); /* Q4_0: m is the first quants, not used */
         if (q41) {
-            const __m512 m = pair_ps(half_scalar(a + 2), half_scalar(b + 2));
             for (int g = 0; g < 4; g++) w.v[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[g]), d, m);
         } else {
             const __m512i eight = _mm512_set1_epi32(8);
