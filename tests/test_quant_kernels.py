@@ -6,6 +6,9 @@ whose length is not a multiple of the SIMD width."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -140,3 +143,47 @@ def test_bad_arguments_are_refused() -> None:
     assert lib.ws_type_row_bytes(TYPE_IDS["q4_k"], 300) == 0
     assert lib.ws_type_row_bytes(7, 64) == 0  # Q5_1: not supported
     assert ffi.string(lib.ws_type_name(TYPE_IDS["q6_k"])) == b"Q6_K"
+
+
+GEMMA = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma_path() -> Path | None:
+    env = os.environ.get("WARMSLOT_GEMMA3")
+    if env:
+        return Path(env)
+    found = sorted((Path(__file__).resolve().parent.parent / "models").rglob(GEMMA))
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(gemma_path() is None or not gemma_path().is_file(),
+                    reason=f"{GEMMA} is not present (set WARMSLOT_GEMMA3)")
+def test_real_tensors_of_gemma3() -> None:
+    """Real Q4_K, Q5_0, Q6_K, Q8_0 tensors (Gemma 3 270M Q4_K_M): the kernels unpack
+    them as gguf does and multiply them in the canonical order."""
+    from inference_svc.core.gguf_parse import parse
+
+    data = np.fromfile(gemma_path(), dtype=np.uint8)
+    header = parse(data)
+    seen = set()
+    rng = np.random.default_rng(4)
+    for info in header.tensors:
+        qtype = gguf.GGMLQuantizationType(info.type)
+        name = qtype.name.lower()
+        if len(info.dims) != 2 or name not in TYPE_IDS or name in seen:
+            continue
+        seen.add(name)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        cols, rows = info.dims[0], min(info.dims[1], 13)
+        row_bytes = cols // block * size
+        raw = data[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
+        t = Tensor(raw, name, rows, cols)
+        unpacked = t.rows_f32()
+        expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+        assert unpacked.tobytes() == expected.tobytes(), info.name
+        assert t.rows_f32(reference=True).tobytes() == unpacked.tobytes()
+        plain = Tensor(unpacked.view(np.uint8), "f32", rows, cols)
+        for nt in (1, 5):
+            x = rng.standard_normal((nt, cols)).astype(np.float32)
+            assert t.matmul(x).tobytes() == plain.matmul(x).tobytes(), (info.name, nt)
+    assert {"q4_k", "q5_0", "q6_k", "q8_0"} <= seen
