@@ -187,6 +187,14 @@ def test_portable_build_gives_the_same_bits_on_the_bundled_target() -> None:
     assert logits_digests(target, "portable") == logits_digests(target, "release")
 
 
+def cpu_has(*flags: str) -> bool:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in info for f in flags)
+
+
 # one model whose matrices cycle through every supported type
 MIXED = Shape(n_vocab=300, n_embd=256, n_layer=3, n_head=4, n_head_kv=2, n_ff=512,
               dtype="mixed")
@@ -227,6 +235,7 @@ def test_portable_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> 
                     reason="compares the release build with the AVX2 one")
 @pytest.mark.skipif(not list((ROOT / "inference_svc" / "core").glob("_native_avx2*.so")),
                     reason="the AVX2 build is not built (make native-avx2)")
+@pytest.mark.skipif(not cpu_has("avx2", "fma", "f16c"), reason="the CPU has no AVX2 + FMA")
 def test_avx2_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> None:
     """On an AVX-512 machine the release build pairs rows in 16 lanes; the AVX2 build
     computes the same canonical 8-lane order in 8 lanes."""

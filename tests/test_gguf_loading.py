@@ -224,3 +224,16 @@ def test_header_parser_agrees_with_the_gguf_reader(tmp_path: Path) -> None:
     assert [(t.name, t.type, t.offset, list(t.dims)) for t in header.tensors] == [
         (t.name, int(t.tensor_type), int(t.data_offset), t.shape.tolist())
         for t in reader.tensors]
+
+
+def test_header_that_nests_arrays_without_end_is_refused(tmp_path: Path) -> None:
+    """A metadata array of arrays of arrays... (each 12 bytes) must not crash the parser."""
+    import struct
+
+    nest = struct.pack("<IQ", 9, 1) * 5000  # array element type ARRAY, count 1, ...
+    data = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
+            + struct.pack("<I", 9) + nest)
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        load_gguf(path)

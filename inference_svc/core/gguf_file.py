@@ -264,7 +264,7 @@ def load_gguf(path: str | Path, cache_dir: Path | None = None) -> GGUFModel:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     try:
         header = parse(mapping)
-    except (ValueError, struct.error, UnicodeDecodeError) as exc:
+    except (ValueError, struct.error, RecursionError) as exc:
         _unmap(mapping)
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     try:
