@@ -8,6 +8,7 @@ NATIVE_SRC := $(wildcard native/*.c native/*.h) native/build_ffi.py
 NATIVE_SO := inference_svc/core/.built-release
 NATIVE_ASAN_SO := inference_svc/core/.built-asan
 NATIVE_PORTABLE_SO := inference_svc/core/.built-portable
+NATIVE_AVX2_SO := inference_svc/core/.built-avx2
 PROTO_SRC := $(wildcard proto/warmslot/*/v1/*.proto) tools/gen_proto.py
 PROTO_STAMP := build/.proto-generated
 MODEL ?= models/target.gguf
@@ -21,7 +22,7 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 
-.PHONY: all setup proto native native-asan native-portable run test test-fast test-asan test-deploy lint bench bench-resume demo models clean distclean
+.PHONY: all setup proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume demo models clean distclean
 
 all: setup
 
@@ -51,9 +52,14 @@ $(NATIVE_PORTABLE_SO): $(DEPS_STAMP) $(NATIVE_SRC)
 	$(PY) native/build_ffi.py --variant portable
 	touch $@
 
+$(NATIVE_AVX2_SO): $(DEPS_STAMP) $(NATIVE_SRC)
+	$(PY) native/build_ffi.py --variant avx2
+	touch $@
+
 native: $(NATIVE_SO)
 native-asan: $(NATIVE_ASAN_SO)
 native-portable: $(NATIVE_PORTABLE_SO)
+native-avx2: $(NATIVE_AVX2_SO)
 
 # the inference service in the foreground on 127.0.0.1 (Ctrl-C stops it gracefully);
 # talk to it with `.venv/bin/python -m inference_svc.client ...` (README)
@@ -70,7 +76,7 @@ lint: $(DEPS_STAMP)
 	$(PY) -m ruff check .
 
 # the whole suite, then the core's determinism and state tests under ASan + UBSan
-test: setup $(NATIVE_ASAN_SO) $(NATIVE_PORTABLE_SO) lint
+test: setup $(NATIVE_ASAN_SO) $(NATIVE_PORTABLE_SO) $(NATIVE_AVX2_SO) lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-deploy

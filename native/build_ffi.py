@@ -31,6 +31,9 @@ VARIANTS = {
     # the scalar path (no -march): the tests check that it gives the release build's bits
     "portable": {"module": "_native_portable", "cflags": ["-O3"], "ldflags": [],
                  "march": "none"},
+    # AVX2 + FMA without AVX-512: on an AVX-512 machine, the tests check it too
+    "avx2": {"module": "_native_avx2", "cflags": ["-O3"], "ldflags": [],
+             "march": "x86-64-v3"},
     "asan": {
         "module": "_native_asan",
         "cflags": ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -41,7 +44,8 @@ VARIANTS = {
 
 
 def arch_flags(forced: str | None = None) -> list[str]:
-    """x86-64-v3 (AVX2 + FMA) when the CPU has it; the C code has a scalar path otherwise.
+    """x86-64-v4 (AVX-512) or x86-64-v3 (AVX2 + FMA) when the CPU has it; the C code has
+    a scalar path otherwise.
 
     WARMSLOT_MARCH overrides the choice (an image built for other machines sets it):
     a -march value such as `x86-64-v3`, or `none` for the compiler's default. The
@@ -56,6 +60,8 @@ def arch_flags(forced: str | None = None) -> list[str]:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return []
+    if all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
+        return ["-march=x86-64-v4"]
     if all(f" {f}" in flags for f in ("avx2", "fma")):
         return ["-march=x86-64-v3"]
     return []
@@ -85,7 +91,8 @@ def build(variant: str) -> Path:
     ffi.set_source(
         module,
         '#include "warmslot.h"',
-        sources=[str(NATIVE / "warmslot.c"), str(NATIVE / "speculative.c")],
+        sources=[str(NATIVE / "warmslot.c"), str(NATIVE / "quant.c"),
+                 str(NATIVE / "speculative.c")],
         include_dirs=[str(NATIVE)],
         extra_compile_args=WARN + NUMERIC + arch_flags(spec.get("march")) + spec["cflags"],
         extra_link_args=spec["ldflags"],

@@ -19,12 +19,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define WS_SIMD 1
-#else
-#define WS_SIMD 0
-#endif
+#include "quant.h"
+#include "ws_simd.h"
 
 /* ------------------------------------------------------------------------- */
 /* errors                                                                      */
@@ -47,225 +43,6 @@ static ws_status fail_global(ws_status st, const char *fmt, ...) {
 static float ws_silu(float x) { return x / (1.0f + ws_expf(-x)); }
 
 /* ------------------------------------------------------------------------- */
-/* dot products: one fixed order for every kernel                             */
-/*
- * A dot product of length n accumulates w[k]*x[k] into 8 lanes with fused
- * multiply-adds for k < n8 = n & ~7 (lane k % 8), reduces the lanes in a
- * fixed tree, then adds the tail with fmaf in order. The single-row kernel and
- * the tiled kernels below execute exactly this sequence per output element.
- */
-
-#if WS_SIMD
-typedef __m256 lanes8;
-static inline lanes8 l8_zero(void) { return _mm256_setzero_ps(); }
-static inline lanes8 l8_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline lanes8 l8_fma(lanes8 a, lanes8 b, lanes8 c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float l8_sum(lanes8 v) {
-    __m128 lo = _mm256_castps256_ps128(v);
-    __m128 hi = _mm256_extractf128_ps(v, 1);
-    __m128 s = _mm_add_ps(lo, hi);                 /* l0+l4, l1+l5, l2+l6, l3+l7 */
-    __m128 sh = _mm_movehl_ps(s, s);               /* s2, s3                     */
-    __m128 s2 = _mm_add_ps(s, sh);                 /* s0+s2, s1+s3               */
-    __m128 s3 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x1));
-    return _mm_cvtss_f32(s3);
-}
-#else
-typedef struct { float v[8]; } lanes8;
-static inline lanes8 l8_zero(void) { lanes8 r; memset(&r, 0, sizeof r); return r; }
-static inline lanes8 l8_load(const float *p) { lanes8 r; memcpy(r.v, p, sizeof r.v); return r; }
-static inline lanes8 l8_fma(lanes8 a, lanes8 b, lanes8 c) {
-    for (int i = 0; i < 8; i++) c.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
-    return c;
-}
-static inline float l8_sum(lanes8 v) {
-    float s0 = v.v[0] + v.v[4], s1 = v.v[1] + v.v[5], s2 = v.v[2] + v.v[6], s3 = v.v[3] + v.v[7];
-    float t0 = s0 + s2, t1 = s1 + s3;
-    return t0 + t1;
-}
-#endif
-
-#if WS_SIMD
-static inline lanes8 l8_add(lanes8 a, lanes8 b) { return _mm256_add_ps(a, b); }
-static inline lanes8 l8_sub1(lanes8 a, float b) { return _mm256_sub_ps(a, _mm256_set1_ps(b)); }
-static inline lanes8 l8_set1(float b) { return _mm256_set1_ps(b); }
-static inline void l8_store(float *p, lanes8 v) { _mm256_storeu_ps(p, v); }
-/* ws_expf on 8 lanes: the same IEEE operations in the same order, per lane */
-static inline lanes8 l8_exp(lanes8 x) {
-    const __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(WS_EXP_LO), _CMP_LT_OQ);
-    const __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(WS_EXP_HI), _CMP_GT_OQ);
-    const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(WS_EXP_HI)),
-                                    _mm256_set1_ps(WS_EXP_LO));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(WS_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-WS_LN2_HI), xc);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-WS_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(WS_EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P5));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-                                   _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-    __m256 out = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e));
-    out = _mm256_blendv_ps(out, _mm256_setzero_ps(), lo);
-    return _mm256_blendv_ps(out, _mm256_set1_ps(INFINITY), hi);
-}
-#else
-static inline lanes8 l8_add(lanes8 a, lanes8 b) {
-    for (int i = 0; i < 8; i++) a.v[i] += b.v[i];
-    return a;
-}
-static inline lanes8 l8_sub1(lanes8 a, float b) {
-    for (int i = 0; i < 8; i++) a.v[i] -= b;
-    return a;
-}
-static inline lanes8 l8_set1(float b) {
-    lanes8 r;
-    for (int i = 0; i < 8; i++) r.v[i] = b;
-    return r;
-}
-static inline void l8_store(float *p, lanes8 v) { memcpy(p, v.v, sizeof v.v); }
-static inline lanes8 l8_exp(lanes8 x) {
-    for (int i = 0; i < 8; i++) x.v[i] = ws_expf(x.v[i]);
-    return x;
-}
-#endif
-
-static inline float dot_tail(float acc, const float *w, const float *x, int k, int n) {
-    for (; k < n; k++) acc = fmaf(w[k], x[k], acc);
-    return acc;
-}
-
-static inline float dot(const float *w, const float *x, int n) {
-    const int n8 = n & ~7;
-    lanes8 a = l8_zero();
-    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(w + k), l8_load(x + k), a);
-    return dot_tail(l8_sum(a), w, x, n8, n);
-}
-
-/* 4 rows x 2 tokens sharing their loads; out[t*ldo + r] (+)= dot(W[r], X[t]) */
-static inline void tile_4x2(float *out, int ldo, const float *W, const float *X, int ldx, int n,
-                            int r, int t, int add) {
-    const int n8 = n & ~7;
-    const float *x0 = X + (size_t)t * ldx, *x1 = x0 + ldx;
-    const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    lanes8 a00 = l8_zero(), a10 = l8_zero(), a20 = l8_zero(), a30 = l8_zero();
-    lanes8 a01 = l8_zero(), a11 = l8_zero(), a21 = l8_zero(), a31 = l8_zero();
-    for (int k = 0; k < n8; k += 8) {
-        lanes8 xv0 = l8_load(x0 + k), xv1 = l8_load(x1 + k);
-        lanes8 wv = l8_load(w0 + k);
-        a00 = l8_fma(wv, xv0, a00); a01 = l8_fma(wv, xv1, a01);
-        wv = l8_load(w1 + k);
-        a10 = l8_fma(wv, xv0, a10); a11 = l8_fma(wv, xv1, a11);
-        wv = l8_load(w2 + k);
-        a20 = l8_fma(wv, xv0, a20); a21 = l8_fma(wv, xv1, a21);
-        wv = l8_load(w3 + k);
-        a30 = l8_fma(wv, xv0, a30); a31 = l8_fma(wv, xv1, a31);
-    }
-    float s[8] = {
-        dot_tail(l8_sum(a00), w0, x0, n8, n), dot_tail(l8_sum(a10), w1, x0, n8, n),
-        dot_tail(l8_sum(a20), w2, x0, n8, n), dot_tail(l8_sum(a30), w3, x0, n8, n),
-        dot_tail(l8_sum(a01), w0, x1, n8, n), dot_tail(l8_sum(a11), w1, x1, n8, n),
-        dot_tail(l8_sum(a21), w2, x1, n8, n), dot_tail(l8_sum(a31), w3, x1, n8, n),
-    };
-    float *o0 = out + (size_t)t * ldo + r, *o1 = o0 + ldo;
-    for (int i = 0; i < 4; i++) {
-        o0[i] = add ? o0[i] + s[i] : s[i];
-        o1[i] = add ? o1[i] + s[4 + i] : s[4 + i];
-    }
-}
-
-/* 4 rows x 3 tokens sharing their loads (12 accumulators) */
-static inline void tile_4x3(float *out, int ldo, const float *W, const float *X, int ldx, int n,
-                            int r, int t, int add) {
-    const int n8 = n & ~7;
-    const float *x0 = X + (size_t)t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx;
-    const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    lanes8 a00 = l8_zero(), a10 = l8_zero(), a20 = l8_zero(), a30 = l8_zero();
-    lanes8 a01 = l8_zero(), a11 = l8_zero(), a21 = l8_zero(), a31 = l8_zero();
-    lanes8 a02 = l8_zero(), a12 = l8_zero(), a22 = l8_zero(), a32 = l8_zero();
-    for (int k = 0; k < n8; k += 8) {
-        const lanes8 xv0 = l8_load(x0 + k), xv1 = l8_load(x1 + k), xv2 = l8_load(x2 + k);
-        lanes8 wv = l8_load(w0 + k);
-        a00 = l8_fma(wv, xv0, a00); a01 = l8_fma(wv, xv1, a01); a02 = l8_fma(wv, xv2, a02);
-        wv = l8_load(w1 + k);
-        a10 = l8_fma(wv, xv0, a10); a11 = l8_fma(wv, xv1, a11); a12 = l8_fma(wv, xv2, a12);
-        wv = l8_load(w2 + k);
-        a20 = l8_fma(wv, xv0, a20); a21 = l8_fma(wv, xv1, a21); a22 = l8_fma(wv, xv2, a22);
-        wv = l8_load(w3 + k);
-        a30 = l8_fma(wv, xv0, a30); a31 = l8_fma(wv, xv1, a31); a32 = l8_fma(wv, xv2, a32);
-    }
-    const float *xs[3] = {x0, x1, x2};
-    const float *ws[4] = {w0, w1, w2, w3};
-    const lanes8 acc[3][4] = {{a00, a10, a20, a30}, {a01, a11, a21, a31}, {a02, a12, a22, a32}};
-    for (int j = 0; j < 3; j++) {
-        float *o = out + (size_t)(t + j) * ldo + r;
-        for (int i = 0; i < 4; i++) {
-            const float sv = dot_tail(l8_sum(acc[j][i]), ws[i], xs[j], n8, n);
-            o[i] = add ? o[i] + sv : sv;
-        }
-    }
-}
-
-/* 4 rows x 1 token */
-static inline void tile_4x1(float *out, int ldo, const float *W, const float *X, int ldx, int n,
-                            int r, int t, int add) {
-    const int n8 = n & ~7;
-    const float *x = X + (size_t)t * ldx;
-    const float *w0 = W + (size_t)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    lanes8 a0 = l8_zero(), a1 = l8_zero(), a2 = l8_zero(), a3 = l8_zero();
-    for (int k = 0; k < n8; k += 8) {
-        lanes8 xv = l8_load(x + k);
-        a0 = l8_fma(l8_load(w0 + k), xv, a0);
-        a1 = l8_fma(l8_load(w1 + k), xv, a1);
-        a2 = l8_fma(l8_load(w2 + k), xv, a2);
-        a3 = l8_fma(l8_load(w3 + k), xv, a3);
-    }
-    float s[4] = {dot_tail(l8_sum(a0), w0, x, n8, n), dot_tail(l8_sum(a1), w1, x, n8, n),
-                  dot_tail(l8_sum(a2), w2, x, n8, n), dot_tail(l8_sum(a3), w3, x, n8, n)};
-    float *o = out + (size_t)t * ldo + r;
-    for (int i = 0; i < 4; i++) o[i] = add ? o[i] + s[i] : s[i];
-}
-
-/*
- * out[t*ldo + r] = dot(W[r], X[t]) for rows r in [r0, r1) and tokens t in
- * [0, nt). W: [rows][n] row-major; X: [nt][ldx]. A block of 4 weight rows is
- * loaded once and used for every token of a block of up to 48 tokens (3 at a time,
- * so that each weight load feeds 3 FMAs; 48 tokens of activations stay in L2),
- * so a verification batch reads the weights once, not once per token. mode `add`
- * adds the product to out (residual connection) instead of storing it. Every
- * output element is the same `dot` sequence whatever tile computed it.
- */
-#define WS_TOKEN_BLOCK 48
-static void matmul_rows(float *out, int ldo, const float *W, const float *X, int ldx, int n,
-                        int r0, int r1, int nt, int add) {
-    for (int tb = 0; tb < nt; tb += WS_TOKEN_BLOCK) {
-        const int te = tb + WS_TOKEN_BLOCK < nt ? tb + WS_TOKEN_BLOCK : nt;
-        int r = r0;
-        for (; r + 4 <= r1; r += 4) {
-            int t = tb;
-            /* threes, then twos: a remainder of 4 as 2 + 2, never 3 + 1 (a one-token
-               tile feeds one FMA per weight load: 4 slots stepped together would pay
-               almost a whole extra pass over the weights) */
-            for (; te - t >= 3 && te - t != 4; t += 3)
-                tile_4x3(out, ldo, W, X, ldx, n, r, t, add);
-            for (; t + 2 <= te; t += 2) tile_4x2(out, ldo, W, X, ldx, n, r, t, add);
-            if (t < te) tile_4x1(out, ldo, W, X, ldx, n, r, t, add);
-        }
-        for (; r < r1; r++) {
-            const float *w = W + (size_t)r * n;
-            for (int t = tb; t < te; t++) {
-                float sv = dot(w, X + (size_t)t * ldx, n);
-                float *o = out + (size_t)t * ldo + r;
-                *o = add ? *o + sv : sv;
-            }
-        }
-    }
-}
-
-/* ------------------------------------------------------------------------- */
 /* model                                                                       */
 
 struct ws_model {
@@ -273,6 +50,26 @@ struct ws_model {
     ws_weights w;
     ws_layer_weights *layers; /* [n_layer], owned copy of the pointer table */
 };
+
+/* A weight matrix: present, of a supported type, of the expected shape. */
+static ws_status check_tensor(const ws_tensor *t, const char *name, int layer, int rows,
+                              int cols) {
+    char where[64];
+    if (layer >= 0) snprintf(where, sizeof where, "layer %d %s", layer, name);
+    else snprintf(where, sizeof where, "%s", name);
+    if (!t->data) return fail_global(WS_ERR_INVALID_ARGUMENT, "%s: missing weight", where);
+    if (!ws_type_name(t->type))
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "%s: tensor type %d is not supported", where,
+                           t->type);
+    if (t->rows != rows || t->cols != cols)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "%s: shape [%d][%d], expected [%d][%d]",
+                           where, t->rows, t->cols, rows, cols);
+    if (ws_type_row_bytes(t->type, t->cols) == 0)
+        return fail_global(WS_ERR_INVALID_ARGUMENT,
+                           "%s: %d columns are not a whole number of %s blocks of %d", where,
+                           t->cols, ws_type_name(t->type), ws_type_block(t->type));
+    return WS_OK;
+}
 
 ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **out) {
     if (!out) return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_model_init: out is NULL");
@@ -300,14 +97,25 @@ ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **ou
                            "n_rot %d must be even and in 1..head_dim (%d)", hp->n_rot, head_dim);
     if (!(hp->rms_eps > 0.0f) || !(hp->rope_theta > 0.0f) || !isfinite(hp->rope_theta))
         return fail_global(WS_ERR_INVALID_ARGUMENT, "rms_eps and rope_theta must be positive");
-    if (!w->tok_embd || !w->output_norm || !w->layers)
-        return fail_global(WS_ERR_INVALID_ARGUMENT, "missing token embedding, output norm or layers");
-    for (int l = 0; l < hp->n_layer; l++) {
+    if (!w->output_norm || !w->layers)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "missing output norm or layers");
+    const int hd = head_dim, q_dim = hp->n_head * hd, kv_dim = hp->n_head_kv * hd;
+    ws_status st = check_tensor(&w->tok_embd, "token_embd", -1, hp->n_vocab, hp->n_embd);
+    if (st == WS_OK && w->output.data)
+        st = check_tensor(&w->output, "output", -1, hp->n_vocab, hp->n_embd);
+    for (int l = 0; st == WS_OK && l < hp->n_layer; l++) {
         const ws_layer_weights *L = &w->layers[l];
-        if (!L->attn_norm || !L->wq || !L->wk || !L->wv || !L->wo || !L->ffn_norm || !L->w_gate ||
-            !L->w_up || !L->w_down)
-            return fail_global(WS_ERR_INVALID_ARGUMENT, "layer %d has a missing weight", l);
+        if (!L->attn_norm || !L->ffn_norm)
+            return fail_global(WS_ERR_INVALID_ARGUMENT, "layer %d has a missing norm weight", l);
+        st = check_tensor(&L->wq, "attn_q", l, q_dim, hp->n_embd);
+        if (st == WS_OK) st = check_tensor(&L->wk, "attn_k", l, kv_dim, hp->n_embd);
+        if (st == WS_OK) st = check_tensor(&L->wv, "attn_v", l, kv_dim, hp->n_embd);
+        if (st == WS_OK) st = check_tensor(&L->wo, "attn_output", l, hp->n_embd, q_dim);
+        if (st == WS_OK) st = check_tensor(&L->w_gate, "ffn_gate", l, hp->n_ff, hp->n_embd);
+        if (st == WS_OK) st = check_tensor(&L->w_up, "ffn_up", l, hp->n_ff, hp->n_embd);
+        if (st == WS_OK) st = check_tensor(&L->w_down, "ffn_down", l, hp->n_embd, hp->n_ff);
     }
+    if (st != WS_OK) return st;
     ws_model *m = calloc(1, sizeof *m);
     if (!m) return fail_global(WS_ERR_OUT_OF_MEMORY, "out of memory allocating the model");
     m->layers = malloc(sizeof(ws_layer_weights) * (size_t)hp->n_layer);
@@ -432,6 +240,8 @@ struct ws_context {
     int32_t *tok_pos;  /* [n_batch] position of each token in its slot  */
     float *kbuf;       /* [n_batch][kv_dim] new keys before the cache   */
     float *vbuf;       /* [n_batch][kv_dim] new values before the cache */
+    float *wbuf;       /* [n_threads][4][wbuf_cols] weight rows unpacked to floats */
+    int wbuf_cols;     /* the longest weight row: max(n_embd, n_ff, q_dim)       */
 
     /* the current chunk, read by every thread of the pool */
     struct {
@@ -564,6 +374,7 @@ void ws_context_free(ws_context *ctx) {
     free(ctx->tok_pos);
     free(ctx->kbuf);
     free(ctx->vbuf);
+    free(ctx->wbuf);
     free(ctx);
 }
 
@@ -623,6 +434,9 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->scores = alloc_floats((size_t)params.n_threads * 2 * (size_t)params.n_ctx, &ok);
     ctx->kbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     ctx->vbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
+    ctx->wbuf_cols = hp->n_embd > hp->n_ff ? hp->n_embd : hp->n_ff;
+    if (ctx->q_dim > ctx->wbuf_cols) ctx->wbuf_cols = ctx->q_dim;
+    ctx->wbuf = alloc_floats((size_t)params.n_threads * 4 * (size_t)ctx->wbuf_cols, &ok);
     if (ok) {
         ctx->tokens = calloc((size_t)params.n_slots * (size_t)params.n_ctx, sizeof(int32_t));
         ctx->n_past = calloc((size_t)params.n_slots, sizeof(int32_t));
@@ -847,6 +661,7 @@ static void forward_worker(ws_context *ctx, int ith) {
 
     /* every thread normalises the whole chunk into its own buffer: no barrier needed */
     float *xn = ctx->xn + (size_t)ith * (size_t)ctx->params.n_batch * (size_t)E; /* [nt][E] */
+    float *wbuf = ctx->wbuf + (size_t)ith * 4 * (size_t)ctx->wbuf_cols; /* [4][cols] */
     const int n_units = hp->n_head + 2 * hp->n_head_kv;
 
     for (int l = 0; l < hp->n_layer; l++) {
@@ -862,8 +677,8 @@ static void forward_worker(ws_context *ctx, int ith) {
             const int h = is_q ? u : is_k ? u - hp->n_head : u - hp->n_head - hp->n_head_kv;
             float *dst = is_q ? ctx->q : is_k ? ctx->kbuf : ctx->vbuf;
             const int ld = is_q ? Q : KV;
-            const float *w = is_q ? L->wq : is_k ? L->wk : L->wv;
-            matmul_rows(dst, ld, w, xn, E, E, h * hd, (h + 1) * hd, nt, 0);
+            const ws_tensor *w = is_q ? &L->wq : is_k ? &L->wk : &L->wv;
+            ws_matmul(dst, ld, w, xn, E, h * hd, (h + 1) * hd, nt, 0, wbuf);
             for (int t = 0; t < nt; t++) {
                 float *v = dst + (size_t)t * ld + (size_t)h * hd;
                 if (is_q || is_k)
@@ -886,15 +701,15 @@ static void forward_worker(ws_context *ctx, int ith) {
 
         /* output projection added to the residual stream */
         split_range(E, ith, nth, 4, &a, &b);
-        matmul_rows(ctx->x, E, L->wo, ctx->att, Q, Q, a, b, nt, 1);
+        ws_matmul(ctx->x, E, &L->wo, ctx->att, Q, a, b, nt, 1, wbuf);
         pool_barrier(pool);
 
         rmsnorm_rows(xn, ctx->x, L->ffn_norm, E, hp->rms_eps, 0, nt);
 
         /* SwiGLU: hb = silu(gate x) * (up x) */
         split_range(F, ith, nth, 4, &a, &b);
-        matmul_rows(ctx->hb, F, L->w_gate, xn, E, E, a, b, nt, 0);
-        matmul_rows(ctx->hb2, F, L->w_up, xn, E, E, a, b, nt, 0);
+        ws_matmul(ctx->hb, F, &L->w_gate, xn, E, a, b, nt, 0, wbuf);
+        ws_matmul(ctx->hb2, F, &L->w_up, xn, E, a, b, nt, 0, wbuf);
         for (int t = 0; t < nt; t++) {
             float *g = ctx->hb + (size_t)t * F, *u = ctx->hb2 + (size_t)t * F;
             for (int i = a; i < b; i++) g[i] = ws_silu(g[i]) * u[i];
@@ -902,7 +717,7 @@ static void forward_worker(ws_context *ctx, int ith) {
         pool_barrier(pool);
 
         split_range(E, ith, nth, 4, &a, &b);
-        matmul_rows(ctx->x, E, L->w_down, ctx->hb, F, F, a, b, nt, 1);
+        ws_matmul(ctx->x, E, &L->w_down, ctx->hb, F, a, b, nt, 1, wbuf);
         pool_barrier(pool);
     }
 
@@ -910,9 +725,9 @@ static void forward_worker(ws_context *ctx, int ith) {
     if (on > 0) {
         rmsnorm_rows(xn + (size_t)t0 * E, ctx->x + (size_t)t0 * E, m->w.output_norm, E,
                      hp->rms_eps, 0, on);
-        const float *wout = m->w.output ? m->w.output : m->w.tok_embd;
+        const ws_tensor *wout = m->w.output.data ? &m->w.output : &m->w.tok_embd;
         split_range(hp->n_vocab, ith, nth, 4, &a, &b);
-        matmul_rows(logits, hp->n_vocab, wout, xn + (size_t)t0 * E, E, E, a, b, on, 0);
+        ws_matmul(logits, hp->n_vocab, wout, xn + (size_t)t0 * E, E, a, b, on, 0, wbuf);
         pool_barrier(pool);
     }
 }
@@ -991,8 +806,7 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
         if (nt > ctx->params.n_batch) nt = ctx->params.n_batch;
         const int last_chunk = done + nt == n_tokens;
         for (int t = 0; t < nt; t++)
-            memcpy(ctx->x + (size_t)t * E, ctx->model->w.tok_embd + (size_t)tokens[done + t] * (size_t)E,
-                   sizeof(float) * (size_t)E);
+            ws_row_f32(&ctx->model->w.tok_embd, tokens[done + t], ctx->x + (size_t)t * E);
         for (int t = 0; t < nt; t++) {
             ctx->tok_slot[t] = slot;
             ctx->tok_pos[t] = n_past + done + t;
@@ -1048,8 +862,7 @@ ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *
                         "logits buffer holds %zu floats, %zu are needed", logits_cap, need);
     const int E = hp->n_embd;
     for (int32_t t = 0; t < n; t++) {
-        memcpy(ctx->x + (size_t)t * E, ctx->model->w.tok_embd + (size_t)tokens[t] * (size_t)E,
-               sizeof(float) * (size_t)E);
+        ws_row_f32(&ctx->model->w.tok_embd, tokens[t], ctx->x + (size_t)t * E);
         ctx->tok_slot[t] = slots[t];
         ctx->tok_pos[t] = ctx->n_past[slots[t]];
     }

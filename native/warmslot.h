@@ -53,24 +53,61 @@ typedef struct {
     float rope_theta;
 } ws_hparams;
 
-/* Borrowed F32 weights of one layer; shapes as [rows][cols], row-major. */
+/* Tensor types the core computes with: the values of ggml's type enum, so a GGUF
+ * tensor's type id is passed through as it is. */
+#define WS_TYPE_F32  0
+#define WS_TYPE_F16  1
+#define WS_TYPE_Q4_0 2
+#define WS_TYPE_Q4_1 3
+#define WS_TYPE_Q5_0 6
+#define WS_TYPE_Q8_0 8
+#define WS_TYPE_Q4_K 12
+#define WS_TYPE_Q5_K 13
+#define WS_TYPE_Q6_K 14
+#define WS_TYPE_BF16 30
+
+/* A borrowed 2-D weight in its file type: `rows` rows of `cols` elements, each row
+ * ws_type_row_bytes(type, cols) bytes, rows back to back. */
+typedef struct {
+    const void *data;
+    int32_t type;  /* WS_TYPE_* */
+    int32_t rows;
+    int32_t cols;
+} ws_tensor;
+
+/* Bytes of one row of n elements of a type; 0 when the type is not supported or n
+ * is not a whole number of its blocks. */
+size_t ws_type_row_bytes(int32_t type, int64_t n);
+/* The name of a type ("Q4_K"), or NULL when the core does not support it. */
+const char *ws_type_name(int32_t type);
+
+/* Row `row` of a tensor as floats (out: cols floats): the values every product uses.
+ * reference: 1 unpacks with the scalar code, 0 with the build's kernels (the same bits). */
+ws_status ws_tensor_dequantize(const ws_tensor *t, int32_t row, int reference, float *out,
+                               size_t cap);
+/* out[j][r] = the dot product of row r of t with x[j] ([nt][cols]), for every row r,
+ * by the kernel a forward pass uses for a batch of nt tokens (out: [nt][rows]). */
+ws_status ws_tensor_matmul(const ws_tensor *t, const float *x, int32_t nt, float *out,
+                           size_t cap);
+
+/* Borrowed weights of one layer; matrices as [rows][cols], norms as F32. */
 typedef struct {
     const float *attn_norm;   /* [n_embd]                          */
-    const float *wq;          /* [n_head*head_dim][n_embd]         */
-    const float *wk;          /* [n_head_kv*head_dim][n_embd]      */
-    const float *wv;          /* [n_head_kv*head_dim][n_embd]      */
-    const float *wo;          /* [n_embd][n_head*head_dim]         */
+    ws_tensor wq;             /* [n_head*head_dim][n_embd]         */
+    ws_tensor wk;             /* [n_head_kv*head_dim][n_embd]      */
+    ws_tensor wv;             /* [n_head_kv*head_dim][n_embd]      */
+    ws_tensor wo;             /* [n_embd][n_head*head_dim]         */
     const float *ffn_norm;    /* [n_embd]                          */
-    const float *w_gate;      /* [n_ff][n_embd]                    */
-    const float *w_up;        /* [n_ff][n_embd]                    */
-    const float *w_down;      /* [n_embd][n_ff]                    */
+    ws_tensor w_gate;         /* [n_ff][n_embd]                    */
+    ws_tensor w_up;           /* [n_ff][n_embd]                    */
+    ws_tensor w_down;         /* [n_embd][n_ff]                    */
 } ws_layer_weights;
 
-/* Borrowed F32 weights of a model. They must outlive the model object. */
+/* Borrowed weights of a model. They must outlive the model object. */
 typedef struct {
-    const float *tok_embd;    /* [n_vocab][n_embd]                  */
+    ws_tensor tok_embd;       /* [n_vocab][n_embd]                  */
     const float *output_norm; /* [n_embd]                           */
-    const float *output;      /* [n_vocab][n_embd]; NULL: tied to tok_embd */
+    ws_tensor output;         /* [n_vocab][n_embd]; data NULL: tied to tok_embd */
     const ws_layer_weights *layers; /* [n_layer], copied by ws_model_init */
 } ws_weights;
 
@@ -94,7 +131,8 @@ const char *ws_last_error(void);
 
 ws_context_params ws_context_default_params(void);
 
-/* Validates hyper-parameters and pointers; the weights are borrowed. */
+/* Validates hyper-parameters, pointers, tensor types and shapes; the weights are
+ * borrowed. */
 ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **out);
 void ws_model_free(ws_model *model);
 const ws_hparams *ws_model_hparams(const ws_model *model);

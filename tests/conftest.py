@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,19 @@ def _state_home(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The services' default state directory (the auto-save's local fallback) is a
     temporary one: tests never read or write the user's ~/.local/state."""
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state-home"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fingerprint_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Model fingerprints are cached in a directory of this session, not the user's."""
+    path = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("WARMSLOT_CACHE_DIR")
+    os.environ["WARMSLOT_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("WARMSLOT_CACHE_DIR", None)
+    else:
+        os.environ["WARMSLOT_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,9 @@ class Shape:
     tied: bool = False
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
-    dtype: str = "f32"  # f32 | f16 | bf16 | q8_0
+    # f32 | f16 | bf16 | a quantized type: q8_0, q4_k... (QUANT_TYPES) | mixed (every
+    # supported type, in turn over the matrices: widths must be multiples of 256)
+    dtype: str = "f32"
 
 
 def byte_tokens() -> list[str]:
@@ -85,7 +87,42 @@ def random_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
     return w
 
 
-def _store(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, dtype: str) -> None:
+# quantized types the core supports: the first four through gguf's quantizer, the
+# k-quants (which gguf cannot quantize) as random blocks with bounded scales
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+# bytes per 256-element block of the k-quants, and where their f16 scales sit
+_K_BLOCKS = {"q4_k": (144, (0, 2)), "q5_k": (176, (0, 2)), "q6_k": (210, (208,))}
+
+
+def random_k_blocks(dtype: str, rows: int, cols: int, amplitude: float,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Random k-quant blocks ([rows][bytes]) whose values stay within ~amplitude: random
+    quants and 6-bit scales, the f16 super-block scales set to amplitude over the largest
+    product of a quant and a scale."""
+    size, scale_at = _K_BLOCKS[dtype]
+    if cols % 256:
+        raise ValueError(f"{dtype} rows hold whole 256-element blocks, not {cols}")
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    top = 63 * 15 if dtype == "q4_k" else 63 * 31 if dtype == "q5_k" else 127 * 32
+    for at in scale_at:
+        d = (amplitude / top * rng.uniform(0.5, 1.0, (rows, cols // 256))).astype(np.float16)
+        blocks[:, :, at:at + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
+
+
+def stored_bytes(arr: np.ndarray, dtype: str,
+                 rng: np.random.Generator | None = None) -> np.ndarray:
+    """The bytes of a 2-D float array stored as a quantized type ([rows][row bytes]);
+    k-quants are random blocks of the same amplitude (arr gives only the shape)."""
+    if dtype in _K_BLOCKS:
+        rng = rng or np.random.default_rng(0)
+        return random_k_blocks(dtype, arr.shape[0], arr.shape[1], float(np.abs(arr).max()), rng)
+    qtype = gguf.GGMLQuantizationType[dtype.upper()]
+    return gguf.quants.quantize(arr.astype(np.float32), qtype)
+
+
+def _store(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, dtype: str,
+           rng: np.random.Generator) -> None:
     if arr.ndim == 1 or dtype == "f32":
         writer.add_tensor(name, arr.astype(np.float32))
     elif dtype == "f16":
@@ -95,9 +132,9 @@ def _store(writer: gguf.GGUFWriter, name: str, arr: np.ndarray, dtype: str) -> N
         # raw types take the tensor's bytes; the writer derives the element shape
         writer.add_tensor(name, bits.view(np.uint8).reshape(arr.shape[0], -1),
                           raw_dtype=gguf.GGMLQuantizationType.BF16)
-    elif dtype == "q8_0":
-        q = gguf.quants.quantize(arr.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    elif dtype in QUANT_TYPES:
+        writer.add_tensor(name, stored_bytes(arr, dtype, rng),
+                          raw_dtype=gguf.GGMLQuantizationType[dtype.upper()])
     else:
         raise ValueError(dtype)
 
@@ -126,8 +163,15 @@ def write_weights(path: Path, shape: Shape, weights: dict[str, np.ndarray], tok_
     writer.add_token_merges(merges)
     writer.add_bos_token_id(len(tokens) - 1)
     writer.add_eos_token_id(len(tokens) - 1)
+    rng = np.random.default_rng(tok_seed)
+    mixed = ("q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q4_0", "q5_k", "f16", "bf16", "f32")
+    n_matrices = 0
     for tname, arr in weights.items():
-        _store(writer, tname, arr, shape.dtype)
+        dtype = shape.dtype
+        if dtype == "mixed":
+            dtype = mixed[n_matrices % len(mixed)]
+            n_matrices += arr.ndim == 2
+        _store(writer, tname, arr, dtype, rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -136,7 +180,8 @@ def write_weights(path: Path, shape: Shape, weights: dict[str, np.ndarray], tok_
 
 def write_model(path: Path, shape: Shape = Shape(), seed: int = 0,
                 arch: str = "llama") -> dict[str, np.ndarray]:
-    """Writes a random model; returns its F32 weights (before any F16/BF16 storage)."""
+    """Writes a random model; returns its F32 weights (before any F16/BF16/quantized
+    storage; k-quant tensors are random blocks of the same amplitude instead)."""
     weights = random_weights(shape, seed)
     write_weights(path, shape, weights, seed, f"random-{seed}", arch)
     return weights

@@ -24,9 +24,20 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, theta: float) -> np.n
     return out
 
 
+class _Float64(dict):
+    """Read access to F32 weights as float64, widened on each use."""
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return super().__getitem__(key).astype(np.float64)
+
+    def get(self, key: str, default: np.ndarray | None = None) -> np.ndarray | None:
+        return self[key] if key in self else default
+
+
 def forward(hp: HParams, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
-    """Logits [T, n_vocab] of a whole sequence decoded from position 0."""
-    w = {k: v.astype(np.float64) for k, v in w.items()}
+    """Logits [T, n_vocab] of a whole sequence decoded from position 0. Weights are
+    widened to float64 one at a time (a real model's would not fit at once)."""
+    w = _Float64(w)
     T, hd = len(tokens), hp.head_dim
     pos = np.arange(T, dtype=np.float64)
     x = w["token_embd.weight"][tokens]                          # [T, E]

@@ -64,7 +64,7 @@ def test_core_matches_reference(target: Model, draft: Model, role: str) -> None:
     ids = m.tokenizer.encode(text)[:96]
     with Context(m, n_ctx=128) as ctx:
         got = ctx.decode(0, ids, logits_all=True)
-    ref = forward(m.hparams, m.content.tensors, ids)
+    ref = forward(m.hparams, m.content.dequantized(), ids)
     assert float(np.abs(got - ref).max() / np.abs(ref).max()) < 1e-4
 
 

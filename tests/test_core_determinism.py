@@ -185,3 +185,58 @@ def test_portable_build_gives_the_same_bits(shape_model: Path) -> None:
 def test_portable_build_gives_the_same_bits_on_the_bundled_target() -> None:
     target = ROOT / "models" / "target.gguf"
     assert logits_digests(target, "portable") == logits_digests(target, "release")
+
+
+def cpu_has(*flags: str) -> bool:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in info for f in flags)
+
+
+# one model whose matrices cycle through every supported type
+MIXED = Shape(n_vocab=300, n_embd=256, n_layer=3, n_head=4, n_head_kv=2, n_ff=512,
+              dtype="mixed")
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
+    write_model(path, MIXED, seed=5)
+    return path
+
+
+def test_mixed_model_has_every_type(mixed_model: Path) -> None:
+    with Model.load(mixed_model) as model:
+        types = set(model.content.tensor_types.values())
+    assert types == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K",
+                     "Q6_K"}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_quantized_batch_size_and_threads(mixed_model: Path, threads: int) -> None:
+    with Model.load(mixed_model) as model, \
+            Context(model, n_slots=2, n_ctx=128, n_threads=1) as one, \
+            Context(model, n_slots=2, n_ctx=128, n_threads=threads) as ctx:
+        alone = one_by_one(one, 0, LONG)
+        for size in (2, 5, 8, len(LONG)):
+            ctx.clear(1)
+            assert in_batches(ctx, 1, LONG, size).tobytes() == alone.tobytes()
+
+
+@pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
+                    reason="compares the release build with the portable one")
+def test_portable_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> None:
+    assert logits_digests(mixed_model, "portable") == logits_digests(mixed_model, "release")
+
+
+@pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
+                    reason="compares the release build with the AVX2 one")
+@pytest.mark.skipif(not list((ROOT / "inference_svc" / "core").glob("_native_avx2*.so")),
+                    reason="the AVX2 build is not built (make native-avx2)")
+@pytest.mark.skipif(not cpu_has("avx2", "fma", "f16c"), reason="the CPU has no AVX2 + FMA")
+def test_avx2_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> None:
+    """On an AVX-512 machine the release build pairs rows in 16 lanes; the AVX2 build
+    computes the same canonical 8-lane order in 8 lanes."""
+    assert logits_digests(mixed_model, "avx2") == logits_digests(mixed_model, "release")

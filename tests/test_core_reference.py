@@ -23,8 +23,10 @@ SHAPES = {
     "f16": Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, dtype="f16"),
     "bf16": Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96,
                   dtype="bf16"),
-    "q8_0": Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96,
-                  dtype="q8_0"),
+    **{q: Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, dtype=q)
+       for q in ("q8_0", "q4_0", "q4_1", "q5_0")},
+    **{q: Shape(n_vocab=290, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=512, dtype=q)
+       for q in ("q4_k", "q5_k", "q6_k")},
 }
 
 
@@ -38,13 +40,16 @@ def test_logits_match_reference(tmp_path: Path, name: str) -> None:
     path = tmp_path / f"{name}.gguf"
     written = write_model(path, shape, seed=7)
     tokens = np.random.default_rng(3).integers(0, shape.n_vocab, 40).tolist()
+    # the reference computes in float64 on gguf's dequantization of the stored weights
     with Model.load(path) as model, Context(model, n_slots=1, n_ctx=64, n_threads=2) as ctx:
         assert model.content.tied_output == shape.tied
         if shape.dtype in ("f32", "f16"):  # the loader hands the core exactly what was stored
             stored = written["blk.0.attn_q.weight"].astype(
                 np.float16 if shape.dtype == "f16" else np.float32).astype(np.float32)
-            assert np.array_equal(model.content.tensors["blk.0.attn_q.weight"], stored)
-        ref = forward(model.hparams, model.content.tensors, tokens)
+            assert np.array_equal(model.content.tensors["blk.0.attn_q.weight"].dequantize(),
+                                  stored)
+        assert model.content.tensors["blk.0.attn_q.weight"].type_name == shape.dtype.upper()
+        ref = forward(model.hparams, model.content.dequantized(), tokens)
         got = ctx.decode(0, tokens, logits_all=True)
     assert got.shape == (40, shape.n_vocab)
     assert rel_err(got, ref) < 1e-4

@@ -53,7 +53,7 @@ def token_stream(docs: Sequence[Sequence[int]]) -> np.ndarray:
 def model_from_gguf(path: Path) -> Llama:
     loaded = read_gguf(path)
     model = Llama(loaded.cfg)
-    load_gguf_tensors(model, {k: torch.from_numpy(v) for k, v in loaded.tensors.items()})
+    load_gguf_tensors(model, {k: torch.from_numpy(v) for k, v in loaded.dequantized().items()})
     return model.eval()
 
 

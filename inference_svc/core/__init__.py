@@ -1,5 +1,6 @@
 """The decoding core: cffi binding, GGUF loading, tokenizer."""
 
+from . import fingerprint
 from .errors import (
     BadStateError,
     BufferTooSmallError,
@@ -10,7 +11,7 @@ from .errors import (
     ModelLoadError,
     ThreadError,
 )
-from .gguf_file import GGUFModel, HParams, check_model_file, load_gguf
+from .gguf_file import GGUFModel, HParams, Tensor, check_model_file, load_gguf
 from .model import Context, Model
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -28,7 +29,9 @@ __all__ = [
     "ModelLoadError",
     "StreamDecoder",
     "ThreadError",
+    "Tensor",
     "Tokenizer",
     "check_model_file",
+    "fingerprint",
     "load_gguf",
 ]

@@ -3,7 +3,8 @@
 Each function maps one C call; a non-zero status becomes a typed exception
 carrying the core's message (the one helper `_check`). Set
 WARMSLOT_NATIVE=asan to load the AddressSanitizer/UBSan build instead, or
-WARMSLOT_NATIVE=portable for the scalar build (no AVX2; the same bits).
+WARMSLOT_NATIVE=portable for the scalar build (no AVX2; the same bits), or
+WARMSLOT_NATIVE=avx2 for the AVX2 build on a machine whose release build uses AVX-512.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from .errors import error_for_status
 def _load() -> Any:
     variant = os.environ.get("WARMSLOT_NATIVE", "release")
     name = {"release": "_native", "asan": "_native_asan",
-            "portable": "_native_portable"}.get(variant)
+            "portable": "_native_portable", "avx2": "_native_avx2"}.get(variant)
     if name is None:
-        raise ImportError("WARMSLOT_NATIVE must be 'release', 'asan' or 'portable', not "
-                          f"{variant!r}")
+        raise ImportError("WARMSLOT_NATIVE must be 'release', 'asan', 'portable' or 'avx2', "
+                          f"not {variant!r}")
     try:
         return importlib.import_module(f"{__package__}.{name}")
     except ImportError as exc:

@@ -1,19 +1,26 @@
-"""Reads a llama-architecture GGUF file into F32 arrays, hyper-parameters,
-tokenizer metadata and a model fingerprint. The C core parses no files."""
+"""Reads a llama-architecture GGUF file: hyper-parameters, tokenizer metadata, a model
+fingerprint, and the tensors as they are stored, memory-mapped from the file (no copy,
+no dequantization; the C core computes on the stored types). The C core parses no
+files."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+import mmap
+import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .errors import ModelLoadError
+from .fingerprint import model_fingerprint
+from .gguf_parse import Header, parse, peek_field
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+# the GGML types the C core computes with (weights stay in these types)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K",
+                   "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -44,18 +51,56 @@ class TokenizerData:
     eos_id: int | None
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor as stored: `data` is its bytes, a view of the file's memory map."""
+
+    name: str
+    type: int                # GGML type id
+    type_name: str
+    shape: tuple[int, ...]   # numpy order: (rows, cols) or (n,)
+    data: np.ndarray         # uint8 [nbytes]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    def dequantize(self) -> np.ndarray:
+        """The values as F32 (a new array): natively for F32/F16/BF16, else through
+        gguf's own dequantizer (the reference's view of the weights)."""
+        from gguf import GGMLQuantizationType as Q
+        from gguf import quants
+
+        qtype = Q(self.type)
+        if qtype == Q.F32:
+            arr = self.data.view(np.float32).copy()
+        elif qtype == Q.F16:
+            arr = self.data.view(np.float16).astype(np.float32)
+        elif qtype == Q.BF16:
+            arr = (self.data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = quants.dequantize(self.data.reshape(self.shape[0], -1) if len(self.shape) > 1
+                                    else self.data, qtype)
+        return np.ascontiguousarray(arr.reshape(self.shape), dtype=np.float32)
+
+
 @dataclass
 class GGUFModel:
-    """A model file's content: F32 weights by GGUF tensor name, and metadata."""
+    """A model file's content: stored tensors by GGUF name, and metadata. `close()`
+    releases the memory map (every array view of it must be gone by then)."""
 
     path: Path
     name: str
     architecture: str
     hparams: HParams
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, Tensor]
     tokenizer: TokenizerData
     fingerprint: str
-    tensor_types: dict[str, str] = field(default_factory=dict)
+    _map: mmap.mmap | None = field(default=None, repr=False)
 
     @property
     def tied_output(self) -> bool:
@@ -63,63 +108,53 @@ class GGUFModel:
 
     @property
     def n_params(self) -> int:
-        return int(sum(t.size for t in self.tensors.values()))
+        return sum(t.n_elements for t in self.tensors.values())
+
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        return {name: t.type_name for name, t in self.tensors.items()}
+
+    def dequantized(self) -> dict[str, np.ndarray]:
+        """Every tensor as F32 (new arrays): the reference's weights."""
+        return {name: t.dequantize() for name, t in self.tensors.items()}
+
+    def close(self) -> None:
+        """Drops the tensor views and unmaps the file. If something outside still holds
+        a view, the map stays until that view is collected."""
+        self.tensors = {}
+        if self._map is not None:
+            mapping, self._map = self._map, None
+            _unmap(mapping)
 
 
-def _field(reader: Any, key: str, default: Any = None, required: bool = True) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
+def _field(header: Header, key: str, default: Any = None, required: bool = True) -> Any:
+    if key not in header.fields:
         if required and default is None:
             raise ModelLoadError(f"GGUF metadata key {key!r} is missing")
         return default
-    return f.contents()
+    return header.fields[key]
 
 
-def _to_f32(tensor: Any) -> np.ndarray:
-    """F32/F16/BF16 natively; every other GGML type through gguf's own dequantizer."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import quants
-
-    qtype = tensor.tensor_type
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # numpy (rows, cols)
-    data = np.asarray(tensor.data)
-    if qtype == Q.F32:
-        arr = data.astype(np.float32, copy=False)
-    elif qtype == Q.F16:
-        arr = data.astype(np.float32)
-    elif qtype == Q.BF16:
-        raw = data.view(np.uint8).reshape(-1).view(np.uint16).astype(np.uint32) << 16
-        arr = raw.view(np.float32)
-    else:
-        try:
-            arr = quants.dequantize(data, qtype)
-        except (NotImplementedError, ValueError, KeyError) as exc:
-            raise ModelLoadError(
-                f"tensor {tensor.name!r} has type {qtype.name}, which cannot be dequantized: {exc}"
-            ) from exc
-    return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
-
-
-def _hparams(reader: Any, arch: str, tensors: dict[str, np.ndarray]) -> HParams:
+def _hparams(header: Header, arch: str, tensors: dict[str, Tensor]) -> HParams:
     p = f"{arch}."
-    n_embd = int(_field(reader, p + "embedding_length"))
-    n_head = int(_field(reader, p + "attention.head_count"))
+    n_embd = int(_field(header, p + "embedding_length"))
+    n_head = int(_field(header, p + "attention.head_count"))
     if n_head <= 0 or n_embd % n_head != 0:
         raise ModelLoadError(f"embedding_length {n_embd} is not a multiple of head_count {n_head}")
     tok = tensors.get("token_embd.weight")
     if tok is None:
         raise ModelLoadError("tensor 'token_embd.weight' is missing")
     return HParams(
-        n_vocab=int(_field(reader, p + "vocab_size", tok.shape[0])),
+        n_vocab=int(_field(header, p + "vocab_size", tok.shape[0])),
         n_embd=n_embd,
-        n_layer=int(_field(reader, p + "block_count")),
+        n_layer=int(_field(header, p + "block_count")),
         n_head=n_head,
-        n_head_kv=int(_field(reader, p + "attention.head_count_kv", n_head)),
-        n_ff=int(_field(reader, p + "feed_forward_length")),
-        n_rot=int(_field(reader, p + "rope.dimension_count", n_embd // n_head)),
-        n_ctx_train=int(_field(reader, p + "context_length")),
-        rms_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        n_head_kv=int(_field(header, p + "attention.head_count_kv", n_head)),
+        n_ff=int(_field(header, p + "feed_forward_length")),
+        n_rot=int(_field(header, p + "rope.dimension_count", n_embd // n_head)),
+        n_ctx_train=int(_field(header, p + "context_length")),
+        rms_eps=float(_field(header, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(header, p + "rope.freq_base", 10000.0)),
     )
 
 
@@ -145,7 +180,7 @@ def _expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _validate(hp: HParams, tensors: dict[str, np.ndarray]) -> None:
+def _validate(hp: HParams, tensors: dict[str, Tensor]) -> None:
     for name, shape in _expected_shapes(hp).items():
         t = tensors.get(name)
         if t is None:
@@ -155,30 +190,50 @@ def _validate(hp: HParams, tensors: dict[str, np.ndarray]) -> None:
     out = tensors.get("output.weight")
     if out is not None and out.shape != (hp.n_vocab, hp.n_embd):
         raise ModelLoadError(f"tensor 'output.weight' has shape {out.shape}")
+    # the norm weights (small, copied to F32 for the core) must be finite; the matrices
+    # are not scanned: that would read the whole file at every load
     for name, t in tensors.items():
-        if not np.isfinite(t).all():
+        if len(t.shape) == 1 and not np.isfinite(t.dequantize()).all():
             raise ModelLoadError(f"tensor {name!r} holds NaN or infinite values")
 
 
-def fingerprint(hp: HParams, tensors: dict[str, np.ndarray]) -> str:
-    """SHA-256 over the hyper-parameters and the F32 bytes of every tensor, by name."""
-    h = hashlib.sha256()
-    h.update(b"warmslot-model-v1\0")
-    h.update(json.dumps(asdict(hp), sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(name.encode() + b"\0" + json.dumps(list(t.shape)).encode() + b"\0")
-        h.update(t.tobytes())
-    return h.hexdigest()
+def _stored_tensors(header: Header, mapping: mmap.mmap) -> dict[str, Tensor]:
+    """Every tensor as a view of `mapping`; an unsupported type is an error naming the
+    tensor, raised before any tensor is used."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    tensors: dict[str, Tensor] = {}
+    for t in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(t.type)
+        except ValueError:
+            raise ModelLoadError(f"tensor {t.name!r} has unknown type id {t.type}") from None
+        if qtype.name not in SUPPORTED_TYPES:
+            raise ModelLoadError(
+                f"tensor {t.name!r} has type {qtype.name}, which the core does not support "
+                f"(supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        block, size = GGML_QUANT_SIZES[qtype]
+        if not t.dims or t.dims[0] % block:
+            raise ModelLoadError(f"tensor {t.name!r} of shape {list(t.dims)} is not a whole "
+                                 f"number of {qtype.name} blocks of {block}")
+        n_bytes = int(np.prod(t.dims)) // block * size
+        if t.offset + n_bytes > len(mapping):
+            raise ModelLoadError(f"not a readable GGUF file: tensor {t.name!r} extends past "
+                                 "the end of the file (truncated?)")
+        data = np.frombuffer(mapping, dtype=np.uint8, count=n_bytes, offset=t.offset)
+        shape = tuple(reversed(t.dims))  # numpy (rows, cols)
+        tensors[t.name] = Tensor(t.name, int(qtype), qtype.name, shape, data)
+    return tensors
 
 
-def _tokenizer(reader: Any) -> TokenizerData:
-    model = str(_field(reader, "tokenizer.ggml.model"))
-    tokens = [str(t) for t in _field(reader, "tokenizer.ggml.tokens")]
-    types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens), required=False)
-    merges = _field(reader, "tokenizer.ggml.merges", [], required=False)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", None, required=False)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", None, required=False)
+def _tokenizer(header: Header) -> TokenizerData:
+    model = str(_field(header, "tokenizer.ggml.model"))
+    tokens = [str(t) for t in _field(header, "tokenizer.ggml.tokens")]
+    types = _field(header, "tokenizer.ggml.token_type", [1] * len(tokens), required=False)
+    merges = _field(header, "tokenizer.ggml.merges", [], required=False)
+    bos = _field(header, "tokenizer.ggml.bos_token_id", None, required=False)
+    eos = _field(header, "tokenizer.ggml.eos_token_id", None, required=False)
     return TokenizerData(
         model=model,
         tokens=tokens,
@@ -189,68 +244,41 @@ def _tokenizer(reader: Any) -> TokenizerData:
     )
 
 
-_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # bytes
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-_ARCH_KEY = b"general.architecture"
+def _unmap(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:
+        pass  # views in a traceback: unmapped when they are collected
 
 
-def peek_architecture(path: Path) -> str | None:
-    """general.architecture read straight from the GGUF header, skipping the metadata
-    before it (writers put it first), so a model of another architecture is refused
-    before its vocabulary and tensors are parsed. None when the header cannot say
-    (not little-endian GGUF v2/v3, or no such key): the full reader decides then."""
-    import struct
-
-    with open(path, "rb") as f:
-
-        def take(n: int) -> bytes:
-            b = f.read(n)
-            if len(b) != n:
-                raise EOFError
-            return b
-
-        def u32() -> int:
-            return int(struct.unpack("<I", take(4))[0])
-
-        def u64() -> int:
-            return int(struct.unpack("<Q", take(8))[0])
-
-        def skip(vtype: int) -> None:
-            if vtype in _GGUF_SCALARS:
-                f.seek(_GGUF_SCALARS[vtype], 1)
-            elif vtype == _GGUF_STRING:
-                f.seek(u64(), 1)
-            elif vtype == _GGUF_ARRAY:
-                itype, count = u32(), u64()
-                if itype in _GGUF_SCALARS:
-                    f.seek(_GGUF_SCALARS[itype] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip(itype)
-            else:
-                raise ValueError(f"GGUF value type {vtype}")
-
-        try:
-            if take(4) != b"GGUF" or u32() not in (2, 3):
-                return None
-            u64()  # tensor count
-            for _ in range(min(u64(), 1 << 16)):
-                key = take(u64())
-                vtype = u32()
-                if key == _ARCH_KEY:
-                    return take(u64()).decode() if vtype == _GGUF_STRING else None
-                skip(vtype)
-        except (EOFError, ValueError, UnicodeDecodeError, struct.error, OSError):
-            return None
-    return None
+def _map(path: Path) -> mmap.mmap:
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # an empty file cannot be mapped
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
-def _check_architecture(path: Path, arch: str | None) -> None:
+def _check_architecture(path: Path, arch: object) -> None:
     if arch is not None and arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path}: architecture {arch!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+
+
+def peek_architecture(path: Path) -> str | None:
+    """general.architecture read from the header alone, so that a model of another
+    architecture is refused before its vocabulary and tensors are parsed; None when the
+    header cannot say (the full parse decides then)."""
+    mapping = _map(path)
+    try:
+        arch = peek_field(mapping, "general.architecture")
+    except (ValueError, struct.error, RecursionError):
+        arch = None
+    finally:
+        _unmap(mapping)
+    return arch if isinstance(arch, str) else None
 
 
 def check_model_file(path: str | Path) -> None:
@@ -262,43 +290,35 @@ def check_model_file(path: str | Path) -> None:
     _check_architecture(path, peek_architecture(path))
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
-    """Loads a GGUF model; every problem is a ModelLoadError naming it."""
+def load_gguf(path: str | Path, cache_dir: Path | None = None) -> GGUFModel:
+    """Loads a GGUF model; every problem is a ModelLoadError naming it. The fingerprint
+    is cached under cache_dir (see fingerprint.cache_dir) by file identity."""
     path = Path(path)
     check_model_file(path)
-    from gguf import GGUFReader
-
+    mapping = _map(path)
     try:
-        reader = GGUFReader(str(path), "r")
-    except Exception as exc:  # the reader raises ValueError, struct.error, IndexError...
+        header = parse(mapping)
+    except (ValueError, struct.error, RecursionError) as exc:
+        _unmap(mapping)
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     try:
-        arch = str(_field(reader, "general.architecture"))
+        arch = str(_field(header, "general.architecture"))
         _check_architecture(path, arch)
-        tensors: dict[str, np.ndarray] = {}
-        types: dict[str, str] = {}
-        for t in reader.tensors:
-            tensors[t.name] = _to_f32(t)
-            types[t.name] = t.tensor_type.name
-        hp = _hparams(reader, arch, tensors)
+        tensors = _stored_tensors(header, mapping)
+        hp = _hparams(header, arch, tensors)
         _validate(hp, tensors)
-        tok = _tokenizer(reader)
+        tok = _tokenizer(header)
         if len(tok.tokens) != hp.n_vocab:
             raise ModelLoadError(
                 f"{path}: tokenizer has {len(tok.tokens)} tokens, the model {hp.n_vocab}"
             )
-        name = str(_field(reader, "general.name", path.stem, required=False))
+        name = str(_field(header, "general.name", path.stem, required=False))
+        fp = model_fingerprint(path, hp, tensors, cache_dir)
     except ModelLoadError:
+        _unmap(mapping)
         raise
     except Exception as exc:
+        _unmap(mapping)
         raise ModelLoadError(f"{path}: malformed GGUF content: {exc}") from exc
-    return GGUFModel(
-        path=path,
-        name=name,
-        architecture=arch,
-        hparams=hp,
-        tensors=tensors,
-        tokenizer=tok,
-        fingerprint=fingerprint(hp, tensors),
-        tensor_types=types,
-    )
+    return GGUFModel(path=path, name=name, architecture=arch, hparams=hp, tensors=tensors,
+                     tokenizer=tok, fingerprint=fp, _map=mapping)

@@ -1,6 +1,6 @@
-"""Friendly classes over the binding: `Model` (borrowed weights) and `Context`
-(KV cache of n_slots x n_ctx positions). Both are context managers; a model
-cannot be closed while one of its contexts is open."""
+"""Friendly classes over the binding: `Model` (weights lent to the core from the
+file's memory map) and `Context` (KV cache of n_slots x n_ctx positions). Both are
+context managers; a model cannot be closed while one of its contexts is open."""
 
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ from .gguf_file import GGUFModel, HParams, load_gguf
 from .handle import NativeHandle, buffer_arg
 from .tokenizer import Tokenizer
 
-_LAYER_FIELDS = {
-    "attn_norm": "attn_norm.weight",
+_LAYER_NORMS = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight"}
+_LAYER_MATRICES = {
     "wq": "attn_q.weight",
     "wk": "attn_k.weight",
     "wv": "attn_v.weight",
     "wo": "attn_output.weight",
-    "ffn_norm": "ffn_norm.weight",
     "w_gate": "ffn_gate.weight",
     "w_up": "ffn_up.weight",
     "w_down": "ffn_down.weight",
@@ -45,7 +44,9 @@ def available_memory_bytes() -> int | None:
 
 
 class Model(NativeHandle):
-    """A loaded model: weights held as F32 numpy arrays and lent to the C core."""
+    """A loaded model: the matrices lent to the C core in their stored type straight
+    from the file's memory map, the norm weights as small F32 copies. Closing the
+    model unmaps the file."""
 
     _what = "model"
 
@@ -54,6 +55,7 @@ class Model(NativeHandle):
         self.hparams: HParams = content.hparams
         hp = self.hparams
         self._keep: list[Any] = []
+        self._buffers: list[Any] = []  # views of the file's memory map
         c_hp = ffi.new("ws_hparams *")
         for name in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_rot"):
             setattr(c_hp, name, getattr(hp, name))
@@ -61,12 +63,15 @@ class Model(NativeHandle):
         c_hp.rope_theta = hp.rope_theta
         layers = ffi.new("ws_layer_weights[]", hp.n_layer)
         for i in range(hp.n_layer):
-            for field, suffix in _LAYER_FIELDS.items():
-                setattr(layers[i], field, self._ptr(f"blk.{i}.{suffix}"))
+            for field, suffix in _LAYER_NORMS.items():
+                setattr(layers[i], field, self._norm(f"blk.{i}.{suffix}"))
+            for field, suffix in _LAYER_MATRICES.items():
+                self._matrix(getattr(layers[i], field), f"blk.{i}.{suffix}")
         w = ffi.new("ws_weights *")
-        w.tok_embd = self._ptr("token_embd.weight")
-        w.output_norm = self._ptr("output_norm.weight")
-        w.output = ffi.NULL if content.tied_output else self._ptr("output.weight")
+        self._matrix(w.tok_embd, "token_embd.weight")
+        w.output_norm = self._norm("output_norm.weight")
+        if not content.tied_output:
+            self._matrix(w.output, "output.weight")
         w.layers = layers
         self._keep += [c_hp, layers, w]
         self._handle: Any = binding.model_init(c_hp, w)
@@ -77,11 +82,19 @@ class Model(NativeHandle):
     def load(cls, path: str | Path) -> Model:
         return cls(load_gguf(path))
 
-    def _ptr(self, name: str) -> Any:
-        arr = self.content.tensors[name]
-        ptr = ffi.cast("const float *", ffi.from_buffer("float[]", arr))
+    def _norm(self, name: str) -> Any:
+        arr = self.content.tensors[name].dequantize()
         self._keep.append(arr)
-        return ptr
+        return ffi.cast("const float *", ffi.from_buffer("float[]", arr))
+
+    def _matrix(self, out: Any, name: str) -> None:
+        """Fills a ws_tensor with the stored tensor (no copy)."""
+        t = self.content.tensors[name]
+        buf = ffi.from_buffer("uint8_t[]", t.data)
+        self._buffers.append(buf)
+        out.data = buf
+        out.type = t.type
+        out.rows, out.cols = t.shape
 
     @property
     def fingerprint(self) -> str:
@@ -110,6 +123,10 @@ class Model(NativeHandle):
 
     def _free(self, handle: Any) -> None:
         binding.model_free(handle)
+        for buf in self._buffers:  # give the map's exports back now, not at collection
+            ffi.release(buf)
+        self._buffers.clear()
+        self.content.close()
 
     def close(self) -> None:
         if self._handle is not None and self._open_contexts():

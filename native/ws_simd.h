@@ -1,0 +1,119 @@
+/* ws_simd.h - the 8-lane float primitives and the canonical dot product shared by the
+ * core's C files (internal). AVX2+FMA when the build targets it, else a scalar
+ * path that performs the same IEEE operations per lane (fmaf), so both builds give
+ * the same bits. */
+#ifndef WS_SIMD_H
+#define WS_SIMD_H
+
+#include "ws_math.h"
+
+#include <math.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define WS_SIMD 1
+#else
+#define WS_SIMD 0
+#endif
+
+/* ------------------------------------------------------------------------- */
+/* dot products: one fixed order for every kernel                             */
+/*
+ * A dot product of length n accumulates w[k]*x[k] into 8 lanes with fused
+ * multiply-adds for k < n8 = n & ~7 (lane k % 8), reduces the lanes in a
+ * fixed tree, then adds the tail with fmaf in order. The single-row kernel and
+ * the tiled kernels below execute exactly this sequence per output element.
+ */
+
+#if WS_SIMD
+typedef __m256 lanes8;
+static inline lanes8 l8_zero(void) { return _mm256_setzero_ps(); }
+static inline lanes8 l8_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline lanes8 l8_fma(lanes8 a, lanes8 b, lanes8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float l8_sum(lanes8 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);                 /* l0+l4, l1+l5, l2+l6, l3+l7 */
+    __m128 sh = _mm_movehl_ps(s, s);               /* s2, s3                     */
+    __m128 s2 = _mm_add_ps(s, sh);                 /* s0+s2, s1+s3               */
+    __m128 s3 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x1));
+    return _mm_cvtss_f32(s3);
+}
+#else
+typedef struct { float v[8]; } lanes8;
+static inline lanes8 l8_zero(void) { lanes8 r; memset(&r, 0, sizeof r); return r; }
+static inline lanes8 l8_load(const float *p) { lanes8 r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline lanes8 l8_fma(lanes8 a, lanes8 b, lanes8 c) {
+    for (int i = 0; i < 8; i++) c.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
+    return c;
+}
+static inline float l8_sum(lanes8 v) {
+    float s0 = v.v[0] + v.v[4], s1 = v.v[1] + v.v[5], s2 = v.v[2] + v.v[6], s3 = v.v[3] + v.v[7];
+    float t0 = s0 + s2, t1 = s1 + s3;
+    return t0 + t1;
+}
+#endif
+
+#if WS_SIMD
+static inline lanes8 l8_add(lanes8 a, lanes8 b) { return _mm256_add_ps(a, b); }
+static inline lanes8 l8_sub1(lanes8 a, float b) { return _mm256_sub_ps(a, _mm256_set1_ps(b)); }
+static inline lanes8 l8_set1(float b) { return _mm256_set1_ps(b); }
+static inline void l8_store(float *p, lanes8 v) { _mm256_storeu_ps(p, v); }
+/* ws_expf on 8 lanes: the same IEEE operations in the same order, per lane */
+static inline lanes8 l8_exp(lanes8 x) {
+    const __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(WS_EXP_LO), _CMP_LT_OQ);
+    const __m256 hi = _mm256_cmp_ps(x, _mm256_set1_ps(WS_EXP_HI), _CMP_GT_OQ);
+    const __m256 xc = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(WS_EXP_HI)),
+                                    _mm256_set1_ps(WS_EXP_LO));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(WS_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-WS_LN2_HI), xc);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-WS_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(WS_EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(WS_EXP_P5));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+                                   _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    __m256 out = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), e));
+    out = _mm256_blendv_ps(out, _mm256_setzero_ps(), lo);
+    return _mm256_blendv_ps(out, _mm256_set1_ps(INFINITY), hi);
+}
+#else
+static inline lanes8 l8_add(lanes8 a, lanes8 b) {
+    for (int i = 0; i < 8; i++) a.v[i] += b.v[i];
+    return a;
+}
+static inline lanes8 l8_sub1(lanes8 a, float b) {
+    for (int i = 0; i < 8; i++) a.v[i] -= b;
+    return a;
+}
+static inline lanes8 l8_set1(float b) {
+    lanes8 r;
+    for (int i = 0; i < 8; i++) r.v[i] = b;
+    return r;
+}
+static inline void l8_store(float *p, lanes8 v) { memcpy(p, v.v, sizeof v.v); }
+static inline lanes8 l8_exp(lanes8 x) {
+    for (int i = 0; i < 8; i++) x.v[i] = ws_expf(x.v[i]);
+    return x;
+}
+#endif
+
+static inline float dot_tail(float acc, const float *w, const float *x, int k, int n) {
+    for (; k < n; k++) acc = fmaf(w[k], x[k], acc);
+    return acc;
+}
+
+static inline float dot(const float *w, const float *x, int n) {
+    const int n8 = n & ~7;
+    lanes8 a = l8_zero();
+    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(w + k), l8_load(x + k), a);
+    return dot_tail(l8_sum(a), w, x, n8, n);
+}
+
+#endif /* WS_SIMD_H */

@@ -1,0 +1,189 @@
+"""The typed weight kernels: for every type, the build's unpacking equals the scalar
+unpacking and gguf's dequantizer bit for bit, and every product equals the canonical F32
+dot product over the unpacked row bit for bit, for 1..9 tokens (the one-token register
+path and the batch path), row counts that are not a multiple of the tile, and plain rows
+whose length is not a multiple of the SIMD width."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from inference_svc.core.binding import ffi, lib
+from tests.factory import QUANT_TYPES, stored_bytes
+
+pytestmark = pytest.mark.native
+
+TYPE_IDS = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in
+            ("f32", "f16", "bf16", *QUANT_TYPES)}
+K_TYPES = ("q4_k", "q5_k", "q6_k")
+
+
+def encode(values: np.ndarray, dtype: str, rng: np.random.Generator) -> np.ndarray:
+    """[rows][row bytes] of the values stored as dtype."""
+    if dtype == "f32":
+        return values.astype(np.float32).view(np.uint8)
+    if dtype == "f16":
+        return values.astype(np.float16).view(np.uint8)
+    if dtype == "bf16":
+        return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return stored_bytes(values, dtype, rng)
+
+
+class Tensor:
+    """A ws_tensor over a numpy buffer (kept alive with it)."""
+
+    def __init__(self, raw: np.ndarray, dtype: str, rows: int, cols: int) -> None:
+        self.raw = np.ascontiguousarray(raw)
+        self.buf = ffi.from_buffer("uint8_t[]", self.raw)
+        self.c = ffi.new("ws_tensor *")
+        self.c.data, self.c.type, self.c.rows, self.c.cols = self.buf, TYPE_IDS[dtype], rows, cols
+        self.rows, self.cols, self.dtype = rows, cols, dtype
+
+    def row(self, r: int, reference: bool) -> np.ndarray:
+        out = np.empty(self.cols, np.float32)
+        assert lib.ws_tensor_dequantize(self.c, r, int(reference),
+                                        ffi.from_buffer("float[]", out), out.size) == 0
+        return out
+
+    def rows_f32(self, reference: bool = False) -> np.ndarray:
+        return np.stack([self.row(r, reference) for r in range(self.rows)])
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], self.rows), np.float32)
+        assert lib.ws_tensor_matmul(self.c, ffi.from_buffer("float[]", x), x.shape[0],
+                                    ffi.from_buffer("float[]", out), out.size) == 0
+        return out
+
+
+def sizes(dtype: str) -> list[tuple[int, int]]:
+    """(rows, cols): rows not a multiple of 4; plain types with tails of every kind."""
+    if dtype in K_TYPES:
+        return [(7, 256), (5, 768)]
+    if dtype in QUANT_TYPES:
+        return [(7, 32), (9, 96), (6, 160)]
+    return [(7, 37), (5, 45), (9, 64), (6, 100), (3, 3)]
+
+
+@pytest.mark.parametrize("dtype", sorted(TYPE_IDS))
+def test_unpacking_matches_scalar_code_and_gguf(dtype: str) -> None:
+    rng = np.random.default_rng(1)
+    for rows, cols in sizes(dtype):
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = encode(values, dtype, rng)
+        t = Tensor(raw, dtype, rows, cols)
+        got = t.rows_f32()
+        assert got.tobytes() == t.rows_f32(reference=True).tobytes()
+        qtype = gguf.GGMLQuantizationType[dtype.upper()]
+        if dtype == "f32":
+            expected = values
+        elif dtype == "f16":
+            expected = values.astype(np.float16).astype(np.float32)
+        elif dtype == "bf16":
+            expected = ((values.view(np.uint32) >> 16) << 16).view(np.float32)
+        else:
+            expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+        assert got.tobytes() == expected.astype(np.float32).tobytes(), dtype
+
+
+@pytest.mark.parametrize("dtype", sorted(TYPE_IDS))
+def test_products_are_the_canonical_dot_over_unpacked_rows(dtype: str) -> None:
+    rng = np.random.default_rng(2)
+    for rows, cols in sizes(dtype):
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        t = Tensor(encode(values, dtype, rng), dtype, rows, cols)
+        unpacked = t.rows_f32()
+        plain = Tensor(unpacked.view(np.uint8), "f32", rows, cols)
+        for nt in range(1, 10):
+            x = rng.standard_normal((nt, cols)).astype(np.float32)
+            got = t.matmul(x)
+            assert got.tobytes() == plain.matmul(x).tobytes(), (dtype, rows, cols, nt)
+            # each token alone (the one-token path) gives the batch's bits
+            alone = np.concatenate([t.matmul(x[i:i + 1]) for i in range(nt)])
+            assert alone.tobytes() == got.tobytes()
+            ref = x.astype(np.float64) @ unpacked.astype(np.float64).T
+            assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q5_0", "q8_0", *K_TYPES])
+def test_random_blocks_every_bit_pattern(dtype: str) -> None:
+    """Blocks of random bytes (every quant value, every packed scale and high bit) with
+    finite f16 scales unpack as gguf's dequantizer does."""
+    rng = np.random.default_rng(3)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[dtype.upper()]]
+    rows, cols = 5, 4 * block
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if dtype not in K_TYPES:  # the block's f16 scale(s) lead: keep them finite
+        nscales = 2 if dtype == "q4_1" else 1
+        d = rng.uniform(-0.01, 0.01, (rows, cols // block, nscales)).astype(np.float16)
+        raw[:, :, :2 * nscales] = d.view(np.uint8).reshape(rows, cols // block, 2 * nscales)
+    else:
+        raw = stored_bytes(np.ones((rows, cols), np.float32), dtype, rng).reshape(raw.shape)
+    raw = raw.reshape(rows, -1)
+    t = Tensor(raw, dtype, rows, cols)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[dtype.upper()])
+    assert t.rows_f32().tobytes() == expected.reshape(rows, cols).astype(np.float32).tobytes()
+    assert t.rows_f32(reference=True).tobytes() == t.rows_f32().tobytes()
+
+
+def test_bad_arguments_are_refused() -> None:
+    raw = np.zeros((2, 34), np.uint8)
+    t = Tensor(raw, "q8_0", 2, 32)
+    out = np.empty(32, np.float32)
+    assert lib.ws_tensor_dequantize(t.c, 2, 0, ffi.from_buffer("float[]", out), 32) == 1
+    assert lib.ws_tensor_dequantize(t.c, 0, 0, ffi.from_buffer("float[]", out), 31) == 3
+    t.c.cols = 33  # not a whole number of blocks
+    assert lib.ws_tensor_dequantize(t.c, 0, 0, ffi.from_buffer("float[]", out), 64) == 1
+    assert lib.ws_type_row_bytes(TYPE_IDS["q4_k"], 512) == 288
+    assert lib.ws_type_row_bytes(TYPE_IDS["q4_k"], 300) == 0
+    assert lib.ws_type_row_bytes(7, 64) == 0  # Q5_1: not supported
+    assert ffi.string(lib.ws_type_name(TYPE_IDS["q6_k"])) == b"Q6_K"
+
+
+GEMMA = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma_path() -> Path | None:
+    env = os.environ.get("WARMSLOT_GEMMA3")
+    if env:
+        return Path(env)
+    found = sorted((Path(__file__).resolve().parent.parent / "models").rglob(GEMMA))
+    return found[0] if found else None
+
+
+@pytest.mark.skipif(gemma_path() is None or not gemma_path().is_file(),
+                    reason=f"{GEMMA} is not present (set WARMSLOT_GEMMA3)")
+def test_real_tensors_of_gemma3() -> None:
+    """Real Q4_K, Q5_0, Q6_K, Q8_0 tensors (Gemma 3 270M Q4_K_M): the kernels unpack
+    them as gguf does and multiply them in the canonical order."""
+    from inference_svc.core.gguf_parse import parse
+
+    data = np.fromfile(gemma_path(), dtype=np.uint8)
+    header = parse(data)
+    seen = set()
+    rng = np.random.default_rng(4)
+    for info in header.tensors:
+        qtype = gguf.GGMLQuantizationType(info.type)
+        name = qtype.name.lower()
+        if len(info.dims) != 2 or name not in TYPE_IDS or name in seen:
+            continue
+        seen.add(name)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        cols, rows = info.dims[0], min(info.dims[1], 13)
+        row_bytes = cols // block * size
+        raw = data[info.offset:info.offset + rows * row_bytes].reshape(rows, row_bytes)
+        t = Tensor(raw, name, rows, cols)
+        unpacked = t.rows_f32()
+        expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+        assert unpacked.tobytes() == expected.tobytes(), info.name
+        assert t.rows_f32(reference=True).tobytes() == unpacked.tobytes()
+        plain = Tensor(unpacked.view(np.uint8), "f32", rows, cols)
+        for nt in (1, 5):
+            x = rng.standard_normal((nt, cols)).astype(np.float32)
+            assert t.matmul(x).tobytes() == plain.matmul(x).tobytes(), (info.name, nt)
+    assert {"q4_k", "q5_0", "q6_k", "q8_0"} <= seen
