@@ -11,7 +11,6 @@ In-process (tests, tools):
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -27,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__
+from snapshot_svc.backend import Backend
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import (
     Cancelled,
@@ -186,9 +186,9 @@ class StatusInterceptor(grpc.ServerInterceptor):
 
 
 class SnapshotServicer(pb_grpc.SnapshotServicer):
-    """The Snapshot RPCs over a Store. Errors are raised as SnapshotError."""
+    """The Snapshot RPCs over a storage backend. Errors are raised as SnapshotError."""
 
-    def __init__(self, config: SnapshotConfig, store: Store, metrics: Metrics) -> None:
+    def __init__(self, config: SnapshotConfig, store: Backend, metrics: Metrics) -> None:
         self.config = config
         self.store = store
         self.metrics = metrics
@@ -227,6 +227,8 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         upload = None
+        header = None
+        done = False
         try:
             first = next(request_iterator, None)
             if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
@@ -265,6 +267,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             spare = upload.overwrites_spare
             out = self.store.finish_put(upload)
             upload = None
+            done = True
             self.metrics.bytes_received.labels(label).inc(out.info.size)
             log_event(log, logging.INFO, "put", name=header.name, part=label,
                       bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
@@ -287,6 +290,9 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         finally:
             if upload is not None:
                 upload.abort()
+            if not done and header is not None and header.part is Part.DRAFT:
+                # the paired save failed: its staged target goes now, not at its expiry
+                self.store.drop_staged(header.name, header.target_sha256)
             self.metrics.puts.labels(label, code).inc()
             self.metrics.put_seconds.labels(label).observe(time.perf_counter() - t0)
 
@@ -297,7 +303,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         try:
             part = self._part(request.part)
             label = part.label
-            snap, fd = self.store.open_part(request.name, part, request.target_sha256)
+            snap, reader = self.store.open_part(request.name, part, request.target_sha256)
             info = snap.part(part)
             assert info is not None
             try:
@@ -309,13 +315,13 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                     draft_sha256=draft_sha))
                 remaining = info.size
                 while remaining:
-                    data = os.read(fd, min(MAX_CHUNK_BYTES, remaining))
+                    data = reader.read(min(MAX_CHUNK_BYTES, remaining))
                     if not data:
                         raise DataLoss(f"the stored {label} of {snap.name!r} is truncated")
                     remaining -= len(data)
                     yield data  # framed as GetResponse{chunk} by wire.py
             finally:
-                self.store.close_part(info.sha256, fd)
+                reader.close()
             self.metrics.bytes_sent.labels(label).inc(info.size)
             log_event(log, logging.INFO, "get", name=snap.name, part=label, bytes=info.size,
                       commit_id=snap.commit_id, ms=round((time.perf_counter() - t0) * 1e3, 2))
