@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -347,6 +348,21 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         return pb.DeleteResponse(bytes_freed=self.store.delete(request.name))
 
 
+def open_backend(config: SnapshotConfig) -> Backend:
+    """The configured storage backend: the S3 bucket of `--store`, else the data dir."""
+    if config.store:
+        from snapshot_svc.s3store import S3Store  # boto3 is imported only when used
+
+        return S3Store(config.store, endpoint=config.s3_endpoint, region=config.s3_region,
+                       max_snapshot_bytes=config.max_snapshot_bytes,
+                       stage_ttl_s=config.stage_ttl_s,
+                       replica_id=config.replica_id or socket.gethostname(),
+                       gc_grace_s=config.gc_grace_s, workers=config.workers)
+    assert config.data_dir is not None
+    return Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
+                 stage_ttl_s=config.stage_ttl_s, spare_bytes=config.spare_bytes)
+
+
 class SnapshotServer:
     """One snapshot service: store, gRPC server (with health and reflection) and
     the optional metrics endpoint. `start()` returns the bound port."""
@@ -356,8 +372,7 @@ class SnapshotServer:
         self.port = 0
         self._draining = threading.Event()
         self._stopped = threading.Event()
-        self.store = Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
-                           stage_ttl_s=config.stage_ttl_s, spare_bytes=config.spare_bytes)
+        self.store = open_backend(config)
         self.metrics = Metrics(self.store.usage, self.store.spares)
         # calls beyond `workers` wait for a thread (they are not refused)
         self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
@@ -393,7 +408,7 @@ class SnapshotServer:
         log_event(log, logging.INFO, "serving", host=self.config.host, port=self.port,
                   max_protocol=self.config.max_protocol,
                   max_snapshot_bytes=self.config.max_snapshot_bytes,
-                  data_dir=str(self.config.data_dir), metrics_port=self.config.metrics_port,
+                  store=self.store.describe(), metrics_port=self.config.metrics_port,
                   version=__version__)
         return self.port
 
