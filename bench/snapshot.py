@@ -143,6 +143,8 @@ def main() -> int:
                     help="with --store: sessions saved and restored concurrently")
     ap.add_argument("--session-mib", type=float, default=2.0,
                     help="with --store: size of each concurrent session's target")
+    ap.add_argument("--conc-reps", type=int, default=2,
+                    help="with --store: runs of the concurrent sessions per replica count")
     a = ap.parse_args()
     tune_malloc()  # as the inference service's process does (the client side here)
     a.sizes = a.sizes or ("64" if a.store else "1,64,512")

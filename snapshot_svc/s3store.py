@@ -41,6 +41,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -55,6 +56,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.backend import PutOutcome, UploadHeader, check_header, check_trailer_sha256
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
@@ -74,6 +76,7 @@ from snapshot_svc.records import Part, PartInfo, PartMeta, SnapshotInfo
 log = logging.getLogger("snapshot_svc.s3store")
 
 PART_BYTES = 8 << 20  # multipart part size (S3's minimum is 5 MiB, the last part excepted)
+READ_AHEAD = 4  # chunks (of MAX_CHUNK_BYTES) a Get reads ahead of what it has sent
 _MISSING = ("NoSuchKey", "404", "NotFound")
 
 
@@ -283,34 +286,69 @@ class S3Upload:
 
 
 class S3Reader:
-    """A committed part streamed from its object, its SHA-256 checked as it goes: the
-    read that reaches the part's size raises DataLoss if the bytes are not the ones
-    the manifest names."""
+    """A committed part streamed from its object. A helper thread reads ahead (up to
+    `READ_AHEAD` chunks) and hashes while the caller sends what it has, so the store's
+    latency and the gRPC send overlap. The read that reaches the part's size raises
+    DataLoss if the bytes are not the ones the manifest names."""
 
     def __init__(self, body: Any, info: PartInfo, name: str) -> None:
         self._body = body
         self._info = info
         self._name = name
-        self._hash = hashlib.sha256()
-        self._received = 0
+        self._chunks: queue.Queue[bytes | SnapshotError] = queue.Queue(READ_AHEAD)
+        self._stop = threading.Event()
+        self._pending = b""
+        self._thread = threading.Thread(target=self._fetch, name="s3-read", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: bytes | SnapshotError) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._chunks.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fetch(self) -> None:
+        info, label = self._info, self._info.part.label
+        digest = hashlib.sha256()
+        received = 0
+        try:
+            while received < info.size and not self._stop.is_set():
+                data = self._body.read(min(MAX_CHUNK_BYTES, info.size - received))
+                if not data:
+                    raise DataLoss(f"the stored {label} of {self._name!r} is truncated at "
+                                   f"{received} of {info.size} bytes")
+                digest.update(data)
+                received += len(data)
+                if received == info.size and digest.hexdigest() != info.sha256:
+                    raise DataLoss(f"the stored {label} of {self._name!r}: SHA-256 mismatch "
+                                   f"(manifest {info.sha256}, stored bytes "
+                                   f"{digest.hexdigest()})")
+                if not self._put(data):
+                    return
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            self._put(s3_error(f"reading {self._name!r}", exc))
 
     def read(self, n: int) -> bytes:
-        try:
-            data = self._body.read(n)
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            raise s3_error(f"reading {self._name!r}", exc) from exc
-        self._hash.update(data)
-        self._received += len(data)
-        if self._received > self._info.size:
-            raise DataLoss(f"the stored {self._info.part.label} of {self._name!r} is longer "
-                           f"than its {self._info.size} bytes")
-        if self._received == self._info.size and self._hash.hexdigest() != self._info.sha256:
-            raise DataLoss(f"the stored {self._info.part.label} of {self._name!r}: SHA-256 "
-                           f"mismatch (manifest {self._info.sha256}, stored bytes "
-                           f"{self._hash.hexdigest()})")
+        """At most `n` bytes (a chunk as it was read ahead); b"" at the part's end."""
+        while not self._pending:
+            if not self._thread.is_alive() and self._chunks.empty():
+                return b""
+            try:
+                item = self._chunks.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, SnapshotError):
+                raise item
+            self._pending = item
+        data, self._pending = self._pending[:n], self._pending[n:]
         return data
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
         self._body.close()
 
 
