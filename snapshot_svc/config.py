@@ -83,7 +83,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _flag(p, env, "--data-dir", Path, None,
           "directory holding the snapshots (the local backend; or --store)")
     _flag(p, env, "--store", str, d.store,
-          "s3://bucket[/prefix]: keep the snapshots in an S3 bucket instead (credentials "
+          "s3://bucket[/prefix]: keep the snapshots in an S3 bucket instead of --data-dir, "
+          "which is then ignored (credentials "
           "from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_SHARED_CREDENTIALS_FILE)")
     _flag(p, env, "--s3-endpoint", str, d.s3_endpoint,
           "URL of the S3 API (SeaweedFS, Ceph RGW, MinIO...); empty: AWS")
@@ -119,7 +120,9 @@ def parse_config(argv: Sequence[str] | None = None,
     if a.data_dir is None and not a.store:
         parser.error(f"--data-dir (or {ENV_PREFIX}DATA_DIR) or --store is required")
     try:
-        return SnapshotConfig(data_dir=a.data_dir, host=a.host, port=a.port,
+        # --store wins over a data dir (the container image sets one by default)
+        return SnapshotConfig(data_dir=None if a.store else a.data_dir, host=a.host,
+                              port=a.port,
                               max_protocol=a.max_protocol,
                               max_snapshot_bytes=a.max_snapshot_bytes,
                               spare_bytes=a.spare_bytes,

@@ -24,7 +24,7 @@ from botocore.config import Config
 
 from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
-from snapshot_svc.config import SnapshotConfig
+from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import InvalidArgument, NotFound, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
@@ -498,3 +498,8 @@ def test_store_url_is_checked() -> None:
         SnapshotConfig(data_dir=Path("x"), store="s3://b/p")
     with pytest.raises(ValueError, match="not both"):
         SnapshotConfig()
+    # the image sets a data dir; --store (here from its variable) wins over it
+    cfg = parse_config([], env={"WARMSLOT_SNAPSHOT_DATA_DIR": "/data",
+                                "WARMSLOT_SNAPSHOT_STORE": "s3://b/p",
+                                "WARMSLOT_SNAPSHOT_REPLICA_ID": "snap-1"})
+    assert (cfg.data_dir, cfg.store, cfg.replica_id) == (None, "s3://b/p", "snap-1")
