@@ -396,6 +396,7 @@ class S3Store:
         self._cache: dict[str, tuple[str, _Manifest]] = {}  # manifest key -> (ETag, parsed)
         self._usage = (0, 0)
         self._gc_candidates: set[str] = set()
+        self._gc_lock = threading.Lock()  # one sweep at a time (timer and callers)
         self._closed = threading.Event()
         self._open_bucket(start_timeout_s)
         self._abort_own_uploads()
@@ -706,6 +707,10 @@ class S3Store:
 
     def collect_garbage(self) -> dict[str, int]:
         """One sweep (see the module docstring); returns what it removed."""
+        with self._gc_lock:
+            return self._sweep()
+
+    def _sweep(self) -> dict[str, int]:
         now = time.time()
         grace = self.gc_grace_s
         referenced = set()
