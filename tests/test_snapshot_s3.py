@@ -28,7 +28,7 @@ from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import InvalidArgument, NotFound, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
-from snapshot_svc.records import PartMeta
+from snapshot_svc.records import Part, PartMeta
 from snapshot_svc.s3store import PART_BYTES, S3Location
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import ROOT, ServerProcess, running_server
@@ -383,6 +383,58 @@ def _stalled_put(address: str, name: str, data: bytes, sent: threading.Event,
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def test_a_put_streams_its_parts_and_holds_two_at_most(s3env: SeaweedFS) -> None:
+    """Parts go to the store while the Put is still receiving: at no point does the
+    upload hold more than the part being filled and the one being sent."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, **s3_config(s3env, prefix)) as srv:
+        store: Any = srv.store
+        data = blob(5, 3 * PART_BYTES + 100)
+        header = store.check_header("s", Part.TARGET, len(data), sha(data), PartMeta())
+        upload = store.begin_put(header)
+        try:
+            for i in range(0, len(data), MAX_CHUNK_BYTES):
+                upload.write(data[i:i + MAX_CHUNK_BYTES])
+                assert len(upload._buf) < PART_BYTES  # noqa: SLF001
+            upload._wait_part()  # noqa: SLF001 - the third part has been sent
+            parts = raw_s3(s3env).list_parts(Bucket=BUCKET, Key=upload.key,
+                                             UploadId=upload._upload_id)  # noqa: SLF001
+            assert [p["Size"] for p in parts["Parts"]] == [PART_BYTES] * 3
+            store.finish_put(upload)
+        finally:
+            upload.abort()
+        with SnapshotClient(srv.address, timeout=30) as c:
+            assert c.get("s").target == data
+
+
+def test_a_client_that_goes_away_leaves_no_upload(s3env: SeaweedFS) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, **s3_config(s3env, prefix)) as srv:
+        sent, hold = threading.Event(), threading.Event()
+        data = blob(2, 3 * PART_BYTES)
+        reqs = put_requests("s", pb.PART_TARGET, data)
+
+        def gen() -> Iterator[pb.PutRequest]:
+            yield from reqs[:-1]
+            sent.set()
+            hold.wait(60)
+
+        with grpc.insecure_channel(srv.address) as ch:
+            call = pb_grpc.SnapshotStub(ch).Put.future(gen(), timeout=60)
+            assert sent.wait(60)
+            deadline = time.monotonic() + 30
+            while not uploads(s3env, f"{prefix}/"):
+                assert time.monotonic() < deadline, "no multipart upload started"
+                time.sleep(0.1)
+            call.cancel()
+            hold.set()
+        deadline = time.monotonic() + 30
+        while uploads(s3env, f"{prefix}/"):
+            assert time.monotonic() < deadline, "the upload was not aborted"
+            time.sleep(0.1)
+        assert keys(s3env, f"{prefix}/") == []
 
 
 def test_kill_9_mid_multipart_upload(s3env: SeaweedFS, tmp_path: Path) -> None:
