@@ -16,10 +16,11 @@ it was meant to commit goes with it. A Get: `open_part` -> `reader.read`... ->
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from snapshot_svc.errors import InvalidArgument, ResourceExhausted
+from snapshot_svc.errors import DataLoss, InvalidArgument, ResourceExhausted
 from snapshot_svc.names import validate_name
 from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.spares import SparePool
@@ -76,6 +77,34 @@ def check_trailer_sha256(header: UploadHeader, sha256: str) -> None:
     if not SHA256_HEX.fullmatch(sha256):
         raise InvalidArgument(f"the trailer's sha256 must be 64 lowercase hex digits (Put "
                               f"of {header.name!r}), got {sha256!r}")
+
+
+def check_received(header: UploadHeader, total: int, max_bytes: int) -> None:
+    """The limits on a Put that has now received `total` bytes: RESOURCE_EXHAUSTED past
+    the server's limit, INVALID_ARGUMENT past the declared size."""
+    h = header
+    if total > max_bytes:
+        raise ResourceExhausted(f"{h.part.label} of {h.name!r} exceeds the limit of "
+                                f"{max_bytes} bytes ({total} bytes received)")
+    if total > h.size:
+        raise InvalidArgument(f"{h.part.label} of {h.name!r}: received {total} bytes, "
+                              f"more than the {h.size} declared")
+
+
+def check_complete(header: UploadHeader, received: int, digest: Callable[[], str]) -> None:
+    """The checks before a Put may commit: all the declared bytes arrived (DATA_LOSS),
+    a digest was given (INVALID_ARGUMENT), theirs is it (`digest()`; DATA_LOSS)."""
+    h = header
+    if received != h.size:
+        raise DataLoss(f"{h.part.label} of {h.name!r} truncated: received {received} "
+                       f"of {h.size} bytes")
+    if not h.sha256:
+        raise InvalidArgument(f"the Put of {h.name!r} left the header's sha256 empty and "
+                              "ended without a trailer")
+    got = digest()
+    if got != h.sha256:
+        raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
+                       f"received bytes {got})")
 
 
 class PartUpload(Protocol):

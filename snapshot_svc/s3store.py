@@ -57,7 +57,14 @@ from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, NoC
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from snapshot_svc import MAX_CHUNK_BYTES
-from snapshot_svc.backend import PutOutcome, UploadHeader, check_header, check_trailer_sha256
+from snapshot_svc.backend import (
+    PutOutcome,
+    UploadHeader,
+    check_complete,
+    check_header,
+    check_received,
+    check_trailer_sha256,
+)
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
@@ -187,15 +194,8 @@ class S3Upload:
         self.header = dataclasses.replace(self.header, sha256=sha256)
 
     def write(self, data: bytes | memoryview) -> None:
-        h = self.header
         total = self.received + len(data)
-        if total > self._store.max_snapshot_bytes:
-            raise ResourceExhausted(f"{h.part.label} of {h.name!r} exceeds the limit of "
-                                    f"{self._store.max_snapshot_bytes} bytes ({total} bytes "
-                                    "received)")
-        if total > h.size:
-            raise InvalidArgument(f"{h.part.label} of {h.name!r}: received {total} bytes, "
-                                  f"more than the {h.size} declared")
+        check_received(self.header, total, self._store.max_snapshot_bytes)
         self._digest.update(data)
         self._buf += data
         self.received = total
@@ -232,17 +232,10 @@ class S3Upload:
     def seal(self) -> None:
         """Checks size and digest, then completes the object (DATA_LOSS on mismatch)."""
         h = self.header
-        if self.received != h.size:
-            raise DataLoss(f"{h.part.label} of {h.name!r} truncated: received {self.received} "
-                           f"of {h.size} bytes")
-        if not h.sha256:
-            raise InvalidArgument(f"the Put of {h.name!r} left the header's sha256 empty and "
-                                  "ended without a trailer")
-        digest = self._digest.hexdigest()
-        self._digest.close()
-        if digest != h.sha256:
-            raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
-                           f"received bytes {digest})")
+        try:
+            check_complete(h, self.received, self._digest.hexdigest)
+        finally:
+            self._digest.close()
         bucket = self._store.loc.bucket
         try:
             if self._upload_id is None:

@@ -41,7 +41,14 @@ from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshot_svc.backend import PutOutcome, UploadHeader, check_header, check_trailer_sha256
+from snapshot_svc.backend import (
+    PutOutcome,
+    UploadHeader,
+    check_complete,
+    check_header,
+    check_received,
+    check_trailer_sha256,
+)
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
@@ -146,14 +153,7 @@ class Upload:
             raise Internal("write to a closed upload")
         n = len(data)
         total = self.received + n
-        if total > self._max_bytes:
-            raise ResourceExhausted(
-                f"{self.header.part.label} of {self.header.name!r} exceeds the limit of "
-                f"{self._max_bytes} bytes ({total} bytes received)")
-        if total > self.header.size:
-            raise InvalidArgument(
-                f"{self.header.part.label} of {self.header.name!r}: received {total} bytes, "
-                f"more than the {self.header.size} declared")
+        check_received(self.header, total, self._max_bytes)
         self._digest.update(data)
         view = memoryview(data)
         try:
@@ -185,16 +185,7 @@ class Upload:
     def seal(self) -> None:
         """Checks size and digest, then fsyncs and closes the file (DATA_LOSS on mismatch)."""
         h = self.header
-        if self.received != h.size:
-            raise DataLoss(f"{h.part.label} of {h.name!r} truncated: received {self.received} "
-                           f"of {h.size} bytes")
-        if not h.sha256:
-            raise InvalidArgument(f"the Put of {h.name!r} left the header's sha256 empty and "
-                                  "ended without a trailer")
-        digest = self._digest.hexdigest()
-        if digest != h.sha256:
-            raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
-                           f"received bytes {digest})")
+        check_complete(h, self.received, self._digest.hexdigest)
         assert self._fd is not None
         try:
             self._wait_flush()
