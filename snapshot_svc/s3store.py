@@ -37,312 +37,39 @@ Layout under `s3://bucket/prefix/`:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
-import boto3
-import botocore.session
-from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, NoCredentialsError
-from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.exceptions import NoCredentialsError
 
-from snapshot_svc import MAX_CHUNK_BYTES
-from snapshot_svc.backend import (
-    PutOutcome,
-    UploadHeader,
-    check_complete,
-    check_header,
-    check_received,
-    check_trailer_sha256,
-)
-from snapshot_svc.digest import StreamDigest
+from snapshot_svc.backend import PutOutcome, UploadHeader, check_header
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
     Internal,
     InvalidArgument,
     NotFound,
-    ResourceExhausted,
     SnapshotError,
     Unavailable,
 )
 from snapshot_svc.logs import log_event
 from snapshot_svc.names import validate_name
 from snapshot_svc.records import Part, PartInfo, PartMeta, SnapshotInfo
+from snapshot_svc.s3client import S3Location, is_missing, make_client, s3_error
+from snapshot_svc.s3parts import S3Reader, S3Upload
 
 log = logging.getLogger("snapshot_svc.s3store")
-
-PART_BYTES = 8 << 20  # multipart part size (S3's minimum is 5 MiB, the last part excepted)
-READ_AHEAD = 4  # chunks (of MAX_CHUNK_BYTES) a Get reads ahead of what it has sent
-_MISSING = ("NoSuchKey", "404", "NotFound")
-
-
-@dataclass(frozen=True)
-class S3Location:
-    bucket: str
-    prefix: str  # "" or ending with "/"
-
-    @classmethod
-    def parse(cls, url: str) -> S3Location:
-        """`s3://bucket` or `s3://bucket/prefix` (InvalidArgument otherwise)."""
-        u = urlparse(url)
-        if u.scheme != "s3" or not u.netloc or u.query or u.fragment:
-            raise InvalidArgument(f"--store must be s3://bucket[/prefix], got {url!r}")
-        prefix = u.path.strip("/")
-        return cls(u.netloc, prefix + "/" if prefix else "")
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}"
 
 
 def _name_key(name: str) -> str:
     return hashlib.sha256(name.encode("utf-8")).hexdigest()
-
-
-def s3_error(what: str, exc: Exception) -> SnapshotError:
-    """The status code of a failed S3 call: the store unreachable or overloaded is
-    UNAVAILABLE (the client retries), refused credentials FAILED_PRECONDITION, a
-    full store RESOURCE_EXHAUSTED, anything else INTERNAL."""
-    if isinstance(exc, SnapshotError):
-        return exc
-    if isinstance(exc, BotoConnectionError | HTTPClientError):
-        return Unavailable(f"{what}: the object store is unreachable ({exc})")
-    if isinstance(exc, NoCredentialsError):
-        return FailedPrecondition(f"{what}: no S3 credentials ({exc})")
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-        detail = f"{code or status}: {err.get('Message', '')}".rstrip(": ")
-        if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId",
-                                            "SignatureDoesNotMatch"):
-            return FailedPrecondition(f"{what}: the object store refused the credentials "
-                                      f"({detail})")
-        if status == 503 or status >= 500 or code in ("SlowDown", "ServiceUnavailable"):
-            return Unavailable(f"{what}: the object store failed ({detail})")
-        if code in ("EntityTooLarge", "QuotaExceeded"):
-            return ResourceExhausted(f"{what}: {detail}")
-        return Internal(f"{what}: {detail}")
-    if isinstance(exc, BotoCoreError):
-        return Internal(f"{what}: {exc}")
-    return Internal(f"{what}: {exc!r}")
-
-
-def _missing(exc: Exception) -> bool:
-    return isinstance(exc, ClientError) and str(
-        exc.response.get("Error", {}).get("Code", "")) in _MISSING
-
-
-def make_client(endpoint: str, region: str, workers: int) -> Any:
-    """A boto3 S3 client with the standard credential chain (AWS_ACCESS_KEY_ID /
-    AWS_SECRET_ACCESS_KEY, AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE...) minus the EC2
-    instance metadata lookup (a network call to a link-local address on every start
-    without credentials)."""
-    session = botocore.session.get_session()
-    session.get_component("credential_provider").remove("iam-role")
-    config = Config(connect_timeout=5, read_timeout=60,
-                    retries={"max_attempts": 3, "mode": "standard"},
-                    max_pool_connections=max(10, 2 * workers),
-                    s3={"addressing_style": "path"},
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required")
-    client = boto3.Session(botocore_session=session).client(
-        "s3", endpoint_url=endpoint or None, region_name=region or "us-east-1", config=config)
-    for op in ("PutObject", "UploadPart"):
-        client.meta.events.register(f"before-sign.s3.{op}", _unsigned_payload)
-    return client
-
-
-def _unsigned_payload(request: Any, **_: Any) -> None:
-    """Object bodies are not hashed for the signature (what boto3 does over https
-    anyway; over http it would hash every byte once more, and the store again to check
-    it): the service checks each part's SHA-256 before it completes the upload and
-    again on every Get."""
-    request.headers["X-Amz-Content-SHA256"] = "UNSIGNED-PAYLOAD"
-
-
-class S3Upload:
-    """One part being received into the bucket (see the module docstring)."""
-
-    overwrites_spare = False
-
-    def __init__(self, store: S3Store, header: UploadHeader) -> None:
-        self.header = header
-        self.key = f"{store.loc.prefix}blobs/{store.replica_id}/{uuid.uuid4().hex}"
-        self.received = 0
-        self._store = store
-        self._s3 = store.s3
-        self._buf = bytearray()
-        self._digest = StreamDigest()
-        self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
-        self._sending: futures.Future[dict[str, Any]] | None = None
-        self._stored = False  # the object exists (completed): abort deletes it
-
-    def expect_sha256(self, sha256: str) -> None:
-        check_trailer_sha256(self.header, sha256)
-        self.header = dataclasses.replace(self.header, sha256=sha256)
-
-    def write(self, data: bytes | memoryview) -> None:
-        total = self.received + len(data)
-        check_received(self.header, total, self._store.max_snapshot_bytes)
-        self._digest.update(data)
-        self._buf += data
-        self.received = total
-        if len(self._buf) >= PART_BYTES:
-            self._send_part()
-
-    def _send_part(self) -> None:
-        """Starts uploading the buffered bytes as the next part (after the previous one
-        finished: at most one part in flight and one being filled)."""
-        if self._upload_id is None:
-            try:
-                self._upload_id = self._s3.create_multipart_upload(
-                    Bucket=self._store.loc.bucket, Key=self.key)["UploadId"]
-            except Exception as exc:  # noqa: BLE001 - mapped to a status code
-                raise s3_error(f"starting the upload of {self.header.name!r}", exc) from exc
-        self._wait_part()
-        number, body = len(self._parts) + 1, self._buf
-        self._buf = bytearray()  # the part being sent keeps its buffer
-        self._sending = self._store.pool.submit(self._upload_part, number, body)
-
-    def _upload_part(self, number: int, body: bytearray) -> dict[str, Any]:
-        r = self._s3.upload_part(Bucket=self._store.loc.bucket, Key=self.key,
-                                 UploadId=self._upload_id, PartNumber=number, Body=body)
-        return {"PartNumber": number, "ETag": r["ETag"]}
-
-    def _wait_part(self) -> None:
-        if self._sending is not None:
-            sending, self._sending = self._sending, None
-            try:
-                self._parts.append(sending.result())
-            except Exception as exc:  # noqa: BLE001 - mapped to a status code
-                raise s3_error(f"uploading {self.header.name!r}", exc) from exc
-
-    def seal(self) -> None:
-        """Checks size and digest, then completes the object (DATA_LOSS on mismatch)."""
-        h = self.header
-        try:
-            check_complete(h, self.received, self._digest.hexdigest)
-        finally:
-            self._digest.close()
-        bucket = self._store.loc.bucket
-        try:
-            if self._upload_id is None:
-                self._s3.put_object(Bucket=bucket, Key=self.key, Body=self._buf)
-            else:
-                if self._buf:
-                    self._send_part()
-                self._wait_part()
-                self._s3.complete_multipart_upload(
-                    Bucket=bucket, Key=self.key, UploadId=self._upload_id,
-                    MultipartUpload={"Parts": self._parts})
-                self._upload_id = None
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            raise s3_error(f"storing {h.name!r}", exc) from exc
-        finally:
-            self._buf = bytearray()
-        self._stored = True
-
-    def committed(self) -> None:
-        """The object is named by a manifest or staged record: abort keeps it."""
-        self._stored = False
-
-    def abort(self) -> None:
-        """Leaves nothing in the bucket (idempotent; failures are logged, and the
-        garbage collector removes what a failed abort left)."""
-        self._digest.close()
-        self._buf = bytearray()
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            futures.wait([sending])
-        bucket = self._store.loc.bucket
-        try:
-            if self._upload_id is not None:
-                upload_id, self._upload_id = self._upload_id, None
-                self._s3.abort_multipart_upload(Bucket=bucket, Key=self.key, UploadId=upload_id)
-            if self._stored:
-                self._stored = False
-                self._s3.delete_object(Bucket=bucket, Key=self.key)
-        except Exception as exc:  # noqa: BLE001 - best effort, logged
-            log_event(log, logging.WARNING, "upload_abort_failed", key=self.key, error=str(exc))
-
-
-class S3Reader:
-    """A committed part streamed from its object. A helper thread reads ahead (up to
-    `READ_AHEAD` chunks) and hashes while the caller sends what it has, so the store's
-    latency and the gRPC send overlap. The read that reaches the part's size raises
-    DataLoss if the bytes are not the ones the manifest names."""
-
-    def __init__(self, body: Any, info: PartInfo, name: str) -> None:
-        self._body = body
-        self._info = info
-        self._name = name
-        self._chunks: queue.Queue[bytes | SnapshotError] = queue.Queue(READ_AHEAD)
-        self._stop = threading.Event()
-        self._pending = b""
-        self._thread = threading.Thread(target=self._fetch, name="s3-read", daemon=True)
-        self._thread.start()
-
-    def _put(self, item: bytes | SnapshotError) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._chunks.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _fetch(self) -> None:
-        info, label = self._info, self._info.part.label
-        digest = hashlib.sha256()
-        received = 0
-        try:
-            while received < info.size and not self._stop.is_set():
-                data = self._body.read(min(MAX_CHUNK_BYTES, info.size - received))
-                if not data:
-                    raise DataLoss(f"the stored {label} of {self._name!r} is truncated at "
-                                   f"{received} of {info.size} bytes")
-                digest.update(data)
-                received += len(data)
-                if received == info.size and digest.hexdigest() != info.sha256:
-                    raise DataLoss(f"the stored {label} of {self._name!r}: SHA-256 mismatch "
-                                   f"(manifest {info.sha256}, stored bytes "
-                                   f"{digest.hexdigest()})")
-                if not self._put(data):
-                    return
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
-            self._put(s3_error(f"reading {self._name!r}", exc))
-
-    def read(self, n: int) -> bytes:
-        """At most `n` bytes (a chunk as it was read ahead); b"" at the part's end."""
-        while not self._pending:
-            if not self._thread.is_alive() and self._chunks.empty():
-                return b""
-            try:
-                item = self._chunks.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if isinstance(item, SnapshotError):
-                raise item
-            self._pending = item
-        data, self._pending = self._pending[:n], self._pending[n:]
-        return data
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-        self._body.close()
 
 
 @dataclass(frozen=True)
@@ -418,7 +145,7 @@ class S3Store:
                 return
             except Exception as exc:  # noqa: BLE001 - classified below
                 err = exc
-            if _missing(err):
+            if is_missing(err):
                 break
             mapped = s3_error(f"opening bucket {bucket!r} at {self.describe()}", err)
             if isinstance(err, NoCredentialsError):
@@ -480,7 +207,7 @@ class S3Store:
             r = self.s3.get_object(Bucket=self.loc.bucket, Key=key)
             return json.loads(r["Body"].read()), str(r.get("ETag", ""))
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            if _missing(exc):
+            if is_missing(exc):
                 return None
             if isinstance(exc, ValueError):
                 raise Internal(f"{what}: unreadable record {key}: {exc}") from exc
@@ -521,7 +248,9 @@ class S3Store:
                             draft_follows, target_sha256, trailer)
 
     def begin_put(self, header: UploadHeader) -> S3Upload:
-        return S3Upload(self, header)
+        key = f"{self.loc.prefix}blobs/{self.replica_id}/{uuid.uuid4().hex}"
+        return S3Upload(self.s3, self.loc.bucket, key, header, self.max_snapshot_bytes,
+                        self.pool)
 
     def finish_put(self, upload: S3Upload) -> PutOutcome:  # type: ignore[override]
         """Completes the object and commits (or stages) it; on any error nothing of the
@@ -623,7 +352,7 @@ class S3Store:
         try:
             r = self.s3.get_object(Bucket=self.loc.bucket, Key=key)
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            if _missing(exc):
+            if is_missing(exc):
                 raise DataLoss(f"the {part.label} of {name!r} is missing from the store") \
                     from None
             raise s3_error(f"opening {name!r}", exc) from exc

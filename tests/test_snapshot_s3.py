@@ -29,7 +29,8 @@ from snapshot_svc.errors import InvalidArgument, NotFound, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.records import Part, PartMeta
-from snapshot_svc.s3store import PART_BYTES, S3Location
+from snapshot_svc.s3client import S3Location
+from snapshot_svc.s3parts import PART_BYTES
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import ROOT, ServerProcess, running_server
 from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
