@@ -7,9 +7,11 @@ tried on the next replica, each at most once per call.
     store = FailoverStore(["10.0.0.1:50052", "10.0.0.2:50052"], lambda a: SnapshotStore(a))
     store.save("chat-42", target, draft); store.load("chat-42")
 
-Every call it fails over is idempotent: a save stores the same bytes under the same
-name (the paired commit is redone whole on the next replica), a load reads. Any other
-error (NotFound, DataLoss...) is the answer of the shared store and raised at once.
+Saves and loads are idempotent, so retrying them is safe: a save stores the same bytes
+under the same name (the paired commit is redone whole on the next replica), a load
+reads. Any other method of SnapshotStore is failed over the same way (a delete whose
+answer was lost may then answer NotFound). Any other error (NotFound, DataLoss...) is
+the answer of the shared store and raised at once.
 """
 
 from __future__ import annotations
@@ -78,6 +80,18 @@ class FailoverStore:
 
     def load(self, name: str) -> StoredSlot:
         return self._failover("load", lambda s: s.load(name))
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other method of SnapshotStore (e.g. one added later), failed over the same
+        way; attributes that are not methods are the first replica's."""
+        attr = getattr(self.__dict__.get("stores", [None])[0], name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kw: Any) -> Any:
+            return self._failover(name, lambda s: getattr(s, name)(*args, **kw))
+
+        return call
 
     def close(self) -> None:
         for s in self.stores:

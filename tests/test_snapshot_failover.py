@@ -57,6 +57,33 @@ def test_a_replica_that_is_down_is_skipped(tmp_path: Path, dead_addr: str) -> No
             store.load("missing")
 
 
+class FakeReplica:
+    """A replica whose every call fails with Unavailable when it is `down`."""
+
+    def __init__(self, addr: str, down: set[str], calls: list[str]) -> None:
+        self.addr, self.down, self.calls = addr, down, calls
+
+    def delete(self, name: str) -> str:
+        self.calls.append(f"{self.addr}:{name}")
+        if self.addr in self.down:
+            raise errors.Unavailable(f"{self.addr} is down")
+        return f"deleted {name} at {self.addr}"
+
+
+def test_methods_beyond_save_and_load_fail_over_too() -> None:
+    calls: list[str] = []
+    down = {"a:1"}
+    store = FailoverStore(["a:1", "b:2"], lambda a: FakeReplica(a, down, calls))  # type: ignore[arg-type,return-value]
+    assert store.delete("x") == "deleted x at b:2"
+    assert store.delete("y") == "deleted y at b:2"  # b stays preferred
+    assert calls == ["a:1:x", "b:2:x", "b:2:y"]
+    down.add("b:2")
+    with pytest.raises(errors.Unavailable, match="every snapshot replica"):
+        store.delete("z")
+    with pytest.raises(AttributeError):
+        store.no_such_method  # noqa: B018
+
+
 def test_every_replica_down_is_unavailable(dead_addr: str) -> None:
     other = f"127.0.0.1:{free_port()}"
     with FailoverStore([dead_addr, other], open_store) as store, \
