@@ -25,12 +25,17 @@ Layout under `s3://bucket/prefix/`:
   through another at once.
 - Garbage collection (every `gc_grace_s`/2, and `collect_garbage()`): an object under
   blobs/ that no manifest or staged record names, last modified more than
-  `gc_grace_s` ago, and found so by two sweeps at least `gc_grace_s`/2 apart, is
-  deleted; multipart uploads started more than `gc_grace_s` ago are aborted. The
-  grace covers a replica between completing an upload and writing the manifest that
-  names it, and the second sweep one that read a manifest (to add a draft to its
-  target) just before another replica replaced it. `gc_grace_s` must exceed the
-  longest Put (deadlines make that minutes; the default is one hour).
+  `gc_grace_s` ago, and found so by two consecutive sweeps (the timer's are
+  `gc_grace_s`/2 apart), is deleted; multipart uploads started more than `gc_grace_s`
+  ago are aborted. The grace covers a replica between completing an upload and
+  writing the manifest that names it, and the second sweep one that read a manifest
+  (to add a draft to its target) just before another replica replaced it.
+  `gc_grace_s` must exceed the longest Put (deadlines make that minutes; the default
+  is one hour).
+- Writers of one name on different replicas: the last manifest written wins, and
+  every manifest names a target and the draft made for it, so a reader never gets a
+  torn pair (a draft added to the current target, racing a whole new save through
+  another replica, may replace that save with the older target and the new draft).
 - At start-up a replica aborts the multipart uploads it left behind (its id is in
   their keys: give each replica its own `--replica-id`).
 """
