@@ -22,7 +22,7 @@ from snapshot_svc.errors import (
     Unavailable,
 )
 
-_MISSING = ("NoSuchKey", "404", "NotFound")
+_MISSING = ("NoSuchKey", "NoSuchUpload", "404", "NotFound")
 
 
 @dataclass(frozen=True)

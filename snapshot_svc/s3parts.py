@@ -22,7 +22,7 @@ from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import DataLoss, SnapshotError
 from snapshot_svc.logs import log_event
 from snapshot_svc.records import PartInfo
-from snapshot_svc.s3client import s3_error
+from snapshot_svc.s3client import is_missing, s3_error
 
 log = logging.getLogger("snapshot_svc.s3parts")
 
@@ -36,8 +36,9 @@ class S3Upload:
     overwrites_spare = False
 
     def __init__(self, s3: Any, bucket: str, key: str, header: UploadHeader, max_bytes: int,
-                 pool: futures.Executor) -> None:
+                 pool: futures.Executor, leftovers: Leftovers) -> None:
         self.header = header
+        self._leftovers = leftovers
         self.key = key
         self.received = 0
         self._s3 = s3
@@ -121,23 +122,78 @@ class S3Upload:
         self._stored = False
 
     def abort(self) -> None:
-        """Leaves nothing in the bucket (idempotent; failures are logged, and the
-        garbage collector removes what a failed abort left)."""
+        """Leaves nothing in the bucket (idempotent): what cannot be removed now (the
+        store unreachable) is removed by `leftovers` once it can."""
         self._digest.close()
         self._buf = bytearray()
         sending, self._sending = self._sending, None
         if sending is not None:
             futures.wait([sending])
-        bucket = self._bucket
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            self._leftovers.remove(self.key, upload_id)
+        if self._stored:
+            self._stored = False
+            self._leftovers.remove(self.key, None)
+
+
+class Leftovers:
+    """What an abort could not remove from the bucket (an unfinished multipart upload,
+    an object no manifest names), tried again every `retry_s` seconds until it is gone
+    or the store closes (then the garbage collector, or this replica's next start,
+    removes it)."""
+
+    def __init__(self, s3: Any, bucket: str, retry_s: float = 2.0) -> None:
+        self._s3 = s3
+        self._bucket = bucket
+        self._retry_s = retry_s
+        self._items: list[tuple[str, str | None]] = []  # (key, upload id or None: object)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="s3-leftovers", daemon=True)
+        self._thread.start()
+
+    def remove(self, key: str, upload_id: str | None) -> None:
+        """Aborts the upload (`upload_id`) or deletes the object now, or later."""
         try:
-            if self._upload_id is not None:
-                upload_id, self._upload_id = self._upload_id, None
-                self._s3.abort_multipart_upload(Bucket=bucket, Key=self.key, UploadId=upload_id)
-            if self._stored:
-                self._stored = False
-                self._s3.delete_object(Bucket=bucket, Key=self.key)
-        except Exception as exc:  # noqa: BLE001 - best effort, logged
-            log_event(log, logging.WARNING, "upload_abort_failed", key=self.key, error=str(exc))
+            self._remove(key, upload_id)
+        except Exception as exc:  # noqa: BLE001 - kept and tried again
+            log_event(log, logging.WARNING, "upload_abort_failed", key=key,
+                      upload_id=upload_id or "", error=str(exc))
+            with self._lock:
+                self._items.append((key, upload_id))
+
+    def _remove(self, key: str, upload_id: str | None) -> None:
+        try:
+            if upload_id is not None:
+                self._s3.abort_multipart_upload(Bucket=self._bucket, Key=key, UploadId=upload_id)
+            else:
+                self._s3.delete_object(Bucket=self._bucket, Key=key)
+        except Exception as exc:
+            if not is_missing(exc):  # already gone: done
+                raise
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def _loop(self) -> None:
+        while not self._closed.wait(self._retry_s):
+            with self._lock:
+                items, self._items = self._items, []
+            for i, (key, upload_id) in enumerate(items):
+                try:
+                    self._remove(key, upload_id)
+                except Exception:  # noqa: BLE001 - still unreachable: later
+                    with self._lock:
+                        self._items += items[i:]
+                    break
+                log_event(log, logging.INFO, "upload_aborted_later", key=key,
+                          upload_id=upload_id or "")
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(10)
 
 
 class S3Reader:

@@ -68,7 +68,7 @@ from snapshot_svc.logs import log_event
 from snapshot_svc.names import validate_name
 from snapshot_svc.records import Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.s3client import S3Location, is_missing, make_client, s3_error
-from snapshot_svc.s3parts import S3Reader, S3Upload
+from snapshot_svc.s3parts import Leftovers, S3Reader, S3Upload
 
 log = logging.getLogger("snapshot_svc.s3store")
 
@@ -117,15 +117,22 @@ class S3Store:
         self.s3 = make_client(endpoint, region, workers)
         self.pool = futures.ThreadPoolExecutor(max_workers=max(4, workers),
                                                thread_name_prefix="s3-part")
+        self.leftovers = Leftovers(self.s3, self.loc.bucket)
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[str, _Manifest]] = {}  # manifest key -> (ETag, parsed)
         self._usage = (0, 0)
         self._gc_candidates: set[str] = set()
         self._gc_lock = threading.Lock()  # one sweep at a time (timer and callers)
         self._closed = threading.Event()
-        self._open_bucket(start_timeout_s)
-        self._abort_own_uploads()
-        self.list()  # usage figures from the start
+        try:
+            self._open_bucket(start_timeout_s)
+            self._abort_own_uploads()
+            self.list()  # usage figures from the start
+        except BaseException:
+            self.leftovers.close()
+            self.pool.shutdown(wait=False)
+            self.s3.close()
+            raise
         interval = gc_grace_s / 2 if gc_interval_s is None else gc_interval_s
         self._gc_thread: threading.Thread | None = None
         if interval > 0:
@@ -197,6 +204,7 @@ class S3Store:
         if self._gc_thread is not None:
             self._gc_thread.join(10)
         self.pool.shutdown(wait=True)
+        self.leftovers.close()
         self.s3.close()
 
     # --- objects ----------------------------------------------------------------------
@@ -255,7 +263,7 @@ class S3Store:
     def begin_put(self, header: UploadHeader) -> S3Upload:
         key = f"{self.loc.prefix}blobs/{self.replica_id}/{uuid.uuid4().hex}"
         return S3Upload(self.s3, self.loc.bucket, key, header, self.max_snapshot_bytes,
-                        self.pool)
+                        self.pool, self.leftovers)
 
     def finish_put(self, upload: S3Upload) -> PutOutcome:  # type: ignore[override]
         """Completes the object and commits (or stages) it; on any error nothing of the

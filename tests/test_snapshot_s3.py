@@ -476,19 +476,43 @@ def test_kill_9_mid_multipart_upload(s3env: SeaweedFS, tmp_path: Path) -> None:
 
 
 def test_store_down_is_unavailable_and_loses_nothing(s3env: SeaweedFS) -> None:
+    """The gateway goes away (while a multipart upload is in progress): calls are
+    UNAVAILABLE; once it is back, the snapshots are all there, calls succeed, and the
+    upload the client abandoned meanwhile is aborted."""
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     a = blob(1, PART_BYTES + 100)
     with running_server(None, **s3_config(s3env, prefix)) as srv:
-        with SnapshotClient(srv.address, timeout=30, retries=0) as c:
+        with SnapshotClient(srv.address, timeout=30, retries=0) as c, \
+                grpc.insecure_channel(srv.address) as ch:
             c.put("a", a, b"draft-a")
+            sent, hold = threading.Event(), threading.Event()
+            reqs = put_requests("big", pb.PART_TARGET, blob(3, 3 * PART_BYTES))
+
+            def gen() -> Iterator[pb.PutRequest]:
+                yield from reqs[:-1]
+                sent.set()
+                hold.wait(60)
+
+            call = pb_grpc.SnapshotStub(ch).Put.future(gen(), timeout=120)
+            assert sent.wait(60)
+            deadline = time.monotonic() + 30
+            while not uploads(s3env, f"{prefix}/"):
+                assert time.monotonic() < deadline, "no multipart upload started"
+                time.sleep(0.1)
             s3env.stop()
             try:
+                call.cancel()  # the client goes away while the store is down
+                hold.set()
                 with pytest.raises(Unavailable, match="unreachable"):
                     c.put("b", blob(2, 1000), b"draft-b")
                 with pytest.raises(Unavailable, match="unreachable"):
                     c.get("a")
                 with pytest.raises(Unavailable):
                     c.list()
+                deadline = time.monotonic() + 30
+                while srv.store.leftovers.pending() == 0:  # type: ignore[attr-defined]
+                    assert time.monotonic() < deadline, "the failed abort was not kept"
+                    time.sleep(0.1)
             finally:
                 s3env.start()
         with SnapshotClient(srv.address, timeout=30) as c:  # retries UNAVAILABLE
@@ -496,7 +520,11 @@ def test_store_down_is_unavailable_and_loses_nothing(s3env: SeaweedFS) -> None:
             assert (got.target, got.draft) == (a, b"draft-a")
             c.put("b", blob(2, 1000), b"draft-b")
             assert [s.name for s in c.list()] == ["a", "b"]
-    assert uploads(s3env, f"{prefix}/") == []
+        deadline = time.monotonic() + 30
+        while uploads(s3env, f"{prefix}/"):
+            assert time.monotonic() < deadline, "the abandoned upload is still there"
+            time.sleep(0.2)
+        assert srv.store.leftovers.pending() == 0  # type: ignore[attr-defined]
 
 
 def _start_failure(fs: SeaweedFS, store: str, env: dict[str, str]) -> dict[str, Any]:
