@@ -131,7 +131,11 @@ class Project:
                 "image": SEAWEEDFS_IMAGE if s.name == "seaweedfs" else IMAGE,
                 "network_mode": "host", "environment": env,
                 "healthcheck": {"interval": "1s", "timeout": "3s", "retries": 2,
-                                "start_period": "2s"}}
+                                # SeaweedFS, and a snapshot service waiting for it, may
+                                # take many seconds to start on a loaded machine: failed
+                                # checks count only after this
+                                "start_period": "90s" if s.name == "seaweedfs"
+                                or s.name.startswith("snapshot-s3") else "2s"}}
             if s.hostname:
                 svc["hostname"] = s.hostname
             if s.volumes:
