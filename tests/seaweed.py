@@ -70,7 +70,8 @@ class SeaweedFS:
         argv = [self.binary, "server", f"-dir={self.directory / 'data'}", "-ip=127.0.0.1",
                 "-ip.bind=127.0.0.1", "-s3", f"-s3.config={self.config}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=256",
-                "-volume.max=64"]
+                "-volume.max=64", f"-filer.localSocket={self.directory / 'filer.sock'}",
+                f"-s3.localSocket={self.directory / 's3.sock'}"]
         argv += [f"-{n}={p}" for n, p in self.ports.items()] + list(self.extra_args)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
@@ -121,6 +122,11 @@ class SeaweedFS:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         self.proc = None
+        # weed's gRPC servers also listen on /tmp/seaweedfs-<server>-grpc-<port>.sock
+        # (no flag moves them); the ports are this instance's, so are those files
+        for port in self.ports.values():
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
     def __enter__(self) -> SeaweedFS:
         return self
