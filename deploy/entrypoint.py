@@ -63,6 +63,7 @@ class Target:
     snapshot_addr: str | None = None
     slot_save_path: Path | None = None
     data_dir: Path | None = None
+    store: str | None = None  # snapshot: s3://bucket/prefix instead of data_dir
 
     @property
     def probe_addr(self) -> str:
@@ -86,7 +87,7 @@ def read_target(service: str, argv: Sequence[str], env: Mapping[str, str]) -> Ta
                       "--draft": str(ROOT / "models" / "draft.gguf"),
                       "--snapshot-addr": None, "--slot-save-path": None})
     else:
-        flags["--data-dir"] = None
+        flags.update({"--data-dir": None, "--store": None})
     for flag, default in flags.items():
         var = prefix + flag[2:].replace("-", "_").upper()
         p.add_argument(flag, default=env.get(var, default))
@@ -102,7 +103,8 @@ def read_target(service: str, argv: Sequence[str], env: Mapping[str, str]) -> Ta
                       snapshot_addr=_none(a.snapshot_addr),
                       slot_save_path=Path(a.slot_save_path) if _none(a.slot_save_path) else None)
     return Target(service, "snapshot_svc", a.host, port,
-                  data_dir=Path(a.data_dir) if _none(a.data_dir) else None)
+                  data_dir=Path(a.data_dir) if _none(a.data_dir) else None,
+                  store=_none(a.store))
 
 
 def _writable_dir(path: Path) -> str | None:
@@ -131,6 +133,8 @@ def static_problem(t: Target) -> str | None:
                 return f"{what} file not readable by uid {os.getuid()}: {path}"
         if t.slot_save_path is not None and (why := _writable_dir(t.slot_save_path)):
             return f"slot save path unusable: {why}"
+    elif t.store is not None:
+        return None  # an S3 bucket: the service checks it (and its credentials) at start
     elif t.data_dir is None:
         return "no data directory configured (--data-dir / WARMSLOT_SNAPSHOT_DATA_DIR)"
     elif why := _writable_dir(t.data_dir):
@@ -205,7 +209,9 @@ class Supervisor:
         said = False
         delay = 0.5
         while not self.stop.is_set():
-            status = health_status(addr, timeout=2.0)
+            # a list of replicas (a,b): one that serves is enough, the service fails over
+            statuses = [health_status(a.strip(), timeout=2.0) for a in addr.split(",")]
+            status = "SERVING" if "SERVING" in statuses else "; ".join(statuses)
             if status == "SERVING":
                 if said:
                     log("info", "snapshot_reachable",

@@ -138,8 +138,11 @@ class Config:
             problems.append("--default-max-tokens must be >= 0")
         if self.slot_save_path is not None and self.snapshot_addr is not None:
             problems.append("set one of --slot-save-path and --snapshot-addr, not both")
-        if self.snapshot_addr is not None and not _is_host_port(self.snapshot_addr):
-            problems.append(f"--snapshot-addr {self.snapshot_addr!r} is not HOST:PORT")
+        if self.snapshot_addr is not None and not (
+                self.snapshot_addr.split(",")[0]
+                and all(_is_host_port(a.strip()) for a in self.snapshot_addr.split(","))):
+            problems.append(f"--snapshot-addr {self.snapshot_addr!r} is not HOST:PORT or a "
+                            "comma-separated list of them")
         if self.snapshot_client_max_protocol not in (1, 2):
             problems.append("--snapshot-client-max-protocol must be 1 or 2")
         if self.snapshot_timeout <= 0 or self.restore_timeout < 0:
@@ -194,7 +197,8 @@ def parser() -> argparse.ArgumentParser:
       help="directory of the local slot store (SaveSlot / RestoreSlot)")
     a("--snapshot-addr", type=_str_or_none, default=d.snapshot_addr,
       help="HOST:PORT of a snapshot service that holds the slot files (instead of "
-           "--slot-save-path)")
+           "--slot-save-path); a comma-separated list of replicas sharing one store "
+           "fails over between them")
     a("--snapshot-timeout", type=float, default=d.snapshot_timeout,
       help="seconds each snapshot-service call may take (plus time for its size)")
     a("--snapshot-client-max-protocol", type=int, choices=(1, 2),

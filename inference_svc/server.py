@@ -26,6 +26,7 @@ from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
 from inference_svc.slots import SlotManager
+from inference_svc.snapshot_failover import FailoverStore, parse_addrs
 from inference_svc.snapshot_store import SnapshotStore
 from inference_svc.store import LocalStore, SlotStore
 from inference_svc.types import (
@@ -345,9 +346,14 @@ class Server:
     def _open_store(self) -> SlotStore | None:
         cfg = self.cfg
         if cfg.snapshot_addr is not None:
-            self._store = SnapshotStore(cfg.snapshot_addr, timeout=cfg.snapshot_timeout,
-                                        max_protocol=cfg.snapshot_client_max_protocol,
-                                        logger=self.log)
+            def open_snapshot_store(addr: str) -> SnapshotStore:
+                return SnapshotStore(addr, timeout=cfg.snapshot_timeout,
+                                     max_protocol=cfg.snapshot_client_max_protocol,
+                                     logger=self.log)
+
+            addrs = parse_addrs(cfg.snapshot_addr)
+            self._store = (open_snapshot_store(addrs[0]) if len(addrs) == 1
+                           else FailoverStore(addrs, open_snapshot_store))
         elif cfg.slot_save_path is not None:
             self._store = LocalStore(cfg.slot_save_path)
         return self._store

@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class SnapshotConfig:
-    data_dir: Path
+    data_dir: Path | None = None  # the local backend's directory (or `store`)
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0: any free port (the "serving" log line says which)
     max_protocol: int = PROTOCOL_MAX  # 1: behave exactly as a protocol-1 server
@@ -43,8 +43,20 @@ class SnapshotConfig:
     grace_s: float = 10.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
     stage_ttl_s: float = 300.0  # how long a staged target waits for its draft
     log_level: str = "info"
+    store: str = ""  # s3://bucket[/prefix]: the S3 backend instead of data_dir
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; empty: the AWS default
+    s3_region: str = ""  # empty: us-east-1 (or AWS_DEFAULT_REGION... through boto3)
+    replica_id: str = ""  # names this replica's uploads in the bucket; empty: the host name
+    gc_grace_s: float = 3600.0  # S3: unreferenced objects younger than this are kept
 
     def __post_init__(self) -> None:
+        if (self.data_dir is None) == (not self.store):
+            raise ValueError("give either a data directory (--data-dir) or --store "
+                             "s3://bucket/prefix, not both")
+        if self.store and not self.store.startswith("s3://"):
+            raise ValueError(f"--store must be s3://bucket[/prefix], got {self.store!r}")
+        if self.gc_grace_s <= 0:
+            raise ValueError("gc_grace_s must be > 0")
         if not PROTOCOL_MIN <= self.max_protocol <= PROTOCOL_MAX:
             raise ValueError(f"max_protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}")
         if self.max_snapshot_bytes <= 0 or self.workers <= 0 or self.grace_s < 0:
@@ -68,7 +80,19 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m snapshot_svc",
                                 description="Warmslot snapshot service (gRPC)")
     d = SnapshotConfig
-    _flag(p, env, "--data-dir", Path, None, "directory holding the snapshots (required)")
+    _flag(p, env, "--data-dir", Path, None,
+          "directory holding the snapshots (the local backend; or --store)")
+    _flag(p, env, "--store", str, d.store,
+          "s3://bucket[/prefix]: keep the snapshots in an S3 bucket instead of --data-dir, "
+          "which is then ignored (credentials "
+          "from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_SHARED_CREDENTIALS_FILE)")
+    _flag(p, env, "--s3-endpoint", str, d.s3_endpoint,
+          "URL of the S3 API (SeaweedFS, Ceph RGW, MinIO...); empty: AWS")
+    _flag(p, env, "--s3-region", str, d.s3_region, "S3 region (empty: us-east-1)")
+    _flag(p, env, "--replica-id", str, d.replica_id,
+          "this replica's name in the bucket, unique per replica (empty: the host name)")
+    _flag(p, env, "--gc-grace", float, d.gc_grace_s,
+          "S3: seconds an unreferenced object is kept before garbage collection")
     _flag(p, env, "--host", str, d.host, "address to listen on")
     _flag(p, env, "--port", int, d.port, "gRPC port; 0 picks a free one")
     _flag(p, env, "--max-protocol", int, d.max_protocol,
@@ -93,15 +117,19 @@ def parse_config(argv: Sequence[str] | None = None,
     env = os.environ if env is None else env
     parser = build_parser(env)
     a = parser.parse_args(argv)
-    if a.data_dir is None:
-        parser.error(f"--data-dir (or {ENV_PREFIX}DATA_DIR) is required")
+    if a.data_dir is None and not a.store:
+        parser.error(f"--data-dir (or {ENV_PREFIX}DATA_DIR) or --store is required")
     try:
-        return SnapshotConfig(data_dir=a.data_dir, host=a.host, port=a.port,
+        # --store wins over a data dir (the container image sets one by default)
+        return SnapshotConfig(data_dir=None if a.store else a.data_dir, host=a.host,
+                              port=a.port,
                               max_protocol=a.max_protocol,
                               max_snapshot_bytes=a.max_snapshot_bytes,
                               spare_bytes=a.spare_bytes,
                               metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
-                              stage_ttl_s=a.stage_ttl, log_level=a.log_level)
+                              stage_ttl_s=a.stage_ttl, log_level=a.log_level, store=a.store,
+                              s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
+                              replica_id=a.replica_id, gc_grace_s=a.gc_grace)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

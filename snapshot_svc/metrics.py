@@ -13,7 +13,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class Metrics:
-    def __init__(self, usage: Callable[[], tuple[int, int]], spares: SparePool) -> None:
+    def __init__(self, usage: Callable[[], tuple[int, int]], spares: SparePool | None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.puts = Counter("warmslot_snapshot_puts", "Put calls by part and status code",
@@ -42,7 +42,7 @@ class Metrics:
         stored.set_function(lambda: usage()[1])
         spare = Gauge("warmslot_snapshot_spare_bytes",
                       "Bytes of spare files kept for the next Puts to overwrite", registry=r)
-        spare.set_function(lambda: spares.bytes)
+        spare.set_function(lambda: spares.bytes if spares is not None else 0)
         reused = Gauge("warmslot_snapshot_spares_reused",
                        "Puts that overwrote a spare file since start", registry=r)
-        reused.set_function(lambda: spares.reused)
+        reused.set_function(lambda: spares.reused if spares is not None else 0)

@@ -11,8 +11,8 @@ In-process (tests, tools):
 from __future__ import annotations
 
 import logging
-import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__
+from snapshot_svc.backend import Backend
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import (
     Cancelled,
@@ -186,9 +187,9 @@ class StatusInterceptor(grpc.ServerInterceptor):
 
 
 class SnapshotServicer(pb_grpc.SnapshotServicer):
-    """The Snapshot RPCs over a Store. Errors are raised as SnapshotError."""
+    """The Snapshot RPCs over a storage backend. Errors are raised as SnapshotError."""
 
-    def __init__(self, config: SnapshotConfig, store: Store, metrics: Metrics) -> None:
+    def __init__(self, config: SnapshotConfig, store: Backend, metrics: Metrics) -> None:
         self.config = config
         self.store = store
         self.metrics = metrics
@@ -227,6 +228,8 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         upload = None
+        header = None
+        done = False
         try:
             first = next(request_iterator, None)
             if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
@@ -265,6 +268,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             spare = upload.overwrites_spare
             out = self.store.finish_put(upload)
             upload = None
+            done = True
             self.metrics.bytes_received.labels(label).inc(out.info.size)
             log_event(log, logging.INFO, "put", name=header.name, part=label,
                       bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
@@ -287,6 +291,9 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         finally:
             if upload is not None:
                 upload.abort()
+            if not done and header is not None and header.part is Part.DRAFT:
+                # the paired save failed: its staged target goes now, not at its expiry
+                self.store.drop_staged(header.name, header.target_sha256)
             self.metrics.puts.labels(label, code).inc()
             self.metrics.put_seconds.labels(label).observe(time.perf_counter() - t0)
 
@@ -297,7 +304,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         try:
             part = self._part(request.part)
             label = part.label
-            snap, fd = self.store.open_part(request.name, part, request.target_sha256)
+            snap, reader = self.store.open_part(request.name, part, request.target_sha256)
             info = snap.part(part)
             assert info is not None
             try:
@@ -309,13 +316,13 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                     draft_sha256=draft_sha))
                 remaining = info.size
                 while remaining:
-                    data = os.read(fd, min(MAX_CHUNK_BYTES, remaining))
+                    data = reader.read(min(MAX_CHUNK_BYTES, remaining))
                     if not data:
                         raise DataLoss(f"the stored {label} of {snap.name!r} is truncated")
                     remaining -= len(data)
                     yield data  # framed as GetResponse{chunk} by wire.py
             finally:
-                self.store.close_part(info.sha256, fd)
+                reader.close()
             self.metrics.bytes_sent.labels(label).inc(info.size)
             log_event(log, logging.INFO, "get", name=snap.name, part=label, bytes=info.size,
                       commit_id=snap.commit_id, ms=round((time.perf_counter() - t0) * 1e3, 2))
@@ -341,6 +348,21 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         return pb.DeleteResponse(bytes_freed=self.store.delete(request.name))
 
 
+def open_backend(config: SnapshotConfig) -> Backend:
+    """The configured storage backend: the S3 bucket of `--store`, else the data dir."""
+    if config.store:
+        from snapshot_svc.s3store import S3Store  # boto3 is imported only when used
+
+        return S3Store(config.store, endpoint=config.s3_endpoint, region=config.s3_region,
+                       max_snapshot_bytes=config.max_snapshot_bytes,
+                       stage_ttl_s=config.stage_ttl_s,
+                       replica_id=config.replica_id or socket.gethostname(),
+                       gc_grace_s=config.gc_grace_s, workers=config.workers)
+    assert config.data_dir is not None
+    return Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
+                 stage_ttl_s=config.stage_ttl_s, spare_bytes=config.spare_bytes)
+
+
 class SnapshotServer:
     """One snapshot service: store, gRPC server (with health and reflection) and
     the optional metrics endpoint. `start()` returns the bound port."""
@@ -350,8 +372,7 @@ class SnapshotServer:
         self.port = 0
         self._draining = threading.Event()
         self._stopped = threading.Event()
-        self.store = Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
-                           stage_ttl_s=config.stage_ttl_s, spare_bytes=config.spare_bytes)
+        self.store = open_backend(config)
         self.metrics = Metrics(self.store.usage, self.store.spares)
         # calls beyond `workers` wait for a thread (they are not refused)
         self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
@@ -387,7 +408,7 @@ class SnapshotServer:
         log_event(log, logging.INFO, "serving", host=self.config.host, port=self.port,
                   max_protocol=self.config.max_protocol,
                   max_snapshot_bytes=self.config.max_snapshot_bytes,
-                  data_dir=str(self.config.data_dir), metrics_port=self.config.metrics_port,
+                  store=self.store.describe(), metrics_port=self.config.metrics_port,
                   version=__version__)
         return self.port
 

@@ -41,6 +41,14 @@ from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshot_svc.backend import (
+    PutOutcome,
+    UploadHeader,
+    check_complete,
+    check_header,
+    check_received,
+    check_trailer_sha256,
+)
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
@@ -79,27 +87,6 @@ def _io_error(what: str, exc: OSError) -> Exception:
 def manifest_key(name: str) -> str:
     """The manifest file stem of a name (names never become paths themselves)."""
     return hashlib.sha256(name.encode("utf-8")).hexdigest()
-
-
-@dataclass(frozen=True)
-class UploadHeader:
-    """A validated Put header."""
-
-    name: str
-    part: Part
-    size: int
-    sha256: str
-    meta: PartMeta
-    draft_follows: bool = False  # TARGET: stage it, the draft put commits both
-    target_sha256: str = ""  # DRAFT: the target it belongs to
-
-
-@dataclass(frozen=True)
-class PutOutcome:
-    info: PartInfo
-    commit_id: str
-    committed: bool  # False: a staged target
-    has_draft: bool
 
 
 @dataclass
@@ -156,12 +143,7 @@ class Upload:
 
     def expect_sha256(self, sha256: str) -> None:
         """The digest of a Put whose header left it empty (sent in its trailer)."""
-        if self.header.sha256:
-            raise InvalidArgument(f"the Put of {self.header.name!r} has a trailer, but its "
-                                  "header already named the sha256")
-        if not SHA256_HEX.fullmatch(sha256):
-            raise InvalidArgument(f"the trailer's sha256 must be 64 lowercase hex digits (Put "
-                                  f"of {self.header.name!r}), got {sha256!r}")
+        check_trailer_sha256(self.header, sha256)
         self.header = dataclasses.replace(self.header, sha256=sha256)
 
     def write(self, data: bytes | memoryview) -> None:
@@ -171,14 +153,7 @@ class Upload:
             raise Internal("write to a closed upload")
         n = len(data)
         total = self.received + n
-        if total > self._max_bytes:
-            raise ResourceExhausted(
-                f"{self.header.part.label} of {self.header.name!r} exceeds the limit of "
-                f"{self._max_bytes} bytes ({total} bytes received)")
-        if total > self.header.size:
-            raise InvalidArgument(
-                f"{self.header.part.label} of {self.header.name!r}: received {total} bytes, "
-                f"more than the {self.header.size} declared")
+        check_received(self.header, total, self._max_bytes)
         self._digest.update(data)
         view = memoryview(data)
         try:
@@ -210,16 +185,7 @@ class Upload:
     def seal(self) -> None:
         """Checks size and digest, then fsyncs and closes the file (DATA_LOSS on mismatch)."""
         h = self.header
-        if self.received != h.size:
-            raise DataLoss(f"{h.part.label} of {h.name!r} truncated: received {self.received} "
-                           f"of {h.size} bytes")
-        if not h.sha256:
-            raise InvalidArgument(f"the Put of {h.name!r} left the header's sha256 empty and "
-                                  "ended without a trailer")
-        digest = self._digest.hexdigest()
-        if digest != h.sha256:
-            raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
-                           f"received bytes {digest})")
+        check_complete(h, self.received, self._digest.hexdigest)
         assert self._fd is not None
         try:
             self._wait_flush()
@@ -246,8 +212,25 @@ class Upload:
             pass
 
 
+class BlobReader:
+    """A part's bytes through a descriptor on its blob (`Store.open_part`)."""
+
+    def __init__(self, store: Store, sha256: str, fd: int) -> None:
+        self._store = store
+        self.sha256 = sha256
+        self.fd = fd
+
+    def read(self, n: int) -> bytes:
+        return os.read(self.fd, n)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self._store.close_part(self.sha256, self.fd)
+            self.fd = -1
+
+
 class Store:
-    """The data directory of one server. Thread-safe."""
+    """The data directory of one server (the local backend). Thread-safe."""
 
     def __init__(self, root: Path, *, max_snapshot_bytes: int, stage_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic,
@@ -338,26 +321,14 @@ class Store:
 
     # --- Put --------------------------------------------------------------------------
 
+    def describe(self) -> str:
+        return str(self.root)
+
     def check_header(self, name: str, part: Part, size: int, sha256: str, meta: PartMeta,
                      draft_follows: bool = False, target_sha256: str = "",
                      trailer: bool = False) -> UploadHeader:
-        """A validated header. `trailer`: an empty sha256 is allowed (the digest comes
-        in the Put's trailer, `Upload.expect_sha256`)."""
-        validate_name(name)
-        if size > self.max_snapshot_bytes:
-            raise ResourceExhausted(f"{part.label} of {name!r} is {size} bytes, the limit is "
-                                    f"{self.max_snapshot_bytes}")
-        if not (SHA256_HEX.fullmatch(sha256) or (trailer and sha256 == "")):
-            raise InvalidArgument(f"sha256 must be 64 lowercase hex digits, got {sha256!r}")
-        if part is Part.DRAFT:
-            if not SHA256_HEX.fullmatch(target_sha256):
-                raise InvalidArgument("a draft part needs the target_sha256 of its target, got "
-                                      f"{target_sha256!r}")
-            if draft_follows:
-                raise InvalidArgument("draft_follows applies to target parts only")
-        elif target_sha256:
-            raise InvalidArgument("target_sha256 applies to draft parts only")
-        return UploadHeader(name, part, size, sha256, meta, draft_follows, target_sha256)
+        return check_header(self.max_snapshot_bytes, name, part, size, sha256, meta,
+                            draft_follows, target_sha256, trailer)
 
     def begin_put(self, header: UploadHeader) -> Upload:
         """The upload's temporary file: a spare overwritten in place if there is one.
@@ -506,6 +477,15 @@ class Store:
             return 0
         return size
 
+    def drop_staged(self, name: str, target_sha256: str) -> None:
+        """Forgets the staged target a failed draft was meant to commit, and its blob:
+        a failed paired Put leaves nothing behind."""
+        with self._lock:
+            if self._staged.pop((name, target_sha256), None) is not None:
+                log_event(log, logging.INFO, "staged_target_dropped", name=name,
+                          sha256=target_sha256)
+                self._release(target_sha256)
+
     def _expire_staged(self) -> None:
         now = self._clock()
         for key in [k for k, s in self._staged.items() if s.expires_at <= now]:
@@ -515,12 +495,14 @@ class Store:
 
     # --- reads ------------------------------------------------------------------------
 
-    def open_part(self, name: str, part: Part, target_sha256: str = "") -> tuple[SnapshotInfo, int]:
-        """The committed snapshot and an open descriptor on the requested part's bytes.
+    def open_part(self, name: str, part: Part,
+                  target_sha256: str = "") -> tuple[SnapshotInfo, BlobReader]:
+        """The committed snapshot and a reader of the requested part's bytes (an open
+        descriptor on its blob).
 
         For a draft, `target_sha256` (optional) is the target the reader holds: the
-        draft is served only if it belongs to that target. The caller gives the fd back
-        with `close_part` (until then the blob's file is never reused as a spare).
+        draft is served only if it belongs to that target. The caller closes the reader
+        (until then the blob's file is never reused as a spare).
         """
         validate_name(name)
         with self._lock:
@@ -544,12 +526,13 @@ class Store:
             except OSError as exc:
                 raise _io_error(f"opening {name!r}", exc) from exc
             self._readers[info.sha256] += 1
+        reader = BlobReader(self, info.sha256, fd)
         size = os.fstat(fd).st_size
         if size != info.size:
-            self.close_part(info.sha256, fd)
+            reader.close()
             raise DataLoss(f"the stored {part.label} of {name!r} is {size} bytes, "
                            f"expected {info.size}")
-        return snap, fd
+        return snap, reader
 
     def close_part(self, sha256: str, fd: int) -> None:
         """Closes a descriptor from `open_part` (of the blob `sha256`)."""

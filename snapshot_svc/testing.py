@@ -39,9 +39,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def running_server(data_dir: Path, **config: Any) -> Iterator[SnapshotServer]:
-    """An in-process server on a free port; stopped (grace 0) on exit."""
-    server = SnapshotServer(SnapshotConfig(data_dir=Path(data_dir), port=0, **config))
+def running_server(data_dir: Path | None, **config: Any) -> Iterator[SnapshotServer]:
+    """An in-process server on a free port; stopped (grace 0) on exit. `data_dir` None:
+    the config names another backend (`store="s3://..."`)."""
+    server = SnapshotServer(SnapshotConfig(data_dir=None if data_dir is None else Path(data_dir),
+                                           port=0, **config))
     server.start()
     try:
         yield server

@@ -236,6 +236,30 @@ def test_wrong_digest_is_data_loss_and_stores_nothing(client: SnapshotClient,
         "warmslot_snapshot_digest_failures_total") == 3.0
 
 
+def test_failed_paired_put_removes_its_staged_target_at_once(
+        client: SnapshotClient, server: SnapshotServer, stub: pb_grpc.SnapshotStub) -> None:
+    """A paired save whose draft fails leaves nothing of the new target behind (not
+    until the staged target expires: the stage TTL is 300 s here)."""
+    old_t, old_d = blob(1, 3000), blob(2, 300)
+    client.put("s", old_t, old_d)
+    before = stored_files(server)
+    new_t = blob(3, 2 * MAX_CHUNK_BYTES + 7)
+    r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new_t, draft_follows=True)),
+                 timeout=20)
+    assert not r.committed
+    assert stored_files(server)["blobs"] == sorted([sha(old_t), sha(old_d), sha(new_t)])
+    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
+                        target_sha256=sha(new_t))
+    assert status_of(lambda: stub.Put(iter(reqs), timeout=20)) == grpc.StatusCode.DATA_LOSS
+    assert stored_files(server) == before
+    got = client.get("s")
+    assert (got.target, got.draft) == (old_t, old_d)
+    # a draft naming the dropped target is refused: the failed save is over
+    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), target_sha256=sha(new_t))
+    assert status_of(lambda: stub.Put(iter(reqs), timeout=20)) \
+        == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def test_truncated_and_overlong_streams(client: SnapshotClient, server: SnapshotServer,
                                         stub: pb_grpc.SnapshotStub) -> None:
     client.put("s", b"old")

@@ -97,20 +97,20 @@ def test_an_upload_of_bytes_already_stored_becomes_a_spare(
 
 
 def test_a_blob_being_read_is_not_reused(client: SnapshotClient, server: SnapshotServer) -> None:
-    """A Get reads through the descriptor open_part gave it (the server's Get may have
+    """A Get reads through the descriptor of the reader open_part gave it (the server's Get may have
     sent everything before the client reads it, so the store is driven directly)."""
     old = blob(1, 3 * MAX_CHUNK_BYTES)
     client.put("a", old)
-    snap, fd = server.store.open_part("a", Part.TARGET)
+    snap, reader = server.store.open_part("a", Part.TARGET)
     try:
         client.delete("a")
         assert spare_sizes(server) == []  # removed, not made a spare
         new = blob(2, len(old))
         client.put("b", new)
         assert server.store.spares.reused == 0
-        assert os.pread(fd, len(old) + 1, 0) == old
+        assert os.pread(reader.fd, len(old) + 1, 0) == old
     finally:
-        server.store.close_part(snap.target.sha256, fd)
+        reader.close()
     assert client.get("b").target == new
     # once the reader is gone, the next unreferenced blob becomes a spare again
     client.delete("b")

@@ -21,14 +21,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 IMAGE = os.environ.get("WARMSLOT_IMAGE", "warmslot:latest")
+SEAWEEDFS_IMAGE = os.environ.get("WARMSLOT_SEAWEEDFS_IMAGE", "warmslot-seaweedfs:latest")
 PROJECT_PREFIX = "wsdeploytest"
 UNAVAILABLE_FILE = ROOT / "build" / "deploy-engine-unavailable"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(below: int = 65536) -> int:
+    """A free loopback port under `below` (SeaweedFS listens on port + 10000 too)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < below:
+            return port
 
 
 def compose_command() -> list[str] | None:
@@ -81,7 +86,7 @@ class Project:
     removes everything it made."""
 
     def __init__(self, engine: Any, workdir: Path, tag: str,
-                 services: list[Service]) -> None:
+                 services: list[Service], profiles: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.name = f"{PROJECT_PREFIX}{tag}{secrets.token_hex(3)}"
         self.services = {s.name: s for s in services}
@@ -91,25 +96,46 @@ class Project:
         assert cmd is not None
         self.cmd = [*cmd, "-p", self.name, "-f", str(DEPLOY / "docker-compose.yml"),
                     "-f", str(self.override)]
+        for p in profiles:  # so that `down` removes those services' containers too
+            self.cmd += ["--profile", p]
 
     def _override(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         snapshot = self.services.get("snapshot")
+        # the `s3` profile: inference replicas list every snapshot replica on the bucket
+        replicas = [s.addr for n, s in self.services.items() if n.startswith("snapshot-s3")]
+        weed = self.services.get("seaweedfs")
         for s in self.services.values():
-            env = {"WARMSLOT_SNAPSHOT_HOST": "127.0.0.1",
-                   "WARMSLOT_SNAPSHOT_PORT": str(s.port),
-                   "WARMSLOT_SNAPSHOT_METRICS_PORT": "0"} if s.name == "snapshot" else {
-                   "WARMSLOT_HOST": "127.0.0.1", "WARMSLOT_PORT": str(s.port),
-                   "WARMSLOT_METRICS_PORT": "0"}
-            if s.name != "snapshot" and snapshot is not None:
-                env["WARMSLOT_SNAPSHOT_ADDR"] = snapshot.addr
+            if s.name == "seaweedfs":
+                env = {"WEED_IP": "127.0.0.1", "WEED_BIND": "127.0.0.1",
+                       "WEED_S3_PORT": str(s.port)}
+                for name in ("MASTER", "VOLUME", "FILER"):  # +10000: their gRPC ports
+                    env[f"WEED_{name}_PORT"] = str(free_port(below=55535))
+            elif s.name.startswith("snapshot"):
+                env = {"WARMSLOT_SNAPSHOT_HOST": "127.0.0.1",
+                       "WARMSLOT_SNAPSHOT_PORT": str(s.port),
+                       "WARMSLOT_SNAPSHOT_METRICS_PORT": "0"}
+                if weed is not None and s.name.startswith("snapshot-s3"):
+                    env["WARMSLOT_SNAPSHOT_S3_ENDPOINT"] = f"http://{weed.addr}"
+            else:
+                env = {"WARMSLOT_HOST": "127.0.0.1", "WARMSLOT_PORT": str(s.port),
+                       "WARMSLOT_METRICS_PORT": "0"}
+                if snapshot is not None:
+                    env["WARMSLOT_SNAPSHOT_ADDR"] = snapshot.addr
+                elif replicas:
+                    env["WARMSLOT_SNAPSHOT_ADDR"] = ",".join(replicas)
             if s.hostname:
                 env["WARMSLOT_INSTANCE_ID"] = s.hostname
             env.update(s.env)
             svc: dict[str, Any] = {
-                "image": IMAGE, "network_mode": "host", "environment": env,
+                "image": SEAWEEDFS_IMAGE if s.name == "seaweedfs" else IMAGE,
+                "network_mode": "host", "environment": env,
                 "healthcheck": {"interval": "1s", "timeout": "3s", "retries": 2,
-                                "start_period": "2s"}}
+                                # SeaweedFS, and a snapshot service waiting for it, may
+                                # take many seconds to start on a loaded machine: failed
+                                # checks count only after this
+                                "start_period": "90s" if s.name == "seaweedfs"
+                                or s.name.startswith("snapshot-s3") else "2s"}}
             if s.hostname:
                 svc["hostname"] = s.hostname
             if s.volumes:

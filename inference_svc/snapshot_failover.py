@@ -1,0 +1,104 @@
+"""A slot store over several snapshot-service replicas that share one backend
+(`--snapshot-addr a:1,b:2`, e.g. replicas on one S3 bucket): every call goes to the
+replica that answered last, and a call that fails with Unavailable (unreachable,
+shutting down, no answer within its deadline, after the per-replica retries) is
+tried on the next replica, each at most once per call.
+
+    store = FailoverStore(["10.0.0.1:50052", "10.0.0.2:50052"], lambda a: SnapshotStore(a))
+    store.save("chat-42", target, draft); store.load("chat-42")
+
+Saves and loads are idempotent, so retrying them is safe: a save stores the same bytes
+under the same name (the paired commit is redone whole on the next replica), a load
+reads. Any other method of SnapshotStore is failed over the same way (a delete whose
+answer was lost may then answer NotFound). Any other error (NotFound, DataLoss...) is
+the answer of the shared store and raised at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from inference_svc import errors, log
+from inference_svc.snapshot_store import SnapshotStore
+from inference_svc.store import StoredSlot
+
+T = TypeVar("T")
+
+
+def parse_addrs(value: str) -> list[str]:
+    """The addresses of `--snapshot-addr a,b` (spaces around commas allowed)."""
+    return [a.strip() for a in value.split(",") if a.strip()]
+
+
+class FailoverStore:
+    """A `SlotStore` that fails over between snapshot-service replicas. Thread-safe."""
+
+    def __init__(self, addrs: Sequence[str],
+                 make_store: Callable[[str], SnapshotStore]) -> None:
+        if len(addrs) < 2:
+            raise ValueError("a failover store needs at least two snapshot addresses")
+        self.addrs = list(addrs)
+        self.stores = [make_store(a) for a in self.addrs]
+        self._preferred = 0
+        self._lock = threading.Lock()
+        self.log = log.get()
+
+    def describe(self) -> str:
+        return "snapshot:" + ",".join(self.addrs)
+
+    @property
+    def negotiated_protocol(self) -> int | None:
+        with self._lock:
+            return self.stores[self._preferred].negotiated_protocol
+
+    def _failover(self, op: str, fn: Callable[[SnapshotStore], T]) -> T:
+        with self._lock:
+            first = self._preferred
+        last: errors.Unavailable | None = None
+        for i in range(len(self.stores)):
+            k = (first + i) % len(self.stores)
+            try:
+                result = fn(self.stores[k])
+            except errors.Unavailable as exc:
+                last = exc
+                nxt = self.addrs[(k + 1) % len(self.addrs)]
+                self.log.warning(f"snapshot replica {self.addrs[k]} unavailable for {op}; "
+                                 f"trying {nxt}", extra=log.fields(
+                                     snapshot_addr=self.addrs[k], error=exc.message))
+                continue
+            with self._lock:
+                self._preferred = k
+            return result
+        assert last is not None
+        raise errors.Unavailable(f"every snapshot replica ({', '.join(self.addrs)}) is "
+                                 f"unavailable; last: {last.message}") from last
+
+    def save(self, name: str, target: bytes, draft: bytes | None, **kw: Any) -> int:
+        return self._failover("save", lambda s: s.save(name, target, draft, **kw))
+
+    def load(self, name: str) -> StoredSlot:
+        return self._failover("load", lambda s: s.load(name))
+
+    def __getattr__(self, name: str) -> Any:
+        """Any other method of SnapshotStore (e.g. one added later), failed over the same
+        way; attributes that are not methods are the first replica's."""
+        attr = getattr(self.__dict__.get("stores", [None])[0], name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kw: Any) -> Any:
+            return self._failover(name, lambda s: getattr(s, name)(*args, **kw))
+
+        return call
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+    def __enter__(self) -> FailoverStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

