@@ -710,8 +710,8 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->kv_elem = params.kv_type == WS_KV_F16 ? sizeof(uint16_t) : sizeof(float);
 
     /* KV cache size: refuse sizes that overflow or that the machine cannot hold */
-    const double kv_bytes = 2.0 * (double)ctx->kv_elem * (double)hp->n_layer * (double)params.n_ctx *
-                            (double)ctx->kv_dim * (double)params.n_slots;
+    const double kv_bytes = 2.0 * (double)ctx->kv_elem * (double)hp->n_layer *
+                            (double)params.n_ctx * (double)ctx->kv_dim * (double)params.n_slots;
     if (kv_bytes > (double)(SIZE_MAX / 4)) {
         free(ctx);
         return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", kv_bytes);
@@ -882,14 +882,17 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
     if ((hd & 7) == 0) {
         /* four keys at a time, each loaded once for the heads of the group */
         for (; j + 4 <= n; j += 4) {
-            const size_t kr[4] = {(size_t)j * stride, (size_t)(j + 1) * stride,
-                                  (size_t)(j + 2) * stride, (size_t)(j + 3) * stride};
+            /* byte addresses of the four keys (element size 2 or 4, a constant here) */
+            const size_t es = F16 ? 2 : 4;
+            const uint8_t *kr[4] = {
+                k0 + (size_t)j * stride * es, k0 + (size_t)(j + 1) * stride * es,
+                k0 + (size_t)(j + 2) * stride * es, k0 + (size_t)(j + 3) * stride * es};
             lanes8 a[2][4];
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < 4; i++) a[h][i] = l8_zero();
             for (int d = 0; d < hd; d += 8) {
                 lanes8 kv[4];
-                for (int i = 0; i < 4; i++) kv[i] = kv_l8(k0, kr[i] + (size_t)d, F16);
+                for (int i = 0; i < 4; i++) kv[i] = kv_l8(kr[i], (size_t)d, F16);
                 for (int h = 0; h < NH; h++) {
                     const lanes8 qv = l8_load(q[h] + d);
                     for (int i = 0; i < 4; i++) a[h][i] = l8_fma(qv, kv[i], a[h][i]);
