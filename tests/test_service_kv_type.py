@@ -70,3 +70,30 @@ def test_service_refuses_a_file_of_the_other_kv_type(tmp_path_factory: pytest.Te
             "slot file holds an f32 KV cache, this server keeps f16: restore it on a server "
             "started with --kv-type f32")
         assert [s.n_tokens for s in c.slots()] == [0, 0]
+
+
+@pytest.mark.slow
+def test_auto_restore_of_another_kv_type_is_a_cold_start(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Slots auto-saved by an f32 service (set by WARMSLOT_KV_TYPE) start cold on an f16
+    service, with one warning naming the flag, and restore on an f32 one."""
+    from tests.resumekit import InferenceProcess, Session
+
+    target, draft = model_pair(tmp_path_factory.getbasetemp())
+    args = ("--model", str(target), "--draft", str(draft), "--slots", "2", "--ctx", "256",
+            "--threads", "1", "--instance-id", "kv", "--slot-save-path", str(tmp_path))
+    with InferenceProcess(*args, env={"WARMSLOT_KV_TYPE": "f32"}) as p:
+        s = Session(max_tokens=5)
+        s.turn(p, list(range(1, 30)))
+        assert p.stop() == 0
+    n = len(s.history)
+    assert slotfile.decode_target((tmp_path / "auto-kv-slot0").read_bytes()).layout.dtype == 0
+    with InferenceProcess(*args) as p:
+        assert [x.n_tokens for x in p.client.slots()] == [0, 0]
+        warn = [r for r in p.lines if r.get("level") == "warning"]
+        assert [r["msg"] for r in warn] == ["auto-restore skipped: cold start of the slot"]
+        assert "restore it on a server started with --kv-type f32" in warn[0]["error"]
+        p.kill()  # no auto-save of the cold slots over the f32 files
+    with InferenceProcess(*args, "--kv-type", "f32") as p:
+        assert [x.n_tokens for x in p.client.slots()] == [n, 0]
+        assert p.stop() == 0
