@@ -289,3 +289,38 @@ def test_model_outlives_its_contexts(small_model_path: Path) -> None:
     model.close()
     with pytest.raises(InvalidArgumentError, match="closed"):
         ctx.decode(0, [1])
+
+
+def test_draft_state_keeps_its_kv_type(small_model_path: Path) -> None:
+    """The draft state (WSSP) embeds the draft context's state in its KV type: it round
+    trips in a pair of its type and is refused, the draft left empty, in the other."""
+    from inference_svc.core.speculative import SamplingParams, SpecDecoder, SpecParams
+
+    states, tails = {}, {}
+    with Model.load(small_model_path) as model:
+        for kv in ("f16", "f32"):
+            with Ctx(model, n_ctx=64, kv_type=kv) as tc, Ctx(model, n_ctx=64, kv_type=kv) as dc, \
+                    SpecDecoder(tc, dc) as dec:
+                dec.seed(0, 5)
+                dec.generate(0, PROMPT, 6, SamplingParams(), SpecParams(n_max=3))
+                dec.commit(0)
+                states[kv] = (tc.get_state(0), dec.draft_state(0))
+                tails[kv] = dec.generate(0, [1, 2], 6, SamplingParams(), SpecParams(n_max=3))
+        assert len(states["f32"][1]) - len(states["f16"][1]) == 2 * 2 * 32 * 2 * ctx_tokens(
+            states["f16"][0])
+        for kv, other in (("f16", "f32"), ("f32", "f16")):
+            with Ctx(model, n_ctx=64, kv_type=kv) as tc, Ctx(model, n_ctx=64, kv_type=kv) as dc, \
+                    SpecDecoder(tc, dc) as dec:
+                tc.set_state(0, states[kv][0])
+                dec.set_draft_state(0, states[kv][1])
+                assert dec.generate(0, [1, 2], 6, SamplingParams(),
+                                    SpecParams(n_max=3)) == tails[kv]
+                tc.set_state(0, states[kv][0])
+                with pytest.raises(BadStateError, match=f"draft state: state holds an {other} "
+                                                        f"KV cache, this context keeps {kv}"):
+                    dec.set_draft_state(0, states[other][1])
+                assert dec.draft_n_tokens(0) == 0
+
+
+def ctx_tokens(state: bytes) -> int:
+    return struct.unpack_from("<I", state, 24)[0]
