@@ -16,6 +16,7 @@ DEFAULT_MODEL = ROOT / "models" / "target.gguf"
 DEFAULT_DRAFT = ROOT / "models" / "draft.gguf"
 ENV_PREFIX = "WARMSLOT_"
 DRAFT_POLICIES = ("reprefill", "empty")
+KV_TYPES = ("f16", "f32")  # the core's (inference_svc.core.model.KV_TYPES)
 
 
 def default_fallback_path() -> Path:
@@ -60,6 +61,9 @@ class Config:
     # over the two cores (a second spinning worker slowed drafting down 4x)
     draft_threads: int = 1
     batch: int = 512  # prompt tokens per decode call (one engine step)
+    # element type of the target's and the draft's KV caches; a slot file restores only
+    # into the type it was saved from
+    kv_type: str = "f16"
     host: str = "127.0.0.1"
     port: int = 50051
     slot_save_path: Path | None = None
@@ -125,6 +129,8 @@ class Config:
             problems.append(f"--draft-threads {self.draft_threads} must be >= 1")
         if self.batch < 1:
             problems.append(f"--batch {self.batch} must be >= 1")
+        if self.kv_type not in KV_TYPES:
+            problems.append(f"--kv-type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.draft_restore_policy not in DRAFT_POLICIES:
             problems.append(f"--draft-restore-policy {self.draft_restore_policy!r} is not one "
                             f"of {', '.join(DRAFT_POLICIES)}")
@@ -191,6 +197,10 @@ def parser() -> argparse.ArgumentParser:
     a("--threads", type=int, default=d.threads, help="decoding threads (target)")
     a("--draft-threads", type=int, default=d.draft_threads, help="decoding threads (draft)")
     a("--batch", type=int, default=d.batch, help="prompt tokens per decode call")
+    a("--kv-type", choices=KV_TYPES, default=d.kv_type,
+      help="KV cache element type of the target and the draft: f16 (half the memory and "
+           "slot-file size) or f32; a slot file restores only into the type it was saved "
+           "with")
     a("--host", default=d.host, help="address to listen on")
     a("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
     a("--slot-save-path", type=_path_or_none, default=d.slot_save_path,
@@ -287,7 +297,7 @@ def from_args(argv: Sequence[str] | None = None,
     try:
         return Config(
             model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,
-            draft_threads=ns.draft_threads,
+            draft_threads=ns.draft_threads, kv_type=ns.kv_type,
             batch=ns.batch, host=ns.host, port=ns.port, slot_save_path=ns.slot_save_path,
             snapshot_addr=ns.snapshot_addr, snapshot_timeout=ns.snapshot_timeout,
             snapshot_client_max_protocol=ns.snapshot_client_max_protocol,

@@ -207,20 +207,20 @@ class Engine:
         # the KV caches are committed at start (reserve_kv): a machine that cannot hold
         # them fails here, and no prefill or restore pays the first touch of their pages
         self.tctx = Context(target, n_slots=cfg.slots, n_ctx=self.n_ctx, n_threads=cfg.threads,
-                            n_batch=cfg.batch, reserve_kv=True)
+                            n_batch=cfg.batch, reserve_kv=True, kv_type=cfg.kv_type)
         self.dctx: Context | None = None
         self.dec: SpecDecoder | None = None
         try:
             if draft is not None:
                 self.dctx = Context(draft, n_slots=cfg.slots, n_ctx=self.n_ctx,
                                     n_threads=cfg.draft_threads, n_batch=cfg.batch,
-                                    reserve_kv=True)
+                                    reserve_kv=True, kv_type=cfg.kv_type)
             self.dec = SpecDecoder(self.tctx, self.dctx)
         except BaseException:
             self._free()
             raise
-        self.target_spec: ModelSpec = model_spec(target, self.n_ctx)
-        self.draft_spec: ModelSpec | None = model_spec(draft, self.n_ctx) if draft else None
+        self.target_spec: ModelSpec = model_spec(self.tctx)
+        self.draft_spec: ModelSpec | None = model_spec(self.dctx) if self.dctx else None
         rng = random.SystemRandom() if cfg.seed is None else random.Random(cfg.seed)
         for i in range(self.n_slots):
             self.dec.seed(i, rng.getrandbits(64))

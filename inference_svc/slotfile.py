@@ -21,20 +21,24 @@ from dataclasses import dataclass
 
 TARGET_MAGIC = b"WSLT"
 DRAFT_MAGIC = b"WSLD"
-TARGET_VERSION = 1  # the version this code writes and the newest it reads
-DRAFT_VERSION = 1
+# the versions this code writes and the newest it reads; version 2 added the f16 KV
+# dtype (a version-1 file is f32 and still reads)
+TARGET_VERSION = 2
+DRAFT_VERSION = 2
 HEADER_LEN = 128  # v1 header length of both files (a reader trusts the file's own)
 DIGEST_LEN = 32
 SECTION_HEADER = struct.Struct("<4sIQ")  # tag, flags, payload length
 FLAG_REQUIRED = 1  # a reader that does not know the section must refuse the file
 
 TAG_TOKENS = b"TOKS"  # target: int32[n_tokens]
-TAG_KV = b"KVCA"  # target: per layer K f32[n][kv_dim] then V f32[n][kv_dim]
+TAG_KV = b"KVCA"  # target: per layer K dtype[n][kv_dim] then V dtype[n][kv_dim]
 TAG_DRAFT_STATE = b"DSTA"  # draft: the core's draft state (WSSP), verbatim
 
 DTYPE_F32 = 0
-DTYPE_NAMES = {DTYPE_F32: "f32"}
-DTYPE_SIZES = {DTYPE_F32: 4}
+DTYPE_F16 = 1  # IEEE half, the KV cache's values as stored (format version 2 on)
+DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16"}
+DTYPE_SIZES = {DTYPE_F32: 4, DTYPE_F16: 2}
+DTYPE_BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
 
 # target header after the magic: version, header_len, flags, fingerprint, n_layer,
 # n_head_kv, head_dim, dtype, n_ctx, n_vocab, n_tokens, n_sections
@@ -44,9 +48,10 @@ _TARGET_HEAD = struct.Struct("<4sIII32s8I")
 _DRAFT_HEAD = struct.Struct("<4sIII32s32s9I")
 _PREFIX = struct.Struct("<4sII")  # magic, version, header_len: common to every version
 
-# the decoding core's slot state (ws_slot_state_get): 8 x u32 header
+# the decoding core's slot state (ws_slot_state_get): 8 x u32 header; the core writes
+# version 2 (dtype f32 or f16) and reads 1 and 2
 CORE_KV_MAGIC = 0x564B5357  # "WSKV"
-CORE_KV_VERSION = 1
+CORE_KV_VERSION = 2
 _CORE_KV_HEAD = struct.Struct("<8I")
 # the core's draft state (ws_spec_state_get) v1: magic, version, d_off, lag_ok,
 # rng[4] u64, counters (4 + 2 x 16) u64, then the draft's WSKV slot state
@@ -72,7 +77,7 @@ class UnsupportedSlotFile(SlotFileError):
 
 
 class IncompatibleSlotFile(SlotFileError):
-    """Made by another model, with another KV layout, or too big for the context
+    """Made by another model, with another KV type, or too big for the context
     (FAILED_PRECONDITION)."""
 
 
@@ -277,6 +282,11 @@ def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
     return found, tuple(extra)
 
 
+def _check_dtype(kind: str, version: int, dtype: int) -> None:
+    if dtype not in DTYPE_SIZES or (version < 2 and dtype != DTYPE_F32):
+        raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype} in a version {version} file")
+
+
 def decode_target(data: bytes | memoryview, body_sha256: str | None = None) -> TargetFile:
     """Parses and verifies a target file on its own (not against a model).
     `body_sha256`: see `_open`."""
@@ -284,8 +294,7 @@ def decode_target(data: bytes | memoryview, body_sha256: str | None = None) -> T
     body = _open(data, TARGET_MAGIC, TARGET_VERSION, kind, _TARGET_HEAD, body_sha256)
     (_, version, header_len, _flags, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx, n_vocab,
      n_tokens, n_sections) = _TARGET_HEAD.unpack_from(body)
-    if dtype not in DTYPE_SIZES:
-        raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype}")
+    _check_dtype(kind, version, dtype)
     layout = KVLayout(n_layer, n_head_kv, head_dim, dtype)
     found, extra = _read_sections(body, header_len, n_sections, {TAG_TOKENS, TAG_KV}, kind)
     toks, kv = found[TAG_TOKENS], found[TAG_KV]
@@ -304,8 +313,7 @@ def decode_draft(data: bytes | memoryview) -> DraftFile:
     body = _open(data, DRAFT_MAGIC, DRAFT_VERSION, kind, _DRAFT_HEAD)
     (_, version, header_len, _flags, tdig, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx,
      n_vocab, n_tokens, offset, n_sections) = _DRAFT_HEAD.unpack_from(body)
-    if dtype not in DTYPE_SIZES:
-        raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype}")
+    _check_dtype(kind, version, dtype)
     found, extra = _read_sections(body, header_len, n_sections, {TAG_DRAFT_STATE}, kind)
     state = found[TAG_DRAFT_STATE]
     _check_core_spec_counters(state, kind)
@@ -348,12 +356,23 @@ def _short(fp: str) -> str:
     return fp[:12]
 
 
+def _check_kv_type(kind: str, got: KVLayout, want: KVLayout) -> None:
+    """The KV type of a file must be the running context's: values are never converted
+    (f32 -> f16 would round them, and the session would no longer continue exactly)."""
+    if got.dtype != want.dtype:
+        name = DTYPE_NAMES[got.dtype]
+        raise IncompatibleSlotFile(
+            f"{kind} holds an {name} KV cache, this server keeps {DTYPE_NAMES[want.dtype]}: "
+            f"restore it on a server started with --kv-type {name}")
+
+
 def check_target(t: TargetFile, model: ModelSpec) -> None:
     """Raises unless the target file restores into a slot of this model and context."""
     if t.fingerprint != model.fingerprint:
         raise IncompatibleSlotFile(
             f"slot file was made by another model (fingerprint {_short(t.fingerprint)}...), "
             f"this server runs {model.name!r} ({_short(model.fingerprint)}...)")
+    _check_kv_type("slot file", t.layout, model.layout)
     if t.layout != model.layout or t.n_vocab != model.n_vocab:
         raise CorruptSlotFile(f"slot file KV layout {t.layout} / vocabulary {t.n_vocab} does not "
                               f"match its model's {model.layout} / {model.n_vocab}")
@@ -375,6 +394,7 @@ def check_draft(d: DraftFile, target_digest: str, target: TargetFile, draft: Mod
             f"draft sidecar was made by another draft model (fingerprint "
             f"{_short(d.fingerprint)}...), this server runs {draft.name!r} "
             f"({_short(draft.fingerprint)}...)")
+    _check_kv_type("draft sidecar", d.layout, draft.layout)
     if d.layout != draft.layout or d.n_vocab != draft.n_vocab:
         raise CorruptSlotFile(f"draft sidecar KV layout {d.layout} / vocabulary {d.n_vocab} does "
                               f"not match its model's {draft.layout} / {draft.n_vocab}")
@@ -388,12 +408,13 @@ def check_draft(d: DraftFile, target_digest: str, target: TargetFile, draft: Mod
 
 
 def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
-    """A target file from `Context.get_state(slot)` bytes (WSKV v1)."""
+    """A target file from `Context.get_state(slot)` bytes (WSKV v2)."""
     view = memoryview(state).cast("B")
     magic, version, n_layer, n_embd_k, n_embd_v, dtype, n, _ = _CORE_KV_HEAD.unpack_from(view)
     lay = model.layout
     if magic != CORE_KV_MAGIC or version != CORE_KV_VERSION:
-        raise ValueError(f"core state magic 0x{magic:08x} version {version} is not WSKV v1")
+        raise ValueError(f"core state magic 0x{magic:08x} version {version} is not "
+                         f"WSKV v{CORE_KV_VERSION}")
     if (n_layer, n_embd_k, n_embd_v, dtype) != (lay.n_layer, lay.kv_dim, lay.kv_dim, lay.dtype):
         raise ValueError(f"core state layout ({n_layer}, {n_embd_k}, {n_embd_v}, {dtype}) is not "
                          f"the model's {lay}")
@@ -404,8 +425,8 @@ def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
 
 
 def core_parts_from_target(t: TargetFile) -> tuple[bytes, bytes, bytes | memoryview]:
-    """`Context.set_state_parts` pieces (WSKV v1 header, tokens, KV) of a target file; the
-    KV is the file's own bytes, not a copy."""
+    """`Context.set_state_parts` pieces (WSKV v2 header, tokens, KV) of a target file of
+    either version; the KV is the file's own bytes, not a copy."""
     lay = t.layout
     head = _CORE_KV_HEAD.pack(CORE_KV_MAGIC, CORE_KV_VERSION, lay.n_layer, lay.kv_dim,
                               lay.kv_dim, lay.dtype, t.n_tokens, 0)

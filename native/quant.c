@@ -70,31 +70,9 @@ static inline int is_plain(int32_t type) {
 /* ------------------------------------------------------------------------- */
 /* scalar unpacking: the reference, and the portable build's path              */
 
-/* IEEE half to float; exact for every value (F16C's conversion gives the same bits,
-   signalling NaNs made quiet as it does) */
+/* a little-endian IEEE half in memory to float (ws_simd.h's conversion) */
 static inline float half_to_float(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | (uint16_t)p[1] << 8);
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: normalise the mantissa */
-            int e = -1;
-            do {
-                e++;
-                man <<= 1;
-            } while (!(man & 0x400u));
-            bits = sign | (uint32_t)(112 - e) << 23 | (man & 0x3ffu) << 13;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | man << 13 | (man ? 0x400000u : 0u);
-    } else {
-        bits = sign | (exp + 112u) << 23 | man << 13;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return float_from_half((uint16_t)(p[0] | (uint16_t)p[1] << 8));
 }
 
 static inline float bf16_to_float(const uint8_t *p) {

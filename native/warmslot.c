@@ -43,6 +43,27 @@ static ws_status fail_global(ws_status st, const char *fmt, ...) {
 static float ws_silu(float x) { return x / (1.0f + ws_expf(-x)); }
 
 /* ------------------------------------------------------------------------- */
+/* IEEE half <-> float for callers (the conversions themselves: ws_simd.h)      */
+
+void ws_fp16_from_fp32(const float *in, uint16_t *out, size_t n) {
+    size_t i = 0;
+#if WS_F16C
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) out[i] = half_from_float(in[i]);
+}
+
+void ws_fp32_from_fp16(const uint16_t *in, float *out, size_t n) {
+    size_t i = 0;
+#if WS_F16C
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, l8_load_h(in + i));
+#endif
+    for (; i < n; i++) out[i] = float_from_half(in[i]);
+}
+
+/* ------------------------------------------------------------------------- */
 /* model                                                                       */
 
 struct ws_model {
@@ -218,9 +239,11 @@ struct ws_context {
     int head_dim, q_dim, kv_dim, n_rot;
     float attn_scale;
 
-    /* KV cache: [n_slots][n_layer][n_ctx][kv_dim] */
-    float *k_cache;
-    float *v_cache;
+    /* KV cache: [n_slots][n_layer][n_head_kv][n_ctx][head_dim] of params.kv_type
+       (float or IEEE half bits), kv_elem bytes per value */
+    void *k_cache;
+    void *v_cache;
+    size_t kv_elem;
     int32_t *tokens;   /* [n_slots][n_ctx] */
     int32_t *n_past;   /* [n_slots]        */
 
@@ -267,7 +290,8 @@ static ws_status fail_ctx(const ws_context *cctx, ws_status st, const char *fmt,
 const char *ws_context_last_error(const ws_context *ctx) { return ctx ? ctx->last_error : ""; }
 
 ws_context_params ws_context_default_params(void) {
-    ws_context_params p = {.n_slots = 1, .n_ctx = 4096, .n_threads = 2, .n_batch = 512};
+    ws_context_params p = {.n_slots = 1, .n_ctx = 4096, .n_threads = 2, .n_batch = 512,
+                           .kv_type = WS_KV_F16};
     return p;
 }
 
@@ -280,7 +304,7 @@ static size_t kv_elems_per_slot(const ws_context *ctx) {
 }
 
 size_t ws_context_kv_bytes(const ws_context *ctx) {
-    return 2 * sizeof(float) * kv_elems_per_slot(ctx) * (size_t)ctx->params.n_slots;
+    return 2 * ctx->kv_elem * kv_elems_per_slot(ctx) * (size_t)ctx->params.n_slots;
 }
 
 /*
@@ -288,36 +312,50 @@ size_t ws_context_kv_bytes(const ws_context *ctx) {
  * keys (or values) of one KV head are one contiguous run of positions, which the
  * attention loop streams. The state format (ws_slot_state_get) stays position-major
  * per layer ([position][kv_dim]); get and set gather and scatter between the two.
+ * The values are kept in the context's kv_type (kv_elem bytes each): the address of
+ * a head's position is a byte address, cast to float or uint16_t by the reader.
  */
-static float *kv_head(const ws_context *ctx, float *cache, int slot, int layer, int kvh,
-                      int pos) {
+static uint8_t *kv_head(const ws_context *ctx, void *cache, int slot, int layer, int kvh,
+                        int pos) {
     const ws_hparams *hp = &ctx->model->hp;
     const size_t plane = ((size_t)slot * (size_t)hp->n_layer + (size_t)layer) *
                          (size_t)hp->n_head_kv + (size_t)kvh;
-    return cache + (plane * (size_t)ctx->params.n_ctx + (size_t)pos) * (size_t)ctx->head_dim;
+    return (uint8_t *)cache +
+           (plane * (size_t)ctx->params.n_ctx + (size_t)pos) * (size_t)ctx->head_dim *
+               ctx->kv_elem;
 }
 
-/* positions [0, n) of one layer of a slot between the cache and a [n][kv_dim] buffer */
-static void kv_gather(const ws_context *ctx, float *cache, int slot, int layer, int n,
+/* One head's new key or value (hd floats) into the cache: copied, or rounded to half. */
+static void kv_store(const ws_context *ctx, uint8_t *dst, const float *v, int hd) {
+    if (ctx->params.kv_type == WS_KV_F16)
+        ws_fp16_from_fp32(v, (uint16_t *)(void *)dst, (size_t)hd);
+    else
+        memcpy(dst, v, sizeof(float) * (size_t)hd);
+}
+
+/* positions [0, n) of one layer of a slot between the cache and a [n][kv_dim] buffer
+   of the same element type (the state holds the cache's values as they are) */
+static void kv_gather(const ws_context *ctx, void *cache, int slot, int layer, int n,
                       uint8_t *out) {
     const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
+    const size_t es = ctx->kv_elem, row = es * (size_t)hd;
     for (int h = 0; h < nkv; h++) {
-        const float *src = kv_head(ctx, cache, slot, layer, h, 0);
+        const uint8_t *src = kv_head(ctx, cache, slot, layer, h, 0);
         for (int j = 0; j < n; j++)
-            memcpy(out + sizeof(float) * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
-                   src + (size_t)j * hd, sizeof(float) * (size_t)hd);
+            memcpy(out + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd), src + (size_t)j * row,
+                   row);
     }
 }
 
-static void kv_scatter(ws_context *ctx, float *cache, int slot, int layer, int n,
+static void kv_scatter(ws_context *ctx, void *cache, int slot, int layer, int n,
                        const uint8_t *in) {
     const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
+    const size_t es = ctx->kv_elem, row = es * (size_t)hd;
     for (int h = 0; h < nkv; h++) {
-        float *dst = kv_head(ctx, cache, slot, layer, h, 0);
+        uint8_t *dst = kv_head(ctx, cache, slot, layer, h, 0);
         for (int j = 0; j < n; j++)
-            memcpy(dst + (size_t)j * hd,
-                   in + sizeof(float) * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
-                   sizeof(float) * (size_t)hd);
+            memcpy(dst + (size_t)j * row, in + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
+                   row);
     }
 }
 
@@ -394,6 +432,9 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     if (params.n_batch < 1 || params.n_batch > 65536)
         return fail_global(WS_ERR_INVALID_ARGUMENT, "n_batch %d out of range 1..65536",
                            params.n_batch);
+    if (params.kv_type != WS_KV_F32 && params.kv_type != WS_KV_F16)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "kv_type %d is not f32 (%d) or f16 (%d)",
+                           params.kv_type, WS_KV_F32, WS_KV_F16);
     const ws_hparams *hp = &model->hp;
     ws_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return fail_global(WS_ERR_OUT_OF_MEMORY, "out of memory allocating the context");
@@ -404,10 +445,11 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->kv_dim = hp->n_head_kv * ctx->head_dim;
     ctx->n_rot = hp->n_rot;
     ctx->attn_scale = (float)(1.0 / sqrt((double)ctx->head_dim));
+    ctx->kv_elem = params.kv_type == WS_KV_F16 ? sizeof(uint16_t) : sizeof(float);
 
     /* KV cache size: refuse sizes that overflow or that the machine cannot hold */
-    const double kv_bytes = 2.0 * 4.0 * (double)hp->n_layer * (double)params.n_ctx *
-                            (double)ctx->kv_dim * (double)params.n_slots;
+    const double kv_bytes = 2.0 * (double)ctx->kv_elem * (double)hp->n_layer *
+                            (double)params.n_ctx * (double)ctx->kv_dim * (double)params.n_slots;
     if (kv_bytes > (double)(SIZE_MAX / 4)) {
         free(ctx);
         return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", kv_bytes);
@@ -416,12 +458,12 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     const size_t nb = (size_t)params.n_batch;
     const size_t kv_all = kv_elems_per_slot(ctx) * (size_t)params.n_slots;
     /* calloc: the pages of a large cache are committed only when used, unless reserved */
-    ctx->k_cache = calloc(kv_all ? kv_all : 1, sizeof(float));
-    ctx->v_cache = calloc(kv_all ? kv_all : 1, sizeof(float));
+    ctx->k_cache = calloc(kv_all ? kv_all : 1, ctx->kv_elem);
+    ctx->v_cache = calloc(kv_all ? kv_all : 1, ctx->kv_elem);
     ok = ctx->k_cache && ctx->v_cache;
     if (ok && params.reserve_kv) {
-        touch_pages(ctx->k_cache, kv_all * sizeof(float));
-        touch_pages(ctx->v_cache, kv_all * sizeof(float));
+        touch_pages(ctx->k_cache, kv_all * ctx->kv_elem);
+        touch_pages(ctx->v_cache, kv_all * ctx->kv_elem);
     }
     ctx->rope_cos = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
     ctx->rope_sin = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
@@ -526,16 +568,41 @@ static void rope_apply(float *v, const float *cs, const float *sn, int half) {
     }
 }
 
+/* element i of a KV row as floats: 8 at a time, or one (the half's exact value) */
+static inline lanes8 kv_l8(const uint8_t *base, size_t i, const int f16) {
+    return f16 ? l8_load_h((const uint16_t *)(const void *)base + i)
+               : l8_load((const float *)(const void *)base + i);
+}
+
+static inline float kv_at(const uint8_t *base, size_t i, const int f16) {
+    return f16 ? float_from_half(((const uint16_t *)(const void *)base)[i])
+               : ((const float *)(const void *)base)[i];
+}
+
+/* dot(q, key) over n values of a key at element i0 of the cache: the `dot` sequence */
+static inline float dot_kv(const float *q, const uint8_t *base, size_t i0, int n, const int f16) {
+    if (!f16) return dot(q, (const float *)(const void *)base + i0, n);
+    const int n8 = n & ~7;
+    lanes8 a = l8_zero();
+    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(q + k), kv_l8(base, i0 + (size_t)k, 1), a);
+    float acc = l8_sum(a);
+    for (int k = n8; k < n; k++) acc = fmaf(q[k], kv_at(base, i0 + (size_t)k, 1), acc);
+    return acc;
+}
+
 /*
  * Attention of NH query heads (h0, h0+1, ...) of one token that share one KV head,
  * over positions 0..pos of its slot: the keys and values are read once for the
  * group. Every score and output element is the same sequence of operations as for
  * a head alone: score = (the `dot` sequence over the head dimension) * scale; the
  * softmax as below; out[d] = fmaf chain over positions in order. NH is a constant
- * at each call site (1 or 2), so the loops over heads unroll into registers.
+ * at each call site (1 or 2), so the loops over heads unroll into registers. F16
+ * (a constant too) reads the keys and values as halves, converted exactly to floats
+ * before the same arithmetic.
  */
 static inline __attribute__((always_inline)) void
-attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h0, const int NH) {
+attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h0, const int NH,
+             const int F16) {
     const ws_hparams *hp = &ctx->model->hp;
     const int hd = ctx->head_dim;
     const int kvh = h0 / (hp->n_head / hp->n_head_kv);
@@ -546,8 +613,8 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
         out[h] = ctx->att + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
         sc[h] = ctx->scores + ((size_t)ith * 2 + (size_t)h) * ctx->params.n_ctx; /* [pos+1] */
     }
-    const float *k0 = kv_head(ctx, ctx->k_cache, slot, layer, kvh, 0);
-    const float *v0 = kv_head(ctx, ctx->v_cache, slot, layer, kvh, 0);
+    const uint8_t *k0 = kv_head(ctx, ctx->k_cache, slot, layer, kvh, 0);
+    const uint8_t *v0 = kv_head(ctx, ctx->v_cache, slot, layer, kvh, 0);
     const size_t stride = (size_t)hd; /* positions of one KV head are contiguous */
     const float scale = ctx->attn_scale;
     const int n = pos + 1, n8 = n & ~7;
@@ -556,14 +623,17 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
     if ((hd & 7) == 0) {
         /* four keys at a time, each loaded once for the heads of the group */
         for (; j + 4 <= n; j += 4) {
-            const float *kr[4] = {k0 + (size_t)j * stride, k0 + (size_t)(j + 1) * stride,
-                                  k0 + (size_t)(j + 2) * stride, k0 + (size_t)(j + 3) * stride};
+            /* byte addresses of the four keys (element size 2 or 4, a constant here) */
+            const size_t es = F16 ? 2 : 4;
+            const uint8_t *kr[4] = {
+                k0 + (size_t)j * stride * es, k0 + (size_t)(j + 1) * stride * es,
+                k0 + (size_t)(j + 2) * stride * es, k0 + (size_t)(j + 3) * stride * es};
             lanes8 a[2][4];
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < 4; i++) a[h][i] = l8_zero();
             for (int d = 0; d < hd; d += 8) {
                 lanes8 kv[4];
-                for (int i = 0; i < 4; i++) kv[i] = l8_load(kr[i] + d);
+                for (int i = 0; i < 4; i++) kv[i] = kv_l8(kr[i], (size_t)d, F16);
                 for (int h = 0; h < NH; h++) {
                     const lanes8 qv = l8_load(q[h] + d);
                     for (int i = 0; i < 4; i++) a[h][i] = l8_fma(qv, kv[i], a[h][i]);
@@ -579,7 +649,7 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
     }
     for (; j < n; j++)
         for (int h = 0; h < NH; h++) {
-            const float sv = dot(q[h], k0 + (size_t)j * stride, hd) * scale;
+            const float sv = dot_kv(q[h], k0, (size_t)j * stride, hd, F16) * scale;
             sc[h][j] = sv;
             if (sv > mx[h]) mx[h] = sv;
         }
@@ -609,9 +679,9 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
         for (int h = 0; h < NH; h++)
             for (int i = 0; i < 4; i++) o[h][i] = l8_zero();
         for (j = 0; j < n; j++) {
-            const float *vj = v0 + (size_t)j * stride + d;
-            const lanes8 v[4] = {l8_load(vj), l8_load(vj + 8), l8_load(vj + 16),
-                                 l8_load(vj + 24)};
+            const size_t vj = (size_t)j * stride + (size_t)d;
+            const lanes8 v[4] = {kv_l8(v0, vj, F16), kv_l8(v0, vj + 8, F16),
+                                 kv_l8(v0, vj + 16, F16), kv_l8(v0, vj + 24, F16)};
             for (int h = 0; h < NH; h++) {
                 const lanes8 w = l8_set1(sc[h][j]);
                 for (int i = 0; i < 4; i++) o[h][i] = l8_fma(w, v[i], o[h][i]);
@@ -624,13 +694,14 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
         for (int h = 0; h < NH; h++) {
             lanes8 o = l8_zero();
             for (j = 0; j < n; j++)
-                o = l8_fma(l8_set1(sc[h][j]), l8_load(v0 + (size_t)j * stride + d), o);
+                o = l8_fma(l8_set1(sc[h][j]), kv_l8(v0, (size_t)j * stride + (size_t)d, F16), o);
             l8_store(out[h] + d, o);
         }
     for (; d < hd; d++)
         for (int h = 0; h < NH; h++) {
             float o = 0.0f;
-            for (j = 0; j < n; j++) o = fmaf(sc[h][j], v0[(size_t)j * stride + d], o);
+            for (j = 0; j < n; j++)
+                o = fmaf(sc[h][j], kv_at(v0, (size_t)j * stride + (size_t)d, F16), o);
             out[h][d] = o;
         }
 }
@@ -640,8 +711,13 @@ static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t
     const int rep = ctx->model->hp.n_head / ctx->model->hp.n_head_kv;
     int h = kvh * rep;
     const int he = h + rep;
-    for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, pos, t, h, 2);
-    if (h < he) attend_group(ctx, ith, slot, layer, pos, t, h, 1);
+    if (ctx->params.kv_type == WS_KV_F16) {
+        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, pos, t, h, 2, 1);
+        if (h < he) attend_group(ctx, ith, slot, layer, pos, t, h, 1, 1);
+    } else {
+        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, pos, t, h, 2, 0);
+        if (h < he) attend_group(ctx, ith, slot, layer, pos, t, h, 1, 0);
+    }
 }
 
 static void forward_worker(ws_context *ctx, int ith) {
@@ -685,8 +761,8 @@ static void forward_worker(ws_context *ctx, int ith) {
                     rope_apply(v, ctx->rope_cos + (size_t)tpos[t] * half,
                                ctx->rope_sin + (size_t)tpos[t] * half, half);
                 if (!is_q) /* this head of the token's key / value into its slot's cache */
-                    memcpy(kv_head(ctx, is_k ? ctx->k_cache : ctx->v_cache, tslot[t], l, h,
-                                   tpos[t]), v, sizeof(float) * (size_t)hd);
+                    kv_store(ctx, kv_head(ctx, is_k ? ctx->k_cache : ctx->v_cache, tslot[t], l,
+                                          h, tpos[t]), v, hd);
             }
         }
         pool_barrier(pool);
@@ -898,7 +974,11 @@ ws_status ws_slot_clear(ws_context *ctx, int32_t slot) { return ws_slot_truncate
 
 static size_t state_bytes(const ws_context *ctx, size_t n_tokens) {
     return WS_STATE_HEADER_BYTES + sizeof(int32_t) * n_tokens +
-           2 * sizeof(float) * (size_t)ctx->model->hp.n_layer * n_tokens * (size_t)ctx->kv_dim;
+           2 * ctx->kv_elem * (size_t)ctx->model->hp.n_layer * n_tokens * (size_t)ctx->kv_dim;
+}
+
+static const char *kv_type_name(uint32_t t) {
+    return t == WS_KV_F32 ? "f32" : t == WS_KV_F16 ? "f16" : "unknown";
 }
 
 static void put_u32(uint8_t *p, uint32_t v) {
@@ -935,13 +1015,13 @@ ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, s
     put_u32(p + 8, (uint32_t)hp->n_layer);
     put_u32(p + 12, (uint32_t)ctx->kv_dim);
     put_u32(p + 16, (uint32_t)ctx->kv_dim);
-    put_u32(p + 20, 0u);
+    put_u32(p + 20, (uint32_t)ctx->params.kv_type);
     put_u32(p + 24, (uint32_t)n);
     put_u32(p + 28, 0u);
     p += WS_STATE_HEADER_BYTES;
     memcpy(p, ctx->tokens + (size_t)slot * ctx->params.n_ctx, sizeof(int32_t) * n);
     p += sizeof(int32_t) * n;
-    const size_t row = sizeof(float) * n * (size_t)ctx->kv_dim;
+    const size_t row = ctx->kv_elem * n * (size_t)ctx->kv_dim;
     for (int l = 0; l < hp->n_layer; l++) {
         kv_gather(ctx, ctx->k_cache, slot, l, (int)n, p);
         p += row;
@@ -961,17 +1041,26 @@ static ws_status state_header_check(ws_context *ctx, const uint8_t *buf, size_t 
                         len);
     if (get_u32(buf) != WS_STATE_MAGIC)
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state magic 0x%08x is not WSKV", get_u32(buf));
-    if (get_u32(buf + 4) != WS_STATE_VERSION)
-        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state version %u is not supported (expected %u)",
-                        get_u32(buf + 4), WS_STATE_VERSION);
+    const uint32_t version = get_u32(buf + 4);
+    if (version < 1 || version > WS_STATE_VERSION)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state version %u is not supported (1..%u)",
+                        version, WS_STATE_VERSION);
     const uint32_t nl = get_u32(buf + 8), nk = get_u32(buf + 12), nv = get_u32(buf + 16);
     if (nl != (uint32_t)hp->n_layer || nk != (uint32_t)ctx->kv_dim || nv != (uint32_t)ctx->kv_dim)
         return fail_ctx(ctx, WS_ERR_BAD_STATE,
                         "state layout (%u layers, k %u, v %u) does not match the model (%d, %d, %d)",
                         nl, nk, nv, hp->n_layer, ctx->kv_dim, ctx->kv_dim);
-    if (get_u32(buf + 20) != 0u || get_u32(buf + 28) != 0u)
-        return fail_ctx(ctx, WS_ERR_BAD_STATE, "state dtype %u / reserved %u not supported",
-                        get_u32(buf + 20), get_u32(buf + 28));
+    const uint32_t dtype = get_u32(buf + 20);
+    /* version 1 knew f32 only */
+    if ((dtype != WS_KV_F32 && (version < 2 || dtype != WS_KV_F16)) || get_u32(buf + 28) != 0u)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE,
+                        "state dtype %u / reserved %u not supported by state version %u", dtype,
+                        get_u32(buf + 28), version);
+    if (dtype != (uint32_t)ctx->params.kv_type)
+        return fail_ctx(ctx, WS_ERR_BAD_STATE,
+                        "state holds an %s KV cache, this context keeps %s: restore it into a "
+                        "context of KV type %s", kv_type_name(dtype),
+                        kv_type_name((uint32_t)ctx->params.kv_type), kv_type_name(dtype));
     const uint32_t n = get_u32(buf + 24);
     if (n > (uint32_t)ctx->params.n_ctx)
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state holds %u tokens, the context only %d", n,
@@ -992,15 +1081,22 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, const uin
                             hp->n_vocab - 1);
     }
     /* a NaN or infinity in the KV would poison every later token: refuse it */
-    const size_t n_floats = 2 * (size_t)hp->n_layer * n * (size_t)ctx->kv_dim;
-    for (size_t i = 0; i < n_floats; i++) {
-        float f;
-        memcpy(&f, kv + 4 * i, sizeof f);
-        if (!isfinite(f))
+    const size_t n_vals = 2 * (size_t)hp->n_layer * n * (size_t)ctx->kv_dim;
+    for (size_t i = 0; i < n_vals; i++) {
+        int finite;
+        if (ctx->params.kv_type == WS_KV_F16) {
+            const uint16_t h = (uint16_t)(kv[2 * i] | kv[2 * i + 1] << 8);
+            finite = (h & 0x7c00u) != 0x7c00u;
+        } else {
+            float f;
+            memcpy(&f, kv + 4 * i, sizeof f);
+            finite = isfinite(f);
+        }
+        if (!finite)
             return fail_ctx(ctx, WS_ERR_BAD_STATE, "state KV value %zu is not finite", i);
     }
     if (n) memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx, tokens, sizeof(int32_t) * n);
-    const size_t row = sizeof(float) * n * (size_t)ctx->kv_dim;
+    const size_t row = ctx->kv_elem * n * (size_t)ctx->kv_dim;
     for (int l = 0; n && l < hp->n_layer; l++) {
         kv_scatter(ctx, ctx->k_cache, slot, l, (int)n, kv);
         kv += row;

@@ -26,7 +26,7 @@ extern "C" {
 #endif
 
 #define WS_STATE_MAGIC   0x564b5357u /* "WSKV" little-endian */
-#define WS_STATE_VERSION 1u
+#define WS_STATE_VERSION 2u  /* 2: dtype f16 allowed; version 1 (f32 only) is still read */
 #define WS_MAX_LAYERS    256
 #define WS_MAX_THREADS   64
 
@@ -114,6 +114,13 @@ typedef struct {
 typedef struct ws_model ws_model;
 typedef struct ws_context ws_context;
 
+/* Element type of a context's KV cache; the value is the state header's dtype. */
+typedef enum {
+    WS_KV_F32 = 0, /* keys and values kept as computed                          */
+    WS_KV_F16 = 1, /* rounded to IEEE half (nearest even) when written, read back
+                      exactly as floats: half the memory and state size         */
+} ws_kv_type;
+
 typedef struct {
     int32_t n_slots;   /* independent sequences, each with its own KV cache */
     int32_t n_ctx;     /* positions per slot                                */
@@ -124,6 +131,7 @@ typedef struct {
                            committed up front (a machine that cannot hold it fails
                            there, and no later decode or state set pays the first
                            touch of its pages); 0 (default): pages on first use  */
+    int32_t kv_type;   /* ws_kv_type; default WS_KV_F16                         */
 } ws_context_params;
 
 /* The message of the last failed ws_model_init / ws_context_init (thread-local). */
@@ -145,6 +153,13 @@ ws_context_params ws_context_get_params(const ws_context *ctx);
 const ws_model *ws_context_model(const ws_context *ctx);
 /* Bytes the KV cache of this context takes (all slots). */
 size_t ws_context_kv_bytes(const ws_context *ctx);
+
+/* IEEE half <-> float conversions of the KV cache (the same bits in every build):
+ * float -> half rounds to nearest even, overflows to infinity, keeps subnormals;
+ * a NaN stays a NaN of the same sign (quiet, its top payload bits kept). Half ->
+ * float is exact. Exposed so the tests can check them against numpy. */
+void ws_fp16_from_fp32(const float *in, uint16_t *out, size_t n);
+void ws_fp32_from_fp16(const uint16_t *in, float *out, size_t n);
 
 /* Tokens held by a slot (its next position). */
 ws_status ws_slot_n_tokens(const ws_context *ctx, int32_t slot, int32_t *n_out);
@@ -178,11 +193,14 @@ ws_status ws_slot_clear(ws_context *ctx, int32_t slot);
 /*
  * A slot's state: header, tokens and KV of its positions.
  *   header (32 bytes, little-endian u32): magic, version, n_layer, n_embd_k,
- *   n_embd_v, dtype (0 = f32), n_tokens, reserved (0)
+ *   n_embd_v, dtype (ws_kv_type: 0 = f32, 1 = f16), n_tokens, reserved (0)
  *   tokens: int32[n_tokens]
- *   per layer: K f32[n_tokens][n_embd_k], then V f32[n_tokens][n_embd_v]
- * ws_slot_state_set validates everything before it writes; on any error the
- * slot is left empty (cleared) and usable.
+ *   per layer: K dtype[n_tokens][n_embd_k], then V dtype[n_tokens][n_embd_v]
+ * The KV values are the cache's own (f16: the halves as stored), so a restored
+ * slot continues bit for bit. ws_slot_state_set reads versions 1 (f32 only) and 2,
+ * and refuses a state whose dtype is not the context's kv_type; it validates
+ * everything before it writes; on any error the slot is left empty (cleared) and
+ * usable.
  */
 ws_status ws_slot_state_size(const ws_context *ctx, int32_t slot, size_t *size_out);
 ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, size_t cap,

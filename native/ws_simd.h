@@ -8,6 +8,7 @@
 #include "ws_math.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -115,5 +116,82 @@ static inline float dot(const float *w, const float *x, int n) {
     for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(w + k), l8_load(x + k), a);
     return dot_tail(l8_sum(a), w, x, n8, n);
 }
+
+/* ------------------------------------------------------------------------- */
+/* IEEE half <-> float (the f16 KV cache)                                      */
+/*
+ * The scalar conversions are the reference; with F16C the 8-lane instructions
+ * compute the same bits (round to nearest even, subnormals kept, NaN quietened
+ * with its top payload bits), so both builds store and read identical values.
+ */
+
+static inline uint16_t half_from_float(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* infinity, or NaN made quiet */
+        return (uint16_t)(sign | (ax == 0x7f800000u ? 0x7c00u : 0x7e00u | ((ax >> 13) & 0x3ffu)));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: rounds to inf */
+    if (ax < 0x38800000u) {                                    /* below 2^-14: subnormal */
+        if (ax <= 0x33000000u) return sign;                    /* <= 2^-25: rounds to 0  */
+        const uint32_t e = ax >> 23;                           /* 102..112               */
+        const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126u - e;                       /* units of 2^-24: 14..24 */
+        uint32_t q = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u), halfway = 1u << (shift - 1u);
+        if (rem > halfway || (rem == halfway && (q & 1u))) q++;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t q = ((ax >> 23) - 112u) << 10 | (ax & 0x7fffffu) >> 13; /* rebias 127 -> 15 */
+    const uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++; /* a carry moves the exponent */
+    return (uint16_t)(sign | q);
+}
+
+static inline float float_from_half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu, bits;
+    if (exp == 0x1fu) {
+        bits = sign | 0x7f800000u | man << 13 | (man ? 0x400000u : 0u); /* inf, quiet NaN */
+    } else if (exp != 0) {
+        bits = sign | (exp + 112u) << 23 | man << 13;
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: man * 2^-24, normalised */
+        uint32_t e = 113u;
+        while (!(man & 0x400u)) {
+            man <<= 1;
+            e--;
+        }
+        bits = sign | e << 23 | (man & 0x3ffu) << 13;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#if WS_SIMD && defined(__F16C__)
+#define WS_F16C 1
+#else
+#define WS_F16C 0
+#endif
+
+/* 8 halves as 8 floats */
+static inline lanes8 l8_load_h(const uint16_t *p) {
+#if WS_F16C
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#elif WS_SIMD
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = float_from_half(p[i]);
+    return _mm256_loadu_ps(f);
+#else
+    lanes8 r;
+    for (int i = 0; i < 8; i++) r.v[i] = float_from_half(p[i]);
+    return r;
+#endif
+}
+
 
 #endif /* WS_SIMD_H */

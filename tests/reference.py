@@ -34,9 +34,19 @@ class _Float64(dict):
         return self[key] if key in self else default
 
 
-def forward(hp: HParams, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
-    """Logits [T, n_vocab] of a whole sequence decoded from position 0. Weights are
-    widened to float64 one at a time (a real model's would not fit at once)."""
+def kv_as_stored(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """Keys or values as a KV cache of `kv_type` holds them: an f16 cache rounds the
+    core's float32 values to float16 (nearest even) when it writes them."""
+    if kv_type == "f32":
+        return x
+    return x.astype(np.float32).astype(np.float16).astype(np.float64)
+
+
+def forward(hp: HParams, w: dict[str, np.ndarray], tokens: list[int],
+            kv_type: str = "f16") -> np.ndarray:
+    """Logits [T, n_vocab] of a whole sequence decoded from position 0 with a KV cache
+    of `kv_type` ("f16", the core's default, or "f32"). Weights are widened to float64
+    one at a time (a real model's would not fit at once)."""
     w = _Float64(w)
     T, hd = len(tokens), hp.head_dim
     pos = np.arange(T, dtype=np.float64)
@@ -50,6 +60,7 @@ def forward(hp: HParams, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndar
         k = (h @ w[b + "attn_k.weight"].T).reshape(T, hp.n_head_kv, hd)
         v = (h @ w[b + "attn_v.weight"].T).reshape(T, hp.n_head_kv, hd)
         q, k = rope(q, pos, hp.n_rot, hp.rope_theta), rope(k, pos, hp.n_rot, hp.rope_theta)
+        k, v = kv_as_stored(k, kv_type), kv_as_stored(v, kv_type)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         att = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd) + mask  # [H, T, T]
         att = np.exp(att - att.max(-1, keepdims=True))

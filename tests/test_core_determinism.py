@@ -31,26 +31,42 @@ def in_batches(ctx: Context, slot: int, tokens: list[int], size: int) -> np.ndar
     return np.concatenate(rows)
 
 
+@pytest.fixture(scope="module", params=["f16", "f32"])
+def kv_type(request: pytest.FixtureRequest) -> str:
+    """Every property holds for both KV cache types."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def baseline(small_model_path: Path) -> np.ndarray:
-    with Model.load(small_model_path) as model, Context(model, n_ctx=64, n_threads=1) as ctx:
+def baseline(small_model_path: Path, kv_type: str) -> np.ndarray:
+    with Model.load(small_model_path) as model, \
+            Context(model, n_ctx=64, n_threads=1, kv_type=kv_type) as ctx:
         return one_by_one(ctx, 0, TOKENS)
+
+
+def test_kv_types_give_different_logits(small_model_path: Path) -> None:
+    """The f16 cache really rounds (else the f16 half of these tests would test f32)."""
+    with Model.load(small_model_path) as model, \
+            Context(model, n_ctx=64, kv_type="f32") as c32, Context(model, n_ctx=64) as c16:
+        a, b = c32.decode(0, TOKENS), c16.decode(0, TOKENS)
+    assert not np.array_equal(a, b)
+    assert float(np.abs(a - b).max()) < 1e-2 * float(np.abs(a).max())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 16, N])
-def test_batch_size_and_threads(small_model_path: Path, baseline: np.ndarray, threads: int,
-                                batch: int) -> None:
+def test_batch_size_and_threads(small_model_path: Path, baseline: np.ndarray, kv_type: str,
+                                threads: int, batch: int) -> None:
     with Model.load(small_model_path) as model, \
-            Context(model, n_slots=3, n_ctx=64, n_threads=threads) as ctx:
+            Context(model, n_slots=3, n_ctx=64, n_threads=threads, kv_type=kv_type) as ctx:
         got = in_batches(ctx, 2, TOKENS, batch)
     assert got.tobytes() == baseline.tobytes()
 
 
-def test_internal_chunking(small_model_path: Path, baseline: np.ndarray) -> None:
+def test_internal_chunking(small_model_path: Path, baseline: np.ndarray, kv_type: str) -> None:
     """A prompt longer than n_batch is split inside the core; nothing changes."""
     with Model.load(small_model_path) as model, \
-            Context(model, n_ctx=64, n_threads=2, n_batch=4) as ctx:
+            Context(model, n_ctx=64, n_threads=2, n_batch=4, kv_type=kv_type) as ctx:
         got = ctx.decode(0, TOKENS, logits_all=True)
         ctx.clear(0)
         last = ctx.decode(0, TOKENS)
@@ -58,11 +74,12 @@ def test_internal_chunking(small_model_path: Path, baseline: np.ndarray) -> None
     assert last.tobytes() == baseline[-1].tobytes()
 
 
-def test_slots_are_independent(small_model_path: Path, baseline: np.ndarray) -> None:
+def test_slots_are_independent(small_model_path: Path, baseline: np.ndarray,
+                               kv_type: str) -> None:
     """Interleaving other slots' work does not change a slot's logits."""
     other = np.random.default_rng(5).integers(0, 300, N).tolist()
     with Model.load(small_model_path) as model, \
-            Context(model, n_slots=4, n_ctx=64, n_threads=2) as ctx:
+            Context(model, n_slots=4, n_ctx=64, n_threads=2, kv_type=kv_type) as ctx:
         rows = []
         for i, t in enumerate(TOKENS):
             ctx.decode(i % 3 + 1, [other[i]])
@@ -70,9 +87,10 @@ def test_slots_are_independent(small_model_path: Path, baseline: np.ndarray) -> 
     assert np.stack(rows).tobytes() == baseline.tobytes()
 
 
-def test_truncate_then_redecode(small_model_path: Path, baseline: np.ndarray) -> None:
+def test_truncate_then_redecode(small_model_path: Path, baseline: np.ndarray,
+                                kv_type: str) -> None:
     """Rolling a slot back and decoding again gives the same logits (speculative rollback)."""
-    with Model.load(small_model_path) as model, Context(model, n_ctx=64) as ctx:
+    with Model.load(small_model_path) as model, Context(model, n_ctx=64, kv_type=kv_type) as ctx:
         ctx.decode(0, TOKENS[:20])
         ctx.decode(0, [1, 2, 3, 4, 5])
         ctx.truncate(0, 20)
@@ -81,15 +99,15 @@ def test_truncate_then_redecode(small_model_path: Path, baseline: np.ndarray) ->
     assert got.tobytes() == baseline[20:].tobytes()
 
 
-def test_multi_slot_decode_is_bit_identical(small_model_path: Path) -> None:
+def test_multi_slot_decode_is_bit_identical(small_model_path: Path, kv_type: str) -> None:
     """One pass over the next token of several slots gives each slot exactly the logits
     (and the cache) it gets alone."""
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, 300, n).tolist() for n in (5, 11, 1, 23)]
     nxt = [[int(t) for t in rng.integers(0, 300, 6)] for _ in prompts]
     with Model.load(small_model_path) as model, \
-            Context(model, n_slots=4, n_ctx=64, n_threads=2) as alone, \
-            Context(model, n_slots=4, n_ctx=64, n_threads=2) as multi:
+            Context(model, n_slots=4, n_ctx=64, n_threads=2, kv_type=kv_type) as alone, \
+            Context(model, n_slots=4, n_ctx=64, n_threads=2, kv_type=kv_type) as multi:
         expected = []
         for s, (p, n) in enumerate(zip(prompts, nxt, strict=True)):
             alone.decode(s, p)
@@ -140,9 +158,9 @@ def shape_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     return path
 
 
-def test_attention_shapes_are_batch_invariant(shape_model: Path) -> None:
+def test_attention_shapes_are_batch_invariant(shape_model: Path, kv_type: str) -> None:
     with Model.load(shape_model) as model, \
-            Context(model, n_slots=2, n_ctx=128, n_threads=2) as ctx:
+            Context(model, n_slots=2, n_ctx=128, n_threads=2, kv_type=kv_type) as ctx:
         alone = one_by_one(ctx, 0, LONG)
         for size in (4, 9, len(LONG)):
             ctx.clear(1)
@@ -154,7 +172,8 @@ import hashlib, sys
 from inference_svc.core import Context, Model
 from inference_svc.core.binding import NATIVE_VARIANT
 tokens = [int(t) for t in sys.argv[2].split(",")]
-with Model.load(sys.argv[1]) as model, Context(model, n_ctx=256, n_threads=2) as ctx:
+with Model.load(sys.argv[1]) as model, \
+        Context(model, n_ctx=256, n_threads=2, kv_type=sys.argv[3]) as ctx:
     batched = ctx.decode(0, tokens, logits_all=True)
     ctx.clear(0)
     single = [ctx.decode(0, [t]) for t in tokens[:8]]
@@ -163,11 +182,11 @@ print(NATIVE_VARIANT, hashlib.sha256(batched.tobytes()).hexdigest(),
 """
 
 
-def logits_digests(model: Path, variant: str) -> list[str]:
+def logits_digests(model: Path, variant: str, kv_type: str) -> list[str]:
     env = {**os.environ, "WARMSLOT_NATIVE": variant}
     env.pop("LD_PRELOAD", None)  # the ASan run's preload does not apply to these builds
     out = subprocess.run([sys.executable, "-c", PORTABLE_PROBE, str(model),
-                          ",".join(map(str, LONG))], capture_output=True, text=True,
+                          ",".join(map(str, LONG)), kv_type], capture_output=True, text=True,
                          check=True, env=env, cwd=ROOT).stdout.split()
     assert out[0] == variant
     return out[1:]
@@ -175,16 +194,18 @@ def logits_digests(model: Path, variant: str) -> list[str]:
 
 @pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
                     reason="compares the release build with the portable one")
-def test_portable_build_gives_the_same_bits(shape_model: Path) -> None:
+def test_portable_build_gives_the_same_bits(shape_model: Path, kv_type: str) -> None:
     """The scalar build (no AVX2) and the release build produce identical logits."""
-    assert logits_digests(shape_model, "portable") == logits_digests(shape_model, "release")
+    assert (logits_digests(shape_model, "portable", kv_type)
+            == logits_digests(shape_model, "release", kv_type))
 
 
 @pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
                     reason="compares the release build with the portable one")
-def test_portable_build_gives_the_same_bits_on_the_bundled_target() -> None:
+def test_portable_build_gives_the_same_bits_on_the_bundled_target(kv_type: str) -> None:
     target = ROOT / "models" / "target.gguf"
-    assert logits_digests(target, "portable") == logits_digests(target, "release")
+    assert (logits_digests(target, "portable", kv_type)
+            == logits_digests(target, "release", kv_type))
 
 
 def cpu_has(*flags: str) -> bool:
@@ -215,10 +236,10 @@ def test_mixed_model_has_every_type(mixed_model: Path) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_quantized_batch_size_and_threads(mixed_model: Path, threads: int) -> None:
+def test_quantized_batch_size_and_threads(mixed_model: Path, threads: int, kv_type: str) -> None:
     with Model.load(mixed_model) as model, \
-            Context(model, n_slots=2, n_ctx=128, n_threads=1) as one, \
-            Context(model, n_slots=2, n_ctx=128, n_threads=threads) as ctx:
+            Context(model, n_slots=2, n_ctx=128, n_threads=1, kv_type=kv_type) as one, \
+            Context(model, n_slots=2, n_ctx=128, n_threads=threads, kv_type=kv_type) as ctx:
         alone = one_by_one(one, 0, LONG)
         for size in (2, 5, 8, len(LONG)):
             ctx.clear(1)
@@ -227,8 +248,10 @@ def test_quantized_batch_size_and_threads(mixed_model: Path, threads: int) -> No
 
 @pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
                     reason="compares the release build with the portable one")
-def test_portable_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> None:
-    assert logits_digests(mixed_model, "portable") == logits_digests(mixed_model, "release")
+def test_portable_build_gives_the_same_bits_on_every_type(mixed_model: Path,
+                                                          kv_type: str) -> None:
+    assert (logits_digests(mixed_model, "portable", kv_type)
+            == logits_digests(mixed_model, "release", kv_type))
 
 
 @pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
@@ -236,7 +259,8 @@ def test_portable_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> 
 @pytest.mark.skipif(not list((ROOT / "inference_svc" / "core").glob("_native_avx2*.so")),
                     reason="the AVX2 build is not built (make native-avx2)")
 @pytest.mark.skipif(not cpu_has("avx2", "fma", "f16c"), reason="the CPU has no AVX2 + FMA")
-def test_avx2_build_gives_the_same_bits_on_every_type(mixed_model: Path) -> None:
+def test_avx2_build_gives_the_same_bits_on_every_type(mixed_model: Path, kv_type: str) -> None:
     """On an AVX-512 machine the release build pairs rows in 16 lanes; the AVX2 build
     computes the same canonical 8-lane order in 8 lanes."""
-    assert logits_digests(mixed_model, "avx2") == logits_digests(mixed_model, "release")
+    assert (logits_digests(mixed_model, "avx2", kv_type)
+            == logits_digests(mixed_model, "release", kv_type))

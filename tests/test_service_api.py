@@ -185,7 +185,7 @@ def test_info(client: InferenceClient, server: Server, pair: tuple[Path, Path]) 
     assert (info.n_slots, info.n_ctx, info.n_vocab) == (2, 256, 300)
     assert info.model.name == "test-target" and len(info.model.fingerprint) == 64
     assert info.draft.name == "test-draft" and info.draft.fingerprint != info.model.fingerprint
-    assert (info.slot_file_version, info.draft_file_version) == (1, 1)
+    assert (info.slot_file_version, info.draft_file_version) == (2, 2)
     assert (info.snapshot_protocol_min, info.snapshot_protocol_max) == (1, 2)
     assert info.store_configured and info.store.startswith("local:")
     assert info.draft_restore_policy == "reprefill"

@@ -35,8 +35,8 @@ def target(n: int = 5) -> sf.TargetFile:
 
 def core_kv(tokens: list[int], layout: sf.KVLayout, seed: int = 0) -> bytes:
     n = len(tokens)
-    head = struct.pack("<8I", sf.CORE_KV_MAGIC, 1, layout.n_layer, layout.kv_dim, layout.kv_dim,
-                       0, n, 0)
+    head = struct.pack("<8I", sf.CORE_KV_MAGIC, sf.CORE_KV_VERSION, layout.n_layer, layout.kv_dim,
+                       layout.kv_dim, layout.dtype, n, 0)
     return head + struct.pack(f"<{n}i", *tokens) + kv_bytes(n, layout, seed)
 
 
@@ -65,7 +65,7 @@ def with_digest(data: bytes | bytearray) -> bytes:
 def test_target_round_trip_and_layout() -> None:
     t = target()
     data = sf.encode_target(t)
-    assert data[:4] == b"WSLT" and struct.unpack_from("<II", data, 4) == (1, 128)
+    assert data[:4] == b"WSLT" and struct.unpack_from("<II", data, 4) == (sf.TARGET_VERSION, 128)
     assert len(data) == 128 + 16 + 4 * 5 + 16 + 5 * LAYOUT.bytes_per_token + 32
     assert hashlib.sha256(data[:-32]).digest() == data[-32:]
     back = sf.decode_target(data)
@@ -74,7 +74,8 @@ def test_target_round_trip_and_layout() -> None:
     assert bytes(back.kv) == t.kv
     assert sf.encode_target(back) == data
     meta = sf.read_meta(data)
-    assert (meta.kind, meta.version, meta.fingerprint, meta.n_tokens) == ("target", 1, FP_T, 5)
+    assert (meta.kind, meta.version, meta.fingerprint, meta.n_tokens) == (
+        "target", sf.TARGET_VERSION, FP_T, 5)
 
 
 def test_empty_slot_round_trip() -> None:
@@ -122,8 +123,8 @@ def test_every_bit_flip_and_truncation_is_caught(which: str) -> None:
 
 def test_version_byte_flips_say_newer() -> None:
     data = bytearray(sf.encode_target(target()))
-    data[4] = 2
-    with pytest.raises(sf.UnsupportedSlotFile, match="version 2 is newer than this server"):
+    data[4] = sf.TARGET_VERSION + 1
+    with pytest.raises(sf.UnsupportedSlotFile, match="version 3 is newer than this server"):
         sf.decode_target(with_digest(data))
     data[4] = 0
     with pytest.raises(sf.CorruptSlotFile):

@@ -23,7 +23,7 @@ import pytest
 from inference_svc import errors
 from inference_svc.core import Context, Model
 from inference_svc.core.speculative import Counters, SamplingParams, SpecDecoder, SpecParams
-from inference_svc.slotfile import CorruptSlotFile, ModelSpec
+from inference_svc.slotfile import DRAFT_VERSION, TARGET_VERSION, CorruptSlotFile, ModelSpec
 from inference_svc.snapshot_store import SnapshotStore
 from inference_svc.snapshots import EncodedSlot, encode_slot, model_spec, prepare_restore
 from inference_svc.store import LocalStore, SlotStore, StoredSlot
@@ -68,7 +68,7 @@ def core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Core]:
     tm, dm = Model.load(d / "target.gguf"), Model.load(d / "draft.gguf")
     tc, dc = Context(tm, n_slots=3, n_ctx=N_CTX), Context(dm, n_slots=3, n_ctx=N_CTX)
     dec = SpecDecoder(tc, dc)
-    yield Core(tm, dm, dec, model_spec(tm, N_CTX), model_spec(dm, N_CTX))
+    yield Core(tm, dm, dec, model_spec(tc), model_spec(dc))
     dec.close()
     for obj in (tc, dc, tm, dm):
         obj.close()
@@ -184,9 +184,10 @@ def test_real_slot_round_trip(core: Core, slot: EncodedSlot, v2: SnapshotServer,
     assert info.draft is not None
     assert (info.target.size, info.target.sha256) == (len(slot.target), slot.target_sha256)
     assert (info.target.meta.format_version, info.target.meta.fingerprint,
-            info.target.meta.n_tokens) == (1, core.target.fingerprint, len(PROMPT) + N_GEN)
+            info.target.meta.n_tokens) == (TARGET_VERSION, core.target.fingerprint,
+                                           len(PROMPT) + N_GEN)
     assert (info.draft.meta.format_version, info.draft.meta.fingerprint) == (
-        1, core.draft.fingerprint)
+        DRAFT_VERSION, core.draft.fingerprint)
     assert info.draft.meta.n_tokens == core.dec.draft_n_tokens(SAVE) > 0
     assert info.draft.target_sha256 == slot.target_sha256
     assert stored_blob(v2, slot.target_sha256) == slot.target
@@ -293,7 +294,7 @@ def test_hello_less_server(core: Core, slot: EncodedSlot,
         assert srv.store["p1"][1] == slot.target
         header = srv.store["p1"][0]
         assert (header.format_version, header.fingerprint, header.n_tokens) == (
-            1, core.target.fingerprint, len(PROMPT) + N_GEN)
+            TARGET_VERSION, core.target.fingerprint, len(PROMPT) + N_GEN)
         assert srv.counter.calls["Hello"] == 1  # asked once per channel, never again
 
 

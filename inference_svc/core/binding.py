@@ -76,6 +76,14 @@ def context_kv_bytes(ctx: Any) -> int:
     return int(lib.ws_context_kv_bytes(ctx))
 
 
+def fp16_from_fp32(src: Any, dst: Any, n: int) -> None:
+    lib.ws_fp16_from_fp32(src, dst, n)
+
+
+def fp32_from_fp16(src: Any, dst: Any, n: int) -> None:
+    lib.ws_fp32_from_fp16(src, dst, n)
+
+
 def slot_n_tokens(ctx: Any, slot: int) -> int:
     n = ffi.new("int32_t *")
     _check(lib.ws_slot_n_tokens(ctx, slot, n), ctx)

@@ -19,6 +19,10 @@ from .gguf_file import GGUFModel, HParams, load_gguf
 from .handle import NativeHandle, buffer_arg
 from .tokenizer import Tokenizer
 
+# KV cache element types (ws_kv_type): name -> (value, bytes per element)
+KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}
+DEFAULT_KV_TYPE = "f16"
+
 _LAYER_NORMS = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight"}
 _LAYER_MATRICES = {
     "wq": "attn_q.weight",
@@ -114,9 +118,9 @@ class Model(NativeHandle):
             self._tokenizer = Tokenizer(self.content.tokenizer)
         return self._tokenizer
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, kv_type: str = DEFAULT_KV_TYPE) -> int:
         hp = self.hparams
-        return 2 * 4 * hp.n_layer * hp.n_head_kv * hp.head_dim
+        return 2 * KV_TYPES[kv_type][1] * hp.n_layer * hp.n_head_kv * hp.head_dim
 
     def _open_contexts(self) -> bool:
         return any(not c.closed for c in getattr(self, "_contexts", ()))
@@ -144,11 +148,16 @@ class Context(NativeHandle):
     _what = "context"
 
     def __init__(self, model: Model, n_slots: int = 1, n_ctx: int | None = None,
-                 n_threads: int = 2, n_batch: int = 512, reserve_kv: bool = False) -> None:
+                 n_threads: int = 2, n_batch: int = 512, reserve_kv: bool = False,
+                 kv_type: str = DEFAULT_KV_TYPE) -> None:
         """reserve_kv: commit the KV cache's memory now (see ws_context_params) instead
-        of on first use."""
+        of on first use. kv_type: "f16" (keys and values rounded to half when
+        written) or "f32"; a slot's state can only be set into a context of its type."""
+        if kv_type not in KV_TYPES:
+            raise InvalidArgumentError(f"KV type {kv_type!r} is not one of "
+                                       f"{', '.join(KV_TYPES)}")
         n_ctx = model.hparams.n_ctx_train if n_ctx is None else n_ctx
-        need = model.kv_bytes_per_token() * int(n_ctx) * int(n_slots)
+        need = model.kv_bytes_per_token(kv_type) * int(n_ctx) * int(n_slots)
         avail = available_memory_bytes()
         if avail is not None and need > avail:
             raise CoreMemoryError(
@@ -161,7 +170,9 @@ class Context(NativeHandle):
         params.n_threads = n_threads
         params.n_batch = n_batch
         params.reserve_kv = int(reserve_kv)
+        params.kv_type = KV_TYPES[kv_type][0]
         self.model = model
+        self.kv_type = kv_type
         self.n_slots = n_slots
         self.n_ctx = n_ctx
         self.n_threads = n_threads
