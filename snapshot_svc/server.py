@@ -420,8 +420,10 @@ class SnapshotServer:
         self._stopped.set()
         grace = self.config.grace_s if grace is None else grace
         log_event(log, logging.INFO, "shutting_down", grace_s=grace)
-        self.health.enter_graceful_shutdown()
+        # refuse new calls before health says NOT_SERVING: a client that sees the
+        # health change must not get a call through afterwards
         self._draining.set()
+        self.health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait()
         self._executor.shutdown(wait=True)
         if self._metrics_http is not None:

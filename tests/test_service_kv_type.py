@@ -69,7 +69,8 @@ def test_service_refuses_a_file_of_the_other_kv_type(tmp_path_factory: pytest.Te
         assert exc.value.details().endswith(
             "slot file holds an f32 KV cache, this server keeps f16: restore it on a server "
             "started with --kv-type f32")
-        assert [s.n_tokens for s in c.slots()] == [0, 0]
+        # the check fails before the slot is touched: it keeps its 3 + 2 tokens
+        assert [s.n_tokens for s in c.slots()] == [0, 5]
 
 
 @pytest.mark.slow
