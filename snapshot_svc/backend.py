@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from snapshot_svc.errors import DataLoss, InvalidArgument, ResourceExhausted
+from snapshot_svc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
 from snapshot_svc.names import validate_name
 from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.spares import SparePool
@@ -105,6 +105,26 @@ def check_complete(header: UploadHeader, received: int, digest: Callable[[], str
     if got != h.sha256:
         raise DataLoss(f"{h.part.label} of {h.name!r}: SHA-256 mismatch (header {h.sha256}, "
                        f"received bytes {got})")
+
+
+def readable_part(snap: SnapshotInfo | None, name: str, part: Part,
+                  target_sha256: str = "") -> PartInfo:
+    """The part of a snapshot a Get may read: NotFound when the snapshot or the part is
+    absent, or when its draft belongs to another target than the snapshot's (or than
+    `target_sha256`, the target the reader already holds)."""
+    if snap is None:
+        raise NotFound(f"no snapshot named {name!r}")
+    info = snap.part(part)
+    if info is None:
+        raise NotFound(f"snapshot {name!r} has no draft part")
+    if part is Part.DRAFT:
+        if info.target_sha256 != snap.target.sha256:
+            raise NotFound(f"the draft of {name!r} belongs to another target")
+        if target_sha256 and target_sha256 != snap.target.sha256:
+            raise NotFound(f"the draft of {name!r} belongs to target "
+                           f"{snap.target.sha256}, not {target_sha256}: a newer save "
+                           "replaced the snapshot")
+    return info
 
 
 class PartUpload(Protocol):

@@ -54,7 +54,7 @@ from typing import Any
 
 from botocore.exceptions import NoCredentialsError
 
-from snapshot_svc.backend import PutOutcome, UploadHeader, check_header
+from snapshot_svc.backend import PutOutcome, UploadHeader, check_header, readable_part
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
@@ -348,19 +348,8 @@ class S3Store:
                   target_sha256: str = "") -> tuple[SnapshotInfo, S3Reader]:
         validate_name(name)
         m = self._manifest(name)
-        if m is None:
-            raise NotFound(f"no snapshot named {name!r}")
-        snap = m.snap
-        info = snap.part(part)
-        if info is None:
-            raise NotFound(f"snapshot {name!r} has no draft part")
-        if part is Part.DRAFT:
-            if info.target_sha256 != snap.target.sha256:
-                raise NotFound(f"the draft of {name!r} belongs to another target")
-            if target_sha256 and target_sha256 != snap.target.sha256:
-                raise NotFound(f"the draft of {name!r} belongs to target "
-                               f"{snap.target.sha256}, not {target_sha256}: a newer save "
-                               "replaced the snapshot")
+        info = readable_part(None if m is None else m.snap, name, part, target_sha256)
+        assert m is not None  # else readable_part raised NotFound
         key = m.target_key if part is Part.TARGET else m.draft_key
         try:
             r = self.s3.get_object(Bucket=self.loc.bucket, Key=key)
@@ -373,7 +362,7 @@ class S3Store:
             r["Body"].close()
             raise DataLoss(f"the stored {part.label} of {name!r} is {r.get('ContentLength')} "
                            f"bytes, expected {info.size}")
-        return snap, S3Reader(r["Body"], info, name)
+        return m.snap, S3Reader(r["Body"], info, name)
 
     def stat(self, name: str) -> SnapshotInfo:
         validate_name(name)

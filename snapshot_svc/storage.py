@@ -48,6 +48,7 @@ from snapshot_svc.backend import (
     check_header,
     check_received,
     check_trailer_sha256,
+    readable_part,
 )
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
@@ -507,18 +508,7 @@ class Store:
         validate_name(name)
         with self._lock:
             snap = self._index.get(name)
-            if snap is None:
-                raise NotFound(f"no snapshot named {name!r}")
-            info = snap.part(part)
-            if info is None:
-                raise NotFound(f"snapshot {name!r} has no draft part")
-            if part is Part.DRAFT:
-                if info.target_sha256 != snap.target.sha256:
-                    raise NotFound(f"the draft of {name!r} belongs to another target")
-                if target_sha256 and target_sha256 != snap.target.sha256:
-                    raise NotFound(f"the draft of {name!r} belongs to target "
-                                   f"{snap.target.sha256}, not {target_sha256}: a newer save "
-                                   "replaced the snapshot")
+            info = readable_part(snap, name, part, target_sha256)
             try:
                 fd = os.open(self.blobs / info.sha256, os.O_RDONLY)
             except FileNotFoundError:
