@@ -9,8 +9,9 @@ tried on the next replica, each at most once per call.
 
 Saves and loads are idempotent, so retrying them is safe: a save stores the same bytes
 under the same name (the paired commit is redone whole on the next replica), a load
-reads. Any other method of SnapshotStore is failed over the same way (a delete whose
-answer was lost may then answer NotFound). Any other error (NotFound, DataLoss...) is
+reads, a delete removes the name (one whose answer was lost answers False on the next
+replica). A `deadline` (time.monotonic()) bounds the call across all the replicas it
+tries. Any other error (NotFound, DataLoss...) is
 the answer of the shared store and raised at once.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from inference_svc import errors, log
 from inference_svc.snapshot_store import SnapshotStore
@@ -75,23 +76,16 @@ class FailoverStore:
         raise errors.Unavailable(f"every snapshot replica ({', '.join(self.addrs)}) is "
                                  f"unavailable; last: {last.message}") from last
 
-    def save(self, name: str, target: bytes, draft: bytes | None, **kw: Any) -> int:
-        return self._failover("save", lambda s: s.save(name, target, draft, **kw))
+    def save(self, name: str, target: bytes, draft: bytes | None, *,
+             target_sha256: str | None = None, deadline: float | None = None) -> int:
+        return self._failover("save", lambda s: s.save(
+            name, target, draft, target_sha256=target_sha256, deadline=deadline))
 
-    def load(self, name: str) -> StoredSlot:
-        return self._failover("load", lambda s: s.load(name))
+    def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
+        return self._failover("load", lambda s: s.load(name, deadline=deadline))
 
-    def __getattr__(self, name: str) -> Any:
-        """Any other method of SnapshotStore (e.g. one added later), failed over the same
-        way; attributes that are not methods are the first replica's."""
-        attr = getattr(self.__dict__.get("stores", [None])[0], name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kw: Any) -> Any:
-            return self._failover(name, lambda s: getattr(s, name)(*args, **kw))
-
-        return call
+    def delete(self, name: str, *, deadline: float | None = None) -> bool:
+        return self._failover("delete", lambda s: s.delete(name, deadline=deadline))
 
     def close(self) -> None:
         for s in self.stores:

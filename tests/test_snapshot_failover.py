@@ -63,25 +63,23 @@ class FakeReplica:
     def __init__(self, addr: str, down: set[str], calls: list[str]) -> None:
         self.addr, self.down, self.calls = addr, down, calls
 
-    def delete(self, name: str) -> str:
-        self.calls.append(f"{self.addr}:{name}")
+    def delete(self, name: str, *, deadline: float | None = None) -> bool:
+        self.calls.append(f"{self.addr}:{name}:{deadline}")
         if self.addr in self.down:
             raise errors.Unavailable(f"{self.addr} is down")
-        return f"deleted {name} at {self.addr}"
+        return True
 
 
-def test_methods_beyond_save_and_load_fail_over_too() -> None:
+def test_delete_fails_over_with_its_deadline() -> None:
     calls: list[str] = []
     down = {"a:1"}
     store = FailoverStore(["a:1", "b:2"], lambda a: FakeReplica(a, down, calls))  # type: ignore[arg-type,return-value]
-    assert store.delete("x") == "deleted x at b:2"
-    assert store.delete("y") == "deleted y at b:2"  # b stays preferred
-    assert calls == ["a:1:x", "b:2:x", "b:2:y"]
+    assert store.delete("x", deadline=12.5) is True
+    assert store.delete("y") is True  # b stays preferred
+    assert calls == ["a:1:x:12.5", "b:2:x:12.5", "b:2:y:None"]
     down.add("b:2")
     with pytest.raises(errors.Unavailable, match="every snapshot replica"):
         store.delete("z")
-    with pytest.raises(AttributeError):
-        store.no_such_method  # noqa: B018
 
 
 def test_every_replica_down_is_unavailable(dead_addr: str) -> None:
@@ -110,3 +108,15 @@ def test_replicas_on_one_bucket_fail_over(s3env: SeaweedFS, prefix: str) -> None
     finally:
         a.__exit__(None, None, None)
         b.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("method", ["save", "load", "delete"])
+def test_failover_store_takes_what_every_slot_store_takes(method: str) -> None:
+    """The service calls any store the same way (deadline, digest keywords): the
+    failover store's methods have the SlotStore protocol's signatures."""
+    import inspect
+
+    from inference_svc.store import SlotStore
+
+    assert (inspect.signature(getattr(FailoverStore, method))
+            == inspect.signature(getattr(SlotStore, method)))
