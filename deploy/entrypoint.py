@@ -38,15 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the services' shared helpers
+    sys.path.insert(0, str(ROOT))
+from snapshot_svc.clientlib import jsonlog, settings  # noqa: E402
+
 ADDR_FILE = "/tmp/warmslot-{service}.addr"
 RETRY_S = 15.0
 
 
 def log(level: str, event: str, message: str, **fields: object) -> None:
-    """One JSON line on stderr, in the services' own log format."""
-    ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-    line = {"ts": f"{ts}.{int(time.time() * 1000) % 1000:03d}Z", "level": level,
-            "logger": "warmslot.entrypoint", "event": event, "message": message, **fields}
+    """One JSON line on stderr, in the services' log format (jsonlog)."""
+    line = jsonlog.record(level, "warmslot.entrypoint", event, message=message, **fields)
     print(json.dumps(line, default=str), file=sys.stderr, flush=True)
 
 
@@ -88,9 +90,8 @@ def read_target(service: str, argv: Sequence[str], env: Mapping[str, str]) -> Ta
     else:
         flags["--data-dir"] = None
     for flag, default in flags.items():
-        var = prefix + flag[2:].replace("-", "_").upper()
-        p.add_argument(flag, default=env.get(var, default))
-    a, _ = p.parse_known_args(list(argv))
+        p.add_argument(flag, default=default)
+    a = settings.parse(p, argv, env, prefix, known_only=True)
     try:
         port = int(a.port, 0)
     except ValueError:

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from snapshot_svc.clientlib import settings
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "models" / "target.gguf"
 DEFAULT_DRAFT = ROOT / "models" / "draft.gguf"
@@ -253,25 +255,8 @@ def parser() -> argparse.ArgumentParser:
            "(0: one response per step)")
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     a("--log-format", default=d.log_format, choices=("json", "text"))
+    settings.document_env(p, ENV_PREFIX)
     return p
-
-
-def _env_args(p: argparse.ArgumentParser, env: Mapping[str, str]) -> list[str]:
-    """`--flag value` for every WARMSLOT_FLAG set in the environment."""
-    out: list[str] = []
-    for action in p._actions:
-        flag = next((s for s in action.option_strings if s.startswith("--")), None)
-        if flag is None or flag == "--help":
-            continue
-        var = ENV_PREFIX + flag[2:].replace("-", "_").upper()
-        if var not in env:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):  # WARMSLOT_AUTO_SAVE=0
-            off = env[var].strip().lower() in ("0", "false", "no", "off")
-            out.append("--no-" + flag[2:] if off else flag)
-        else:
-            out += [flag, env[var]]
-    return out
 
 
 def from_args(argv: Sequence[str] | None = None,
@@ -279,7 +264,7 @@ def from_args(argv: Sequence[str] | None = None,
     """The configuration from flags, then environment variables, then defaults."""
     p = parser()
     env = os.environ if env is None else env
-    ns = p.parse_args([*_env_args(p, env), *(argv if argv is not None else [])])
+    ns = settings.parse(p, argv if argv is not None else [], env, ENV_PREFIX)
     try:
         return Config(
             model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,

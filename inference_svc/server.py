@@ -1,5 +1,5 @@
-"""The gRPC server: thin handlers over the engine and the slot manager, one
-interceptor that maps exceptions to status codes, health, reflection,
+"""The gRPC server: thin handlers over the engine and the slot manager, the shared
+status interceptor (exceptions to status codes, API keys), health, reflection,
 metrics, and a graceful stop."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from inference_svc.types import (
     RequestContext,
     check_tokens,
 )
+from snapshot_svc.clientlib.interceptor import StatusInterceptor
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks (issue 6)
@@ -45,61 +46,6 @@ FALLBACK_CLOSE_S = 1.0  # the stop waits this long for an upload of the fallback
 def _time_remaining(context: grpc.ServicerContext) -> float | None:
     t = context.time_remaining()
     return None if t is None or t > 1e7 else max(float(t), 0.0)
-
-
-class ErrorInterceptor(grpc.ServerInterceptor):
-    """Turns any exception of a handler into its status code (errors.status_of) and
-    counts calls by method and code."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self.log = log.get()
-
-    def _fail(self, method: str, exc: BaseException, context: grpc.ServicerContext) -> None:
-        code, message = status_of(exc)
-        self.metrics.requests.labels(method, code.name).inc()
-        if code is grpc.StatusCode.INTERNAL:
-            self.log.error("handler failed", exc_info=exc, extra=log.fields(method=method))
-        else:
-            self.log.debug("request failed", extra=log.fields(
-                method=method, code=code.name, error=message))
-        context.abort(code, message)
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return handler
-        method = details.method.rsplit("/", 1)[-1]
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                try:
-                    resp = inner(request, context)
-                except Exception as exc:
-                    self._fail(method, exc, context)
-                    raise  # unreachable: abort raises
-                self.metrics.requests.labels(method, "OK").inc()
-                return resp
-
-            return handler._replace(unary_unary=unary)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                try:
-                    yield from inner_stream(request, context)
-                except GeneratorExit:
-                    self.metrics.requests.labels(method, "CANCELLED").inc()
-                    raise
-                except Exception as exc:
-                    self._fail(method, exc, context)
-                    raise  # unreachable: abort raises
-                self.metrics.requests.labels(method, "OK").inc()
-
-            return handler._replace(unary_stream=stream)
-        return handler
 
 
 @dataclass
@@ -286,7 +232,9 @@ class Server:
         cfg.check_models()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers,
                                                         thread_name_prefix="grpc"),
-                             interceptors=[ErrorInterceptor(self.metrics)],
+                             interceptors=[StatusInterceptor(
+                                 lambda m, code: self.metrics.requests.labels(m, code).inc(),
+                                 self.log, None, status_of)],
                              options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
+from snapshot_svc.clientlib import settings
 
 ENV_PREFIX = "WARMSLOT_SNAPSHOT_"
 DEFAULT_PORT = 50052
@@ -55,13 +57,8 @@ class SnapshotConfig:
 
 def _flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
           conv: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
-    var = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-    if var in env:
-        try:
-            default = conv(env[var])
-        except (ValueError, argparse.ArgumentTypeError) as exc:
-            parser.error(f"{var}={env[var]!r}: {exc}")
-    parser.add_argument(flag, type=conv, default=default, help=f"{help} [env {var}]", **kw)
+    """One flag; its variable (settings.env_var) is applied by parse_config."""
+    parser.add_argument(flag, type=conv, default=default, help=help, **kw)
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -85,6 +82,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
           "seconds a staged target waits for its draft")
     _flag(p, env, "--log-level", str, d.log_level, "debug, info, warning or error")
+    settings.document_env(p, ENV_PREFIX)
     return p
 
 
@@ -92,7 +90,7 @@ def parse_config(argv: Sequence[str] | None = None,
                  env: Mapping[str, str] | None = None) -> SnapshotConfig:
     env = os.environ if env is None else env
     parser = build_parser(env)
-    a = parser.parse_args(argv)
+    a = settings.parse(parser, argv if argv is not None else sys.argv[1:], env, ENV_PREFIX)
     if a.data_dir is None:
         parser.error(f"--data-dir (or {ENV_PREFIX}DATA_DIR) is required")
     try:

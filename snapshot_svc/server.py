@@ -16,17 +16,17 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__
+from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import (
     Cancelled,
@@ -69,120 +69,6 @@ def negotiate(client_min: int, client_max: int, server_max: int) -> int:
             f"no common protocol version: the client speaks {client_min}..{client_max}, "
             f"the server speaks {PROTOCOL_MIN}..{server_max}")
     return chosen
-
-
-class _Malformed:
-    """Stands for a request message that did not parse (INVALID_ARGUMENT, not INTERNAL)."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    if deserializer is None:
-        return None
-
-    def parse(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except DecodeError as exc:  # e.g. a name that is not valid UTF-8
-            return _Malformed(str(exc) or "malformed request")
-
-    return parse
-
-
-def _check(request: Any) -> Any:
-    if isinstance(request, _Malformed):
-        raise InvalidArgument(f"malformed request: {request.error}")
-    return request
-
-
-def _checked(requests: Iterable[Any]) -> Iterator[Any]:
-    for r in requests:
-        yield _check(r)
-
-
-class StatusInterceptor(grpc.ServerInterceptor):
-    """Wraps every Snapshot handler: refuses calls while draining (UNAVAILABLE), turns
-    SnapshotError into its status code and anything else into INTERNAL, makes
-    unparsable requests INVALID_ARGUMENT, and counts calls by method and code."""
-
-    def __init__(self, draining: threading.Event, metrics: Metrics) -> None:
-        self._draining = draining
-        self._metrics = metrics
-        self._prefix = f"/{SERVICE_NAME}/"
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(handler_call_details)
-        name = handler_call_details.method
-        if handler is None or not name.startswith(self._prefix):
-            return handler
-        method = name[len(self._prefix):]
-        deser = _tolerant(handler.request_deserializer)
-        if handler.unary_unary:
-            uu = handler.unary_unary
-
-            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                return self._call(method, context, lambda: uu(_check(request), context))
-
-            return handler._replace(request_deserializer=deser, unary_unary=unary_unary)
-        if handler.stream_unary:
-            su = handler.stream_unary
-
-            def stream_unary(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
-                return self._call(method, context, lambda: su(_checked(requests), context))
-
-            return handler._replace(request_deserializer=deser, stream_unary=stream_unary)
-        if handler.unary_stream:
-            us = handler.unary_stream
-
-            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                return self._stream(method, context, lambda: us(_check(request), context))
-
-            return handler._replace(request_deserializer=deser, unary_stream=unary_stream)
-        return handler  # no stream-stream methods
-
-    def _enter(self) -> None:
-        if self._draining.is_set():
-            raise Unavailable("the snapshot service is shutting down")
-
-    def _fail(self, method: str, context: grpc.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, grpc.RpcError | Cancelled) or not context.is_active():
-            self._metrics.rpcs.labels(method, "CANCELLED").inc()
-            log_event(log, logging.INFO, "rpc_cancelled", method=method)
-            if isinstance(exc, grpc.RpcError):
-                raise exc  # raised by grpc itself (the request stream broke): it knows
-            context.abort(grpc.StatusCode.CANCELLED, "the client went away")
-        if isinstance(exc, SnapshotError):
-            code, message = exc.code, exc.message
-            log_event(log, logging.INFO, "rpc_failed", method=method, code=code.name,
-                      message=message)
-        else:
-            code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
-            log.exception("internal_error", extra={"event_fields": {"method": method}})
-        self._metrics.rpcs.labels(method, code.name).inc()
-        context.abort(code, message)
-
-    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
-        try:
-            self._enter()
-            response = fn()
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            self._fail(method, context, exc)
-            raise  # unreachable: _fail raises
-        self._metrics.rpcs.labels(method, "OK").inc()
-        return response
-
-    def _stream(self, method: str, context: grpc.ServicerContext,
-                fn: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-        try:
-            self._enter()
-            yield from fn()
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            self._fail(method, context, exc)
-            raise  # unreachable
-        self._metrics.rpcs.labels(method, "OK").inc()
 
 
 class SnapshotServicer(pb_grpc.SnapshotServicer):
@@ -357,7 +243,9 @@ class SnapshotServer:
         self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
                                                     thread_name_prefix="snapshot-rpc")
         self._grpc = grpc.server(
-            self._executor, interceptors=[StatusInterceptor(self._draining, self.metrics)],
+            self._executor, interceptors=[StatusInterceptor(
+                lambda method, code: self.metrics.rpcs.labels(method, code).inc(), log,
+                self._gate)],
             options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
                      ("grpc.so_reuseport", 0)])
         add_snapshot_servicer(SnapshotServicer(config, self.store, self.metrics), self._grpc)
@@ -366,6 +254,10 @@ class SnapshotServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         self._metrics_http: Any = None
+
+    def _gate(self, method: str, context: grpc.ServicerContext) -> None:
+        if self._draining.is_set():
+            raise Unavailable("the snapshot service is shutting down")
 
     @property
     def address(self) -> str:
