@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    srv = Server(cfg)
+    try:
+        srv = Server(cfg)
+    except ValueError as exc:  # an unreadable or wrong key file
+        logger.error("cannot start", extra=log.fields(error=str(exc)))
+        return 1
+    signal.signal(signal.SIGHUP, lambda signum, frame: srv.reload_keys())
     try:
         srv.start()
         srv.load()

@@ -25,6 +25,7 @@ from google.protobuf import json_format
 
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
+from snapshot_svc.clientlib.auth import BearerInterceptor
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 
@@ -32,10 +33,15 @@ DEFAULT_ADDR = "127.0.0.1:50051"
 class InferenceClient:
     """Thin wrapper over the stub: every call has a deadline."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout: float = 60.0) -> None:
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout: float = 60.0, *,
+                 api_key: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.addr = addr
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(addr)
+        channel = (grpc.insecure_channel(addr) if credentials is None
+                   else grpc.secure_channel(addr, credentials))
+        self.channel = (grpc.intercept_channel(channel, BearerInterceptor(api_key))
+                        if api_key else channel)
         self.stub = pb_grpc.InferenceStub(self.channel)
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc import __version__, autosave, log, slotfile
+from inference_svc import __version__, access, autosave, log, slotfile
 from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.engine import Engine, GenJob
@@ -35,6 +35,7 @@ from inference_svc.types import (
     RequestContext,
     check_tokens,
 )
+from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -139,6 +140,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.EraseSlotResponse(id_slot=request.id_slot, n_erased=n)
 
 
+def snapshot_security(cfg: Config) -> dict[str, Any]:
+    """The snapshot client's TLS credentials and API key from the configuration."""
+    creds = (tls.channel_credentials(cfg.snapshot_tls_ca, cfg.snapshot_tls_cert,
+                                     cfg.snapshot_tls_key)
+             if cfg.snapshot_tls_ca is not None else None)
+    key = (auth.read_key_file(cfg.snapshot_key_file) if cfg.snapshot_key_file is not None
+           else None)
+    return {"credentials": creds, "api_key": key}
+
+
 def _model_info(model: Model, path: Any) -> pb.ModelInfo:
     hp = model.hparams
     return pb.ModelInfo(name=model.name, fingerprint=model.fingerprint, path=str(path),
@@ -219,6 +230,20 @@ class Server:
         self._fallback: Fallback | None = None
         self._slots: SlotManager | None = None
         self._engine: Engine | None = None
+        self._keys = access.key_ring(cfg.api_keys) if cfg.api_keys is not None else None
+        self._gate = (auth.gate(self._keys, access.allowed) if self._keys is not None
+                      else None)
+
+    def reload_keys(self) -> None:
+        """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
+        if self._keys is None:
+            return
+        try:
+            n = self._keys.reload()
+        except ValueError as exc:
+            self.log.error("API keys not reloaded", extra=log.fields(error=str(exc)))
+            return
+        self.log.info("API keys reloaded", extra=log.fields(keys=n))
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -234,7 +259,7 @@ class Server:
                                                         thread_name_prefix="grpc"),
                              interceptors=[StatusInterceptor(
                                  lambda m, code: self.metrics.requests.labels(m, code).inc(),
-                                 self.log, None, status_of)],
+                                 self.log, self._gate, status_of)],
                              options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -242,7 +267,12 @@ class Server:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        addr = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            self.port = server.add_secure_port(addr, tls.server_credentials(
+                cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
+        else:
+            self.port = server.add_insecure_port(addr)
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
         server.start()
@@ -251,7 +281,9 @@ class Server:
             self.metrics_port, self._metrics_stop = self.metrics.serve(cfg.metrics_host,
                                                                        cfg.metrics_port)
         self.log.info("listening", extra=log.fields(
-            host=cfg.host, port=self.port, metrics_port=self.metrics_port or None))
+            host=cfg.host, port=self.port, metrics_port=self.metrics_port or None,
+            tls=cfg.tls_cert is not None, mtls=cfg.tls_client_ca is not None,
+            api_keys=len(self._keys) if self._keys is not None else None))
         return self.port
 
     def load(self) -> None:
@@ -295,7 +327,7 @@ class Server:
         if cfg.snapshot_addr is not None:
             self._store = SnapshotStore(cfg.snapshot_addr, timeout=cfg.snapshot_timeout,
                                         max_protocol=cfg.snapshot_client_max_protocol,
-                                        logger=self.log)
+                                        logger=self.log, **snapshot_security(cfg))
         elif cfg.slot_save_path is not None:
             self._store = LocalStore(cfg.slot_save_path)
         return self._store

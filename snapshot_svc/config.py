@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
-from snapshot_svc.clientlib import settings
+from snapshot_svc.clientlib import settings, tls
 
 ENV_PREFIX = "WARMSLOT_SNAPSHOT_"
 DEFAULT_PORT = 50052
@@ -45,6 +45,12 @@ class SnapshotConfig:
     grace_s: float = 10.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
     stage_ttl_s: float = 300.0  # how long a staged target waits for its draft
     log_level: str = "info"
+    # security: API keys with namespaces (clientlib.auth) and TLS
+    api_keys: Path | None = None
+    insecure: bool = False  # serve a non-loopback address with neither keys nor TLS
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: clients need a certificate it signed (mTLS)
 
     def __post_init__(self) -> None:
         if not PROTOCOL_MIN <= self.max_protocol <= PROTOCOL_MAX:
@@ -53,6 +59,15 @@ class SnapshotConfig:
             raise ValueError("max_snapshot_bytes and workers must be positive, grace_s >= 0")
         if self.spare_bytes < 0:
             raise ValueError("spare_bytes must be >= 0")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        tls.check_exposure(self.host, self.api_keys, self.tls_cert is not None, self.insecure)
+
+
+def _path_or_none(value: str) -> Path | None:
+    return None if value.strip().lower() in ("", "none") else Path(value)
 
 
 def _flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
@@ -82,6 +97,14 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
           "seconds a staged target waits for its draft")
     _flag(p, env, "--log-level", str, d.log_level, "debug, info, warning or error")
+    _flag(p, env, "--api-keys", _path_or_none, None,
+          "file of API keys, one '<key> namespace=NAME|admin' per line (reloaded on SIGHUP)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host with neither --api-keys nor TLS")
+    _flag(p, env, "--tls-cert", _path_or_none, None, "TLS certificate (PEM)")
+    _flag(p, env, "--tls-key", _path_or_none, None, "TLS private key (PEM)")
+    _flag(p, env, "--tls-client-ca", _path_or_none, None,
+          "CA (PEM) whose client certificates are required (mutual TLS)")
     settings.document_env(p, ENV_PREFIX)
     return p
 
@@ -99,7 +122,9 @@ def parse_config(argv: Sequence[str] | None = None,
                               max_snapshot_bytes=a.max_snapshot_bytes,
                               spare_bytes=a.spare_bytes,
                               metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
-                              stage_ttl_s=a.stage_ttl, log_level=a.log_level)
+                              stage_ttl_s=a.stage_ttl, log_level=a.log_level,
+                              api_keys=a.api_keys, insecure=a.insecure, tls_cert=a.tls_cert,
+                              tls_key=a.tls_key, tls_client_ca=a.tls_client_ca)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

@@ -25,7 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__
+from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, tenants
+from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import (
@@ -121,8 +122,8 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             part = self._part(h.part)
             label = part.label
             header = self.store.check_header(
-                h.name, part, h.size, h.sha256, PartMeta(h.format_version, h.fingerprint,
-                                                         h.n_tokens),
+                tenants.stored_name(auth.CURRENT.get(), h.name), part, h.size, h.sha256,
+                PartMeta(h.format_version, h.fingerprint, h.n_tokens),
                 draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
                 target_sha256=h.target_sha256, trailer=self.drafts)
             upload = self.store.begin_put(header)
@@ -156,7 +157,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                       bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
                       committed=out.committed, spare=spare,
                       ms=round((time.perf_counter() - t0) * 1e3, 2))
-            return pb.PutResponse(name=header.name, part=int(part), bytes=out.info.size,
+            return pb.PutResponse(name=h.name, part=int(part), bytes=out.info.size,
                                   sha256=out.info.sha256, commit_id=out.commit_id,
                                   committed=out.committed, has_draft=out.has_draft)
         except SnapshotError as exc:
@@ -183,14 +184,15 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         try:
             part = self._part(request.part)
             label = part.label
-            snap, fd = self.store.open_part(request.name, part, request.target_sha256)
+            snap, fd = self.store.open_part(tenants.stored_name(auth.CURRENT.get(), request.name),
+                                            part, request.target_sha256)
             info = snap.part(part)
             assert info is not None
             try:
                 draft_sha = snap.draft.sha256 if (part is Part.TARGET and snap.draft
                                                   and self.drafts) else ""
                 yield pb.GetResponse(header=pb.GetHeader(
-                    name=snap.name, commit_id=snap.commit_id,
+                    name=request.name, commit_id=snap.commit_id,
                     created_unix_ms=snap.created_unix_ms, info=info.to_pb(),
                     draft_sha256=draft_sha))
                 remaining = info.size
@@ -216,15 +218,26 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             self.metrics.get_seconds.labels(label).observe(time.perf_counter() - t0)
 
     def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
-        return pb.StatResponse(snapshot=self._visible(self.store.stat(request.name)).to_pb())
+        info = self._visible(self.store.stat(tenants.stored_name(auth.CURRENT.get(),
+                                                                 request.name))).to_pb()
+        info.name = request.name
+        return pb.StatResponse(snapshot=info)
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        return pb.ListResponse(
-            snapshots=[self._visible(s).to_pb() for s in self.store.list(request.prefix)])
+        caller = auth.CURRENT.get()
+        out = []
+        for s in self.store.list(tenants.stored_prefix(caller, request.prefix)):
+            name = tenants.caller_name(caller, s.name)
+            if name is not None:
+                info = self._visible(s).to_pb()
+                info.name = name
+                out.append(info)
+        return pb.ListResponse(snapshots=out)
 
     def Delete(self, request: pb.DeleteRequest,
                context: grpc.ServicerContext) -> pb.DeleteResponse:
-        return pb.DeleteResponse(bytes_freed=self.store.delete(request.name))
+        return pb.DeleteResponse(bytes_freed=self.store.delete(
+            tenants.stored_name(auth.CURRENT.get(), request.name)))
 
 
 class SnapshotServer:
@@ -236,6 +249,9 @@ class SnapshotServer:
         self.port = 0
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        # before the store opens: a wrong key file (ValueError) leaves nothing open
+        self._keys = (auth.KeyRing(config.api_keys, (auth.ADMIN,), namespaces=True)
+                      if config.api_keys is not None else None)
         self.store = Store(config.data_dir, max_snapshot_bytes=config.max_snapshot_bytes,
                            stage_ttl_s=config.stage_ttl_s, spare_bytes=config.spare_bytes)
         self.metrics = Metrics(self.store.usage, self.store.spares)
@@ -255,9 +271,22 @@ class SnapshotServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         self._metrics_http: Any = None
 
-    def _gate(self, method: str, context: grpc.ServicerContext) -> None:
+    def _gate(self, method: str, context: grpc.ServicerContext) -> auth.Principal | None:
         if self._draining.is_set():
             raise Unavailable("the snapshot service is shutting down")
+        # every known key may call every method; its namespace limits the names
+        return self._keys.authenticate(context.invocation_metadata()) if self._keys else None
+
+    def reload_keys(self) -> None:
+        """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
+        if self._keys is None:
+            return
+        try:
+            n = self._keys.reload()
+        except ValueError as exc:
+            log_event(log, logging.ERROR, "api_keys_not_reloaded", error=str(exc))
+            return
+        log_event(log, logging.INFO, "api_keys_reloaded", keys=n)
 
     @property
     def address(self) -> str:
@@ -265,8 +294,14 @@ class SnapshotServer:
 
     def start(self) -> int:
         try:
-            self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        except RuntimeError as exc:
+            addr = f"{self.config.host}:{self.config.port}"
+            c = self.config
+            if c.tls_cert is not None and c.tls_key is not None:
+                self.port = self._grpc.add_secure_port(addr, tls.server_credentials(
+                    c.tls_cert, c.tls_key, c.tls_client_ca))
+            else:
+                self.port = self._grpc.add_insecure_port(addr)
+        except (RuntimeError, ValueError) as exc:
             self.store.close()
             raise Unavailable(f"cannot listen on {self.config.host}:{self.config.port}: "
                               f"{exc}") from exc
@@ -280,7 +315,9 @@ class SnapshotServer:
                   max_protocol=self.config.max_protocol,
                   max_snapshot_bytes=self.config.max_snapshot_bytes,
                   data_dir=str(self.config.data_dir), metrics_port=self.config.metrics_port,
-                  version=__version__)
+                  version=__version__, tls=self.config.tls_cert is not None,
+                  mtls=self.config.tls_client_ca is not None,
+                  api_keys=len(self._keys) if self._keys is not None else None)
         return self.port
 
     def stop(self, grace: float | None = None) -> None:
@@ -327,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SnapshotError as exc:
         log_event(log, logging.ERROR, "start_failed", error=exc.message)
         return 1
+    except ValueError as exc:  # an unreadable or wrong key file
+        log_event(log, logging.ERROR, "start_failed", error=str(exc))
+        return 1
+    signal.signal(signal.SIGHUP, lambda signum, frame: server.reload_keys())
     while not stop.wait(0.5):
         pass
     server.stop()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -162,3 +163,48 @@ def gate(ring: KeyRing, allowed: Callable[[str, Principal], bool]
         return principal
 
     return check
+
+
+class _Call(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: Any
+    compression: Any
+
+
+class BearerInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to every call of a channel."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = bearer(key)
+
+    def _details(self, d: Any) -> _Call:
+        return _Call(d.method, d.timeout, [*(d.metadata or ()), *self._metadata],
+                     d.credentials, getattr(d, "wait_for_ready", None),
+                     getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+def read_key_file(path: Path) -> str:
+    """A client's key: the first word of a file (so it is not on a command line)."""
+    try:
+        words = path.read_text(encoding="utf-8").split()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the key file {path}: {exc}") from exc
+    if not words:
+        raise ValueError(f"key file {path} is empty")
+    return words[0]
