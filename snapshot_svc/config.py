@@ -51,6 +51,10 @@ class SnapshotConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # set: clients need a certificate it signed (mTLS)
+    # limits that keep one client from starving the others (limits.py)
+    stream_idle_timeout_s: float = 30.0  # a Put sending nothing this long is cancelled
+    max_streams_per_key: int = 8  # Put/Get streams at once per key (< workers)
+    quota_bytes: int = 0  # stored bytes per key namespace; 0 = no quota
 
     def __post_init__(self) -> None:
         if not PROTOCOL_MIN <= self.max_protocol <= PROTOCOL_MAX:
@@ -59,6 +63,11 @@ class SnapshotConfig:
             raise ValueError("max_snapshot_bytes and workers must be positive, grace_s >= 0")
         if self.spare_bytes < 0:
             raise ValueError("spare_bytes must be >= 0")
+        if self.stream_idle_timeout_s <= 0 or self.quota_bytes < 0:
+            raise ValueError("--stream-idle-timeout must be > 0 and --quota-bytes >= 0")
+        if not 0 < self.max_streams_per_key < self.workers:
+            raise ValueError(f"--max-streams-per-key must be in 1..{self.workers - 1} (fewer "
+                             "than --workers, so that other keys always find a thread)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -105,6 +114,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _flag(p, env, "--tls-key", _path_or_none, None, "TLS private key (PEM)")
     _flag(p, env, "--tls-client-ca", _path_or_none, None,
           "CA (PEM) whose client certificates are required (mutual TLS)")
+    _flag(p, env, "--stream-idle-timeout", float, d.stream_idle_timeout_s,
+          "seconds a Put may send nothing before it is cancelled (its space freed)")
+    _flag(p, env, "--max-streams-per-key", int, d.max_streams_per_key,
+          "Put/Get streams one API key may have open at once (RESOURCE_EXHAUSTED beyond)")
+    _flag(p, env, "--quota-bytes", parse_size, d.quota_bytes,
+          "bytes a namespaced key's snapshots may hold (RESOURCE_EXHAUSTED beyond); 0 = off")
     settings.document_env(p, ENV_PREFIX)
     return p
 
@@ -124,7 +139,10 @@ def parse_config(argv: Sequence[str] | None = None,
                               metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
                               stage_ttl_s=a.stage_ttl, log_level=a.log_level,
                               api_keys=a.api_keys, insecure=a.insecure, tls_cert=a.tls_cert,
-                              tls_key=a.tls_key, tls_client_ca=a.tls_client_ca)
+                              tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                              stream_idle_timeout_s=a.stream_idle_timeout,
+                              max_streams_per_key=a.max_streams_per_key,
+                              quota_bytes=a.quota_bytes)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

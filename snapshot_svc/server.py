@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, tenants
+from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, limits, tenants
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
@@ -34,6 +34,7 @@ from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     SnapshotError,
     Unavailable,
 )
@@ -79,6 +80,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         self.config = config
         self.store = store
         self.metrics = metrics
+        self.streams = limits.StreamLimit(config.max_streams_per_key)
 
     @property
     def drafts(self) -> bool:
@@ -111,6 +113,27 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
 
     def Put(self, request_iterator: Iterator[pb.PutRequest],
             context: grpc.ServicerContext) -> pb.PutResponse:
+        with self.streams.hold(auth.CURRENT.get()):
+            return self._put(limits.until_idle(request_iterator,
+                                               self.config.stream_idle_timeout_s, "Put"),
+                             context)
+
+    def _check_quota(self, stored: str, size: int) -> None:
+        """RESOURCE_EXHAUSTED when a namespaced key's Put of `size` bytes would take its
+        namespace past --quota-bytes (what the name holds now is not counted)."""
+        caller = auth.CURRENT.get()
+        quota = self.config.quota_bytes
+        if not quota or caller is None or caller.namespace is None or caller.is_admin:
+            return
+        used = sum(s.target.size + (s.draft.size if s.draft else 0)
+                   for s in self.store.list(tenants.stored_prefix(caller, ""))
+                   if s.name != stored)
+        if used + size > quota:
+            raise ResourceExhausted(f"namespace {caller.namespace!r} holds {used} bytes; "
+                                    f"{size} more would pass its quota of {quota} bytes")
+
+    def _put(self, request_iterator: Iterator[pb.PutRequest],
+             context: grpc.ServicerContext) -> pb.PutResponse:
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         upload = None
@@ -126,6 +149,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 PartMeta(h.format_version, h.fingerprint, h.n_tokens),
                 draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
                 target_sha256=h.target_sha256, trailer=self.drafts)
+            self._check_quota(header.name, h.size)
             upload = self.store.begin_put(header)
             trailer = None
             for msg in request_iterator:  # chunks arrive as memoryviews (wire.py)
@@ -179,6 +203,11 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
 
     def Get(self, request: pb.GetRequest,
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
+        with self.streams.hold(auth.CURRENT.get()):
+            yield from self._get(request, context)
+
+    def _get(self, request: pb.GetRequest,
+             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         try:
