@@ -101,6 +101,8 @@ class Config:
     snapshot_tls_cert: Path | None = None
     snapshot_tls_key: Path | None = None
     snapshot_key_file: Path | None = None  # the snapshot service's API key of this replica
+    max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
+    tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
 
     @property
     def grpc_workers(self) -> int:
@@ -163,6 +165,8 @@ class Config:
                             f"'-', '_' or '.'")
         if self.log_format not in ("json", "text"):
             problems.append(f"--log-format {self.log_format!r} is not json or text")
+        if self.max_prompt_bytes < 1 or self.tokenize_threads < 1:
+            problems.append("--max-prompt-bytes and --tokenize-threads must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):
             problems.append("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -274,6 +278,10 @@ def parser() -> argparse.ArgumentParser:
            "(0: one response per step)")
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     a("--log-format", default=d.log_format, choices=("json", "text"))
+    a("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+      help="longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
+    a("--tokenize-threads", type=int, default=d.tokenize_threads,
+      help="threads that tokenize request text (--max-queue more texts may wait)")
     a("--api-keys", type=_path_or_none, default=d.api_keys,
       help="file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); "
            "calls other than health then need 'authorization: Bearer <key>'")
@@ -323,7 +331,8 @@ def from_args(argv: Sequence[str] | None = None,
             insecure=ns.insecure, tls_cert=ns.tls_cert, tls_key=ns.tls_key,
             tls_client_ca=ns.tls_client_ca, snapshot_tls_ca=ns.snapshot_tls_ca,
             snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
-            snapshot_key_file=ns.snapshot_key_file)
+            snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
+            tokenize_threads=ns.tokenize_threads)
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

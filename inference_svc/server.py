@@ -25,6 +25,7 @@ from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
+from inference_svc.prompts import BoundedTokenizer
 from inference_svc.slots import SlotManager
 from inference_svc.snapshot_store import SnapshotStore
 from inference_svc.store import LocalStore, SlotStore
@@ -302,8 +303,10 @@ class Server:
         engine = Engine(cfg, target, draft, self.metrics)
         self._engine = engine  # closed by stop() even if start-up is cut short
         store = self._open_store()
-        rc = RequestContext(cfg, engine.tokenizer, target.n_vocab, engine.n_ctx, engine.n_slots,
-                            engine.has_draft)
+        tokenizer = BoundedTokenizer(engine.tokenizer, cfg.max_prompt_bytes,
+                                     cfg.tokenize_threads, cfg.max_queue)
+        rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,  # type: ignore[arg-type]
+                            engine.n_slots, engine.has_draft)
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
         if store is not None and cfg.auto_save:

@@ -26,17 +26,19 @@ def methods(service: ServiceDescriptor) -> Iterator[tuple[str, bool, bool]]:
 
 
 def raw_call(channel: grpc.Channel, path: str, client_streaming: bool,
-             server_streaming: bool, metadata: tuple = (), timeout: float = 10.0) -> object:
-    """Calls `path` with an empty request message (bytes, no serializer): raises the
-    call's RpcError, or returns the raw response(s)."""
+             server_streaming: bool, metadata: tuple = (), timeout: float = 10.0,
+             request: bytes = b"") -> object:
+    """Calls `path` with the serialized `request` (default: an empty message): raises
+    the call's RpcError, or returns the raw response(s)."""
     if client_streaming and server_streaming:
-        return list(channel.stream_stream(path)(iter([b""]), metadata=metadata,
+        return list(channel.stream_stream(path)(iter([request]), metadata=metadata,
                                                 timeout=timeout))
     if client_streaming:
-        return channel.stream_unary(path)(iter([b""]), metadata=metadata, timeout=timeout)
+        return channel.stream_unary(path)(iter([request]), metadata=metadata,
+                                          timeout=timeout)
     if server_streaming:
-        return list(channel.unary_stream(path)(b"", metadata=metadata, timeout=timeout))
-    return channel.unary_unary(path)(b"", metadata=metadata, timeout=timeout)
+        return list(channel.unary_stream(path)(request, metadata=metadata, timeout=timeout))
+    return channel.unary_unary(path)(request, metadata=metadata, timeout=timeout)
 
 
 def code_of(fn: object, *args: object, **kw: object) -> grpc.StatusCode:
