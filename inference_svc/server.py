@@ -237,14 +237,8 @@ class Server:
 
     def reload_keys(self) -> None:
         """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
-        if self._keys is None:
-            return
-        try:
-            n = self._keys.reload()
-        except ValueError as exc:
-            self.log.error("API keys not reloaded", extra=log.fields(error=str(exc)))
-            return
-        self.log.info("API keys reloaded", extra=log.fields(keys=n))
+        if self._keys is not None:
+            self._keys.reload_logged(self.log)
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

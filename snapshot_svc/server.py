@@ -308,14 +308,8 @@ class SnapshotServer:
 
     def reload_keys(self) -> None:
         """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
-        if self._keys is None:
-            return
-        try:
-            n = self._keys.reload()
-        except ValueError as exc:
-            log_event(log, logging.ERROR, "api_keys_not_reloaded", error=str(exc))
-            return
-        log_event(log, logging.INFO, "api_keys_reloaded", keys=n)
+        if self._keys is not None:
+            self._keys.reload_logged(log)
 
     @property
     def address(self) -> str:

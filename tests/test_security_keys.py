@@ -189,3 +189,23 @@ def test_inference_roles(infer: Server) -> None:
         assert err.value.code() == DENIED
         assert "may not call ListSlots" in err.value.details()
         assert len(admin.stub.ListSlots(ipb.ListSlotsRequest(), timeout=10).slots) == 2
+
+
+def test_sighup_reloads_the_snapshot_services_keys(tmp_path: Path) -> None:
+    import signal
+
+    from snapshot_svc.testing import ServerProcess
+
+    keys = write_keys(tmp_path / "keys", {R1: "namespace=replica-1"})
+    with ServerProcess(tmp_path / "data", "--api-keys", str(keys)) as srv:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            path = f"/{SNAPSHOT.full_name}/List"
+            assert code_of(raw_call, ch, path, False, False,
+                           metadata=bearer(R1)) == grpc.StatusCode.OK
+            write_keys(keys, {R2: "namespace=replica-2"})
+            srv.proc.send_signal(signal.SIGHUP)
+            assert srv.wait_for("api_keys_reloaded")["keys"] == 1
+            assert code_of(raw_call, ch, path, False, False, metadata=bearer(R1)) == UNAUTH
+            assert code_of(raw_call, ch, path, False, False,
+                           metadata=bearer(R2)) == grpc.StatusCode.OK
+        assert R1 not in "\n".join(map(str, srv.lines))  # keys are never logged

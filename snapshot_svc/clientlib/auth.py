@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import re
 import threading
 from collections.abc import Callable, Collection, Iterable
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from snapshot_svc.clientlib.errors import PermissionDenied, Unauthenticated
+from snapshot_svc.clientlib.jsonlog import log_event
 
 MIN_KEY_CHARS = 16
 ADMIN = "admin"
@@ -121,6 +123,15 @@ class KeyRing:
         with self._lock:
             self._keys = keys
         return len(keys)
+
+    def reload_logged(self, logger: logging.Logger) -> None:
+        """reload() on SIGHUP: logs the outcome; a wrong file keeps the old keys."""
+        try:
+            n = self.reload()
+        except ValueError as exc:
+            log_event(logger, logging.ERROR, "api_keys_not_reloaded", error=str(exc))
+            return
+        log_event(logger, logging.INFO, "api_keys_reloaded", keys=n)
 
     def __len__(self) -> int:
         return len(self._keys)
