@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,6 +26,7 @@ from google.protobuf import json_format
 
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
+from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.auth import BearerInterceptor
 
 DEFAULT_ADDR = "127.0.0.1:50051"
@@ -132,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--addr", default=os.environ.get("WARMSLOT_ADDR", DEFAULT_ADDR))
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each call (s)")
+    p.add_argument("--api-key-file", default=os.environ.get("WARMSLOT_API_KEY_FILE"),
+                   help="file holding the API key to send (env WARMSLOT_API_KEY_FILE)")
+    p.add_argument("--tls-ca", default=os.environ.get("WARMSLOT_TLS_CA"),
+                   help="CA (PEM) of the server's certificate: connect with TLS "
+                        "(env WARMSLOT_TLS_CA)")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a completion")
     g.add_argument("prompt")
@@ -192,7 +199,9 @@ def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    with InferenceClient(a.addr, a.timeout) as c:
+    key = auth.read_key_file(Path(a.api_key_file)) if a.api_key_file else None
+    creds = tls.channel_credentials(Path(a.tls_ca)) if a.tls_ca else None
+    with InferenceClient(a.addr, a.timeout, api_key=key, credentials=creds) as c:
         try:
             if a.cmd == "generate":
                 _generate(c, a)

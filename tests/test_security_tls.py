@@ -124,3 +124,17 @@ def test_inference_tls_with_snapshot_mtls(pki: Pki, tls_pair: tuple) -> None:
             pytest.raises(grpc.RpcError) as err:
         plain.tokenize("hi")
     assert err.value.code() == UNAVAILABLE
+
+
+def test_client_command_line_with_tls_and_key(pki: Pki, tls_pair: tuple, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from inference_svc.client import main
+
+    _, srv = tls_pair
+    (tmp_path / "admin.key").write_text("admin-key-0123456789ab\n")
+    base = ["--addr", f"localhost:{srv.port}", "--tls-ca", str(pki.ca[0])]
+    assert main([*base, "--api-key-file", str(tmp_path / "admin.key"), "tokenize", "hi"]) == 0
+    assert capsys.readouterr().out.strip() != ""
+    assert main([*base, "tokenize", "hi"]) != 0  # no key
+    assert capsys.readouterr().err.startswith("error: UNAUTHENTICATED: this service needs an "
+                                              "API key")

@@ -91,6 +91,7 @@ class Secrets:
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         self.dir = workdir / "secrets"
+        self.replicas = replicas
         mod.make(self.dir, replicas)
         self.dir.chmod(0o755)  # the containers' user reads them (test files only)
         for f in self.dir.iterdir():
@@ -152,7 +153,10 @@ class Project:
             if s.hostname:
                 svc["hostname"] = s.hostname
             out[s.name] = svc
+        # the secrets step finds the test's set complete (these replicas) and keeps it
         out["secrets"] = {"image": IMAGE, "network_mode": "host",
+                          "command": ["python3", "/app/deploy/init_secrets.py", "/secrets",
+                                      *self.secrets.replicas],
                           "volumes": [f"{self.secrets.dir}:/secrets"]}
         return {"services": out}
 

@@ -444,7 +444,8 @@ def test_replicas_cannot_reach_each_others_snapshots(session: Session,
         with pytest.raises(grpc.RpcError) as err:  # A's namespace: absent for B
             b.restore(0, "session-a")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        b.save(1, "session-a")  # B's own snapshot of that name: no clash
+        b.generate("def sub(a, b):", id_slot=0, max_tokens=4, temperature=0.0)
+        b.save(0, "session-a")  # B's own snapshot of that name: no clash
         assert a.restore(0, "session-a").n_restored == saved.n_saved
     # each replica auto-saves under its own instance id, in its own namespace
     stack.compose("stop", "inference", "inference-1")
