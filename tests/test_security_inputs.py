@@ -112,3 +112,17 @@ def test_tokenizer_thread_is_not_the_callers(tmp_path: Path) -> None:
     assert tok.encode("a") == [1]
     assert names[0].startswith("tokenize") and names[0] != threading.current_thread().name
     tok.close()
+
+
+def test_top_k_above_the_vocabulary_is_the_whole_vocabulary(server: Server) -> None:
+    with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
+        def tokens(top_k: int) -> list[int]:
+            rs, _ = c.generate([5, 6, 7], max_tokens=12, temperature=1.0, top_k=top_k,
+                               top_p=1.0, min_p=0.0, seed=7, speculative=False,
+                               cache_prompt=False)
+            return [t for r in rs for t in r.tokens]
+
+        whole = tokens(0)  # 0: top-k off
+        assert len(whole) == 12
+        assert tokens(c.info().n_vocab) == whole
+        assert tokens(2**31 - 1) == whole
