@@ -101,6 +101,8 @@ class Config:
     snapshot_tls_cert: Path | None = None
     snapshot_tls_key: Path | None = None
     snapshot_key_file: Path | None = None  # the snapshot service's API key of this replica
+    # Generate streams at once per API key (with --api-keys; below the handler threads)
+    max_streams_per_key: int = 16
     max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
     tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
 
@@ -165,6 +167,9 @@ class Config:
                             f"'-', '_' or '.'")
         if self.log_format not in ("json", "text"):
             problems.append(f"--log-format {self.log_format!r} is not json or text")
+        if not 0 < self.max_streams_per_key < self.grpc_workers:
+            problems.append(f"--max-streams-per-key must be in 1..{self.grpc_workers - 1} "
+                            "(fewer than the handler threads)")
         if self.max_prompt_bytes < 1 or self.tokenize_threads < 1:
             problems.append("--max-prompt-bytes and --tokenize-threads must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -278,6 +283,9 @@ def parser() -> argparse.ArgumentParser:
            "(0: one response per step)")
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     a("--log-format", default=d.log_format, choices=("json", "text"))
+    a("--max-streams-per-key", type=int, default=d.max_streams_per_key,
+      help="with --api-keys: Generate streams one key may have running or queued at once "
+           "(RESOURCE_EXHAUSTED beyond), so that other keys always find a handler thread")
     a("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
       help="longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
     a("--tokenize-threads", type=int, default=d.tokenize_threads,
@@ -332,6 +340,7 @@ def from_args(argv: Sequence[str] | None = None,
             tls_client_ca=ns.tls_client_ca, snapshot_tls_ca=ns.snapshot_tls_ca,
             snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
             snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
+            max_streams_per_key=ns.max_streams_per_key,
             tokenize_threads=ns.tokenize_threads)
     except ValueError as exc:
         p.error(str(exc))

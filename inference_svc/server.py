@@ -38,6 +38,7 @@ from inference_svc.types import (
 )
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
+from snapshot_svc.clientlib.streams import StreamLimit
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks (issue 6)
@@ -64,6 +65,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.runtime: Runtime | None = None  # None while the models load
+        self.streams = StreamLimit(cfg.max_streams_per_key)
 
     def _rt(self) -> Runtime:
         rt = self.runtime
@@ -73,6 +75,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Generate(self, request: pb.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        caller = auth.CURRENT.get()
+        if caller is None:  # no keys: the queue's limits apply (--max-queue)
+            yield from self._generate(request, context)
+            return
+        with self.streams.hold(caller):
+            yield from self._generate(request, context)
+
+    def _generate(self, request: pb.GenerateRequest,
+                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         rt = self._rt()
         params = GenerateParams.from_pb(request, rt.rc)
         job = rt.engine.generate(params, _time_remaining(context))

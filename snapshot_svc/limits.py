@@ -1,47 +1,20 @@
-"""Limits that keep one client from starving the others: streams per API key, stored
-bytes per namespace, and the idle timeout of a Put's request stream."""
+"""Limits that keep one client from starving the others: streams per API key (the
+shared StreamLimit) and the idle timeout of a Put's request stream."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from snapshot_svc.clientlib.auth import Principal
-from snapshot_svc.errors import DeadlineExceeded, ResourceExhausted
+from snapshot_svc.clientlib.streams import StreamLimit
+from snapshot_svc.errors import DeadlineExceeded
+
+__all__ = ["StreamLimit", "until_idle"]
 
 _END = object()
 _POLL_S = 0.5  # how often a blocked reader looks whether the handler gave up
-
-
-class StreamLimit:
-    """At most `limit` Put/Get streams at once per key (all callers share one count when
-    no keys are configured); with fewer than the server's workers, another key always
-    finds a thread."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._open: dict[str, int] = {}
-
-    @contextmanager
-    def hold(self, principal: Principal | None) -> Iterator[None]:
-        who = principal.key_id if principal is not None else ""
-        with self._lock:
-            n = self._open.get(who, 0)
-            if n >= self.limit:
-                raise ResourceExhausted(f"this key has {n} streams open, the limit is "
-                                        f"{self.limit} (--max-streams-per-key)")
-            self._open[who] = n + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._open[who] -= 1
-                if not self._open[who]:
-                    del self._open[who]
 
 
 def until_idle(requests: Iterator[Any], idle_s: float, what: str) -> Iterator[Any]:

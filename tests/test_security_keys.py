@@ -209,3 +209,45 @@ def test_sighup_reloads_the_snapshot_services_keys(tmp_path: Path) -> None:
             assert code_of(raw_call, ch, path, False, False,
                            metadata=bearer(R2)) == grpc.StatusCode.OK
         assert R1 not in "\n".join(map(str, srv.lines))  # keys are never logged
+
+
+def test_inference_streams_per_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import threading
+
+    from tests.test_service_concurrency import sample, wait_for
+
+    base = tmp_path_factory.mktemp("streams-infer")
+    keys = write_keys(base / "keys", {USER: "user", ADMIN: "admin"})
+    cfg = service_config(*model_pair(tmp_path_factory.getbasetemp()), api_keys=keys,
+                         max_streams_per_key=1)
+    with running(cfg) as srv:
+        engine = srv._engine
+        assert engine is not None
+        held, release = threading.Event(), threading.Event()
+        holder = threading.Thread(target=engine.call,
+                                  args=(lambda: (held.set(), release.wait(30)),))
+        holder.start()
+        addr = f"127.0.0.1:{srv.port}"
+        try:
+            assert held.wait(10)
+            with InferenceClient(addr, api_key=USER) as user, \
+                    InferenceClient(addr, api_key=ADMIN) as admin:
+                first = user.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
+                                                                 max_tokens=2))
+                second = admin.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
+                                                                   max_tokens=2))
+                # both wait for the engine (queued), each holding its key's one stream
+                wait_for(lambda: sample(srv, "warmslot_queue_depth") == 2, "never queued")
+                extra = user.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
+                                                                 max_tokens=2))
+                with pytest.raises(grpc.RpcError) as err:
+                    list(extra)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert err.value.details() == ("this key has 1 streams open, the limit is 1 "
+                                               "(--max-streams-per-key)")
+                release.set()
+                assert [t for r in first for t in r.tokens]
+                assert [t for r in second for t in r.tokens]  # the other key got through
+        finally:
+            release.set()
+            holder.join(30)
