@@ -167,7 +167,7 @@ class Config:
                             f"'-', '_' or '.'")
         if self.log_format not in ("json", "text"):
             problems.append(f"--log-format {self.log_format!r} is not json or text")
-        if not 0 < self.max_streams_per_key < self.grpc_workers:
+        if self.api_keys is not None and not 0 < self.max_streams_per_key < self.grpc_workers:
             problems.append(f"--max-streams-per-key must be in 1..{self.grpc_workers - 1} "
                             "(fewer than the handler threads)")
         if self.max_prompt_bytes < 1 or self.tokenize_threads < 1:
