@@ -22,7 +22,7 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 
-.PHONY: all setup proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume demo models clean distclean
+.PHONY: all setup proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume bench-security demo models clean distclean
 
 all: setup
 
@@ -95,6 +95,10 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/core.py
+
+# security probe: starvation, large prompts, TLS cost (bench/security.py)
+bench-security: setup
+	$(PY) bench/security.py
 
 # restart-resume: time to first token after a restart, with restore vs full re-prefill
 bench-resume: setup

@@ -193,8 +193,8 @@ def main() -> int:
         "target": f"put and get >= {TARGET_RATIO} x file copy for sizes >= 64 MiB",
         "meets_target": meets, "server_args": a.server_args,
         "puts_over_spare_files": sum(1 for rec in server.lines
-                                     if rec.get("event") == "put" and rec.get("spare")),
-        "puts": sum(1 for rec in server.lines if rec.get("event") == "put"),
+                                     if rec.get("msg") == "put" and rec.get("spare")),
+        "puts": sum(1 for rec in server.lines if rec.get("msg") == "put"),
         "receive_buffers": {"mapped": buffers.POOL.mapped,
                                                    "reused": buffers.POOL.reused},
         "results": results}))

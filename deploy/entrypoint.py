@@ -36,18 +36,36 @@ from collections.abc import Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the services' shared helpers
+    sys.path.insert(0, str(ROOT))
+from snapshot_svc.clientlib import jsonlog, settings  # noqa: E402
+
 ADDR_FILE = "/tmp/warmslot-{service}.addr"
 RETRY_S = 15.0
 
 
 def log(level: str, event: str, message: str, **fields: object) -> None:
-    """One JSON line on stderr, in the services' own log format."""
-    ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-    line = {"ts": f"{ts}.{int(time.time() * 1000) % 1000:03d}Z", "level": level,
-            "logger": "warmslot.entrypoint", "event": event, "message": message, **fields}
+    """One JSON line on stderr, in the services' log format (jsonlog)."""
+    line = jsonlog.record(level, "warmslot.entrypoint", event, message=message, **fields)
     print(json.dumps(line, default=str), file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Tls:
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+    def credentials(self) -> Any:
+        import grpc
+
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
 
 
 @dataclass(frozen=True)
@@ -64,6 +82,10 @@ class Target:
     slot_save_path: Path | None = None
     data_dir: Path | None = None
     store: str | None = None  # snapshot: s3://bucket/prefix instead of data_dir
+    # (CA, client certificate, client key) to probe the service's health over TLS, and
+    # the snapshot service's (inference); None: plaintext
+    tls: Tls | None = None
+    snapshot_tls: Tls | None = None
 
     @property
     def probe_addr(self) -> str:
@@ -82,27 +104,38 @@ def read_target(service: str, argv: Sequence[str], env: Mapping[str, str]) -> Ta
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     flags = {"--host": "127.0.0.1",
              "--port": "50051" if service == "inference" else "50052"}
+    flags.update({"--tls-cert": None, "--tls-key": None})
     if service == "inference":
         flags.update({"--model": str(ROOT / "models" / "target.gguf"),
                       "--draft": str(ROOT / "models" / "draft.gguf"),
-                      "--snapshot-addr": None, "--slot-save-path": None})
+                      "--snapshot-addr": None, "--slot-save-path": None,
+                      "--snapshot-tls-ca": None, "--snapshot-tls-cert": None,
+                      "--snapshot-tls-key": None})
     else:
-        flags.update({"--data-dir": None, "--store": None})
+        flags.update({"--data-dir": None, "--store": None, "--tls-client-ca": None})
     for flag, default in flags.items():
-        var = prefix + flag[2:].replace("-", "_").upper()
-        p.add_argument(flag, default=env.get(var, default))
-    a, _ = p.parse_known_args(list(argv))
+        p.add_argument(flag, default=default)
+    a = settings.parse(p, argv, env, prefix, known_only=True)
     try:
         port = int(a.port, 0)
     except ValueError:
         port = -1
+    tls = None
+    if _none(a.tls_cert):
+        # the probe trusts WARMSLOT_DEPLOY_TLS_CA (default: the service's own client CA,
+        # else its certificate) and shows the service's certificate as its own (mTLS)
+        ca = (env.get("WARMSLOT_DEPLOY_TLS_CA") or _none(getattr(a, "tls_client_ca", None))
+              or a.tls_cert)
+        tls = Tls(ca, a.tls_cert, _none(a.tls_key))
     if service == "inference":
-        return Target(service, "inference_svc", a.host, port,
+        snap_tls = (Tls(a.snapshot_tls_ca, _none(a.snapshot_tls_cert),
+                        _none(a.snapshot_tls_key)) if _none(a.snapshot_tls_ca) else None)
+        return Target(service, "inference_svc", a.host, port, tls=tls, snapshot_tls=snap_tls,
                       model=Path(a.model) if _none(a.model) else None,
                       draft=Path(a.draft) if _none(a.draft) else None,
                       snapshot_addr=_none(a.snapshot_addr),
                       slot_save_path=Path(a.slot_save_path) if _none(a.slot_save_path) else None)
-    return Target(service, "snapshot_svc", a.host, port,
+    return Target(service, "snapshot_svc", a.host, port, tls=tls,
                   data_dir=Path(a.data_dir) if _none(a.data_dir) else None,
                   store=_none(a.store))
 
@@ -142,14 +175,21 @@ def static_problem(t: Target) -> str | None:
     return None
 
 
-def health_status(addr: str, timeout: float = 3.0, service: str = "") -> str:
+def health_status(addr: str, timeout: float = 3.0, service: str = "",
+                  tls: Tls | None = None) -> str:
     """The grpc.health.v1 status of `addr` ('SERVING', 'NOT_SERVING', ...), or
     'UNREACHABLE: <why>'."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(addr) as channel:
+        creds = None if tls is None else tls.credentials()
+    except OSError as exc:
+        return f"UNREACHABLE: cannot read the TLS files: {exc}"
+    try:
+        channel = (grpc.insecure_channel(addr) if creds is None
+                   else grpc.secure_channel(addr, creds))
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
                                wait_for_ready=False)
@@ -210,7 +250,8 @@ class Supervisor:
         delay = 0.5
         while not self.stop.is_set():
             # a list of replicas (a,b): one that serves is enough, the service fails over
-            statuses = [health_status(a.strip(), timeout=2.0) for a in addr.split(",")]
+            statuses = [health_status(a.strip(), timeout=2.0, tls=self.t.snapshot_tls)
+                        for a in addr.split(",")]
             status = "SERVING" if "SERVING" in statuses else "; ".join(statuses)
             if status == "SERVING":
                 if said:
@@ -258,7 +299,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 pass
             if not served and not self.stop.is_set():
-                served = health_status(t.probe_addr, timeout=1.0) == "SERVING"
+                served = health_status(t.probe_addr, timeout=1.0, tls=t.tls) == "SERVING"
                 if served:
                     log("info", "serving", f"{t.service} service is SERVING",
                         service=t.service, seconds=round(time.monotonic() - started, 2))
@@ -280,11 +321,12 @@ class Supervisor:
 
 def health_main(args: Sequence[str]) -> int:
     service = args[0] if args else "inference"
+    t = read_target(service, [], os.environ)
     try:
         addr = Path(ADDR_FILE.format(service=service)).read_text().strip()
     except OSError:
-        addr = read_target(service, [], os.environ).probe_addr
-    status = health_status(addr)
+        addr = t.probe_addr
+    status = health_status(addr, tls=t.tls)
     print(f"{service} {addr}: {status}")
     return 0 if status == "SERVING" else 1
 

@@ -12,7 +12,6 @@ import threading
 from types import FrameType
 
 from inference_svc import config, log
-from snapshot_svc.memory import tune_malloc
 
 
 class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
@@ -20,7 +19,6 @@ class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
 
 
 def main(argv: list[str] | None = None) -> int:
-    tune_malloc()  # snapshot transfers reuse chunk memory (see snapshot_svc.memory)
     cfg = config.from_args(sys.argv[1:] if argv is None else argv)
     logger = log.setup(cfg.log_level, cfg.log_format)
     from inference_svc.core import CoreError
@@ -43,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    srv = Server(cfg)
+    try:
+        srv = Server(cfg)
+    except ValueError as exc:  # an unreadable or wrong key file
+        logger.error("cannot start", extra=log.fields(error=str(exc)))
+        return 1
+    signal.signal(signal.SIGHUP, lambda signum, frame: srv.reload_keys())
     try:
         srv.start()
         srv.load()

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,6 +26,8 @@ from google.protobuf import json_format
 
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
+from snapshot_svc.clientlib import auth, tls
+from snapshot_svc.clientlib.auth import BearerInterceptor
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 
@@ -32,10 +35,15 @@ DEFAULT_ADDR = "127.0.0.1:50051"
 class InferenceClient:
     """Thin wrapper over the stub: every call has a deadline."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout: float = 60.0) -> None:
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout: float = 60.0, *,
+                 api_key: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.addr = addr
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(addr)
+        channel = (grpc.insecure_channel(addr) if credentials is None
+                   else grpc.secure_channel(addr, credentials))
+        self.channel = (grpc.intercept_channel(channel, BearerInterceptor(api_key))
+                        if api_key else channel)
         self.stub = pb_grpc.InferenceStub(self.channel)
 
     def close(self) -> None:
@@ -126,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--addr", default=os.environ.get("WARMSLOT_ADDR", DEFAULT_ADDR))
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each call (s)")
+    p.add_argument("--api-key-file", default=os.environ.get("WARMSLOT_API_KEY_FILE"),
+                   help="file holding the API key to send (env WARMSLOT_API_KEY_FILE)")
+    p.add_argument("--tls-ca", default=os.environ.get("WARMSLOT_TLS_CA"),
+                   help="CA (PEM) of the server's certificate: connect with TLS "
+                        "(env WARMSLOT_TLS_CA)")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a completion")
     g.add_argument("prompt")
@@ -186,7 +199,9 @@ def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    with InferenceClient(a.addr, a.timeout) as c:
+    key = auth.read_key_file(Path(a.api_key_file)) if a.api_key_file else None
+    creds = tls.channel_credentials(Path(a.tls_ca)) if a.tls_ca else None
+    with InferenceClient(a.addr, a.timeout, api_key=key, credentials=creds) as c:
         try:
             if a.cmd == "generate":
                 _generate(c, a)

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from snapshot_svc.clientlib import settings, tls
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "models" / "target.gguf"
 DEFAULT_DRAFT = ROOT / "models" / "draft.gguf"
@@ -93,6 +95,20 @@ class Config:
     stream_interval_ms: float = 10.0
     log_level: str = "info"
     log_format: str = "json"  # json | text
+    # security: API keys (clientlib.auth), TLS of the service and of its snapshot client
+    api_keys: Path | None = None
+    insecure: bool = False  # serve a non-loopback address with neither keys nor TLS
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: clients need a certificate it signed (mTLS)
+    snapshot_tls_ca: Path | None = None  # set: TLS to the snapshot service
+    snapshot_tls_cert: Path | None = None
+    snapshot_tls_key: Path | None = None
+    snapshot_key_file: Path | None = None  # the snapshot service's API key of this replica
+    # Generate streams at once per API key (with --api-keys; below the handler threads)
+    max_streams_per_key: int = 16
+    max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
+    tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
 
     @property
     def grpc_workers(self) -> int:
@@ -160,8 +176,22 @@ class Config:
                             f"'-', '_' or '.'")
         if self.log_format not in ("json", "text"):
             problems.append(f"--log-format {self.log_format!r} is not json or text")
+        if self.api_keys is not None and not 0 < self.max_streams_per_key < self.grpc_workers:
+            problems.append(f"--max-streams-per-key must be in 1..{self.grpc_workers - 1} "
+                            "(fewer than the handler threads)")
+        if self.max_prompt_bytes < 1 or self.tokenize_threads < 1:
+            problems.append("--max-prompt-bytes and --tokenize-threads must be >= 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            problems.append("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            problems.append("--tls-client-ca needs --tls-cert and --tls-key")
+        if (self.snapshot_tls_cert is None) != (self.snapshot_tls_key is None):
+            problems.append("--snapshot-tls-cert and --snapshot-tls-key go together")
+        if self.snapshot_tls_cert is not None and self.snapshot_tls_ca is None:
+            problems.append("--snapshot-tls-cert needs --snapshot-tls-ca")
         if problems:
             raise ValueError("; ".join(problems))
+        tls.check_exposure(self.host, self.api_keys, self.tls_cert is not None, self.insecure)
 
 
 def _is_host_port(addr: str) -> bool:
@@ -267,25 +297,32 @@ def parser() -> argparse.ArgumentParser:
            "(0: one response per step)")
     a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
     a("--log-format", default=d.log_format, choices=("json", "text"))
+    a("--max-streams-per-key", type=int, default=d.max_streams_per_key,
+      help="with --api-keys: Generate streams one key may have running or queued at once "
+           "(RESOURCE_EXHAUSTED beyond), so that other keys always find a handler thread")
+    a("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+      help="longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
+    a("--tokenize-threads", type=int, default=d.tokenize_threads,
+      help="threads that tokenize request text (--max-queue more texts may wait)")
+    a("--api-keys", type=_path_or_none, default=d.api_keys,
+      help="file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); "
+           "calls other than health then need 'authorization: Bearer <key>'")
+    a("--insecure", action="store_true", default=d.insecure,
+      help="allow a non-loopback --host with neither --api-keys nor TLS")
+    a("--tls-cert", type=_path_or_none, default=d.tls_cert, help="TLS certificate (PEM)")
+    a("--tls-key", type=_path_or_none, default=d.tls_key, help="TLS private key (PEM)")
+    a("--tls-client-ca", type=_path_or_none, default=d.tls_client_ca,
+      help="CA (PEM) whose client certificates are required (mutual TLS)")
+    a("--snapshot-tls-ca", type=_path_or_none, default=d.snapshot_tls_ca,
+      help="CA (PEM) of the snapshot service's certificate: TLS to the snapshot service")
+    a("--snapshot-tls-cert", type=_path_or_none, default=d.snapshot_tls_cert,
+      help="client certificate (PEM) for a snapshot service that requires one")
+    a("--snapshot-tls-key", type=_path_or_none, default=d.snapshot_tls_key,
+      help="key (PEM) of --snapshot-tls-cert")
+    a("--snapshot-key-file", type=_path_or_none, default=d.snapshot_key_file,
+      help="file holding this replica's API key of the snapshot service")
+    settings.document_env(p, ENV_PREFIX)
     return p
-
-
-def _env_args(p: argparse.ArgumentParser, env: Mapping[str, str]) -> list[str]:
-    """`--flag value` for every WARMSLOT_FLAG set in the environment."""
-    out: list[str] = []
-    for action in p._actions:
-        flag = next((s for s in action.option_strings if s.startswith("--")), None)
-        if flag is None or flag == "--help":
-            continue
-        var = ENV_PREFIX + flag[2:].replace("-", "_").upper()
-        if var not in env:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):  # WARMSLOT_AUTO_SAVE=0
-            off = env[var].strip().lower() in ("0", "false", "no", "off")
-            out.append("--no-" + flag[2:] if off else flag)
-        else:
-            out += [flag, env[var]]
-    return out
 
 
 def from_args(argv: Sequence[str] | None = None,
@@ -293,7 +330,7 @@ def from_args(argv: Sequence[str] | None = None,
     """The configuration from flags, then environment variables, then defaults."""
     p = parser()
     env = os.environ if env is None else env
-    ns = p.parse_args([*_env_args(p, env), *(argv if argv is not None else [])])
+    ns = settings.parse(p, argv if argv is not None else [], env, ENV_PREFIX)
     try:
         return Config(
             model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,
@@ -312,7 +349,13 @@ def from_args(argv: Sequence[str] | None = None,
             default_max_tokens=ns.default_max_tokens, max_queue_wait=ns.max_queue_wait,
             max_queue=ns.max_queue, seed=ns.seed, shutdown_grace=ns.shutdown_grace,
             workers=ns.workers, stream_interval_ms=ns.stream_interval_ms,
-            log_level=ns.log_level, log_format=ns.log_format)
+            log_level=ns.log_level, log_format=ns.log_format, api_keys=ns.api_keys,
+            insecure=ns.insecure, tls_cert=ns.tls_cert, tls_key=ns.tls_key,
+            tls_client_ca=ns.tls_client_ca, snapshot_tls_ca=ns.snapshot_tls_ca,
+            snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
+            snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
+            max_streams_per_key=ns.max_streams_per_key,
+            tokenize_threads=ns.tokenize_threads)
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

@@ -1,5 +1,6 @@
-"""Typed service errors, one per gRPC status code, and the one mapping from any
-exception raised below a handler to a status code (used by the interceptor)."""
+"""The service's errors (the shared status errors, snapshot_svc.clientlib.errors) and
+the mapping of the core's and slot files' exceptions to status codes (used by the
+shared interceptor)."""
 
 from __future__ import annotations
 
@@ -7,52 +8,27 @@ import grpc
 
 from inference_svc import slotfile
 from inference_svc.core import errors as core_errors
+from snapshot_svc.clientlib import interceptor
+from snapshot_svc.clientlib.errors import (
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    StatusError,
+    Unauthenticated,
+    Unavailable,
+)
 
+ServiceError = StatusError  # a failed request with its gRPC status code
 
-class ServiceError(Exception):
-    """A failed request with its gRPC status code."""
-
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
-class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class DataLoss(ServiceError):
-    code = grpc.StatusCode.DATA_LOSS
-
-
-class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class DeadlineExceeded(ServiceError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class Cancelled(ServiceError):
-    code = grpc.StatusCode.CANCELLED
-
-
-class Internal(ServiceError):
-    code = grpc.StatusCode.INTERNAL
+__all__ = ["Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
+           "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted",
+           "ServiceError", "Unauthenticated", "Unavailable", "status_of"]
 
 
 # checked in order: the first matching class wins
@@ -70,9 +46,7 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a failed call returns for an exception."""
-    if isinstance(exc, ServiceError):
-        return exc.code, exc.message
     for cls, code in _MAPPING:
         if isinstance(exc, cls):
             return code, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    return interceptor.status_of(exc)

@@ -1,5 +1,5 @@
-"""The gRPC server: thin handlers over the engine and the slot manager, one
-interceptor that maps exceptions to status codes, health, reflection,
+"""The gRPC server: thin handlers over the engine and the slot manager, the shared
+status interceptor (exceptions to status codes, API keys), health, reflection,
 metrics, and a graceful stop."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc import __version__, autosave, log, slotfile
+from inference_svc import __version__, access, autosave, log, slotfile
 from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.engine import Engine, GenJob
@@ -25,6 +25,7 @@ from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
+from inference_svc.prompts import BoundedTokenizer
 from inference_svc.slots import SlotManager
 from inference_svc.snapshot_failover import FailoverStore, parse_addrs
 from inference_svc.snapshot_store import SnapshotStore
@@ -36,6 +37,9 @@ from inference_svc.types import (
     RequestContext,
     check_tokens,
 )
+from snapshot_svc.clientlib import auth, tls
+from snapshot_svc.clientlib.interceptor import StatusInterceptor
+from snapshot_svc.clientlib.streams import StreamLimit
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks (issue 6)
@@ -46,61 +50,6 @@ FALLBACK_CLOSE_S = 1.0  # the stop waits this long for an upload of the fallback
 def _time_remaining(context: grpc.ServicerContext) -> float | None:
     t = context.time_remaining()
     return None if t is None or t > 1e7 else max(float(t), 0.0)
-
-
-class ErrorInterceptor(grpc.ServerInterceptor):
-    """Turns any exception of a handler into its status code (errors.status_of) and
-    counts calls by method and code."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self.log = log.get()
-
-    def _fail(self, method: str, exc: BaseException, context: grpc.ServicerContext) -> None:
-        code, message = status_of(exc)
-        self.metrics.requests.labels(method, code.name).inc()
-        if code is grpc.StatusCode.INTERNAL:
-            self.log.error("handler failed", exc_info=exc, extra=log.fields(method=method))
-        else:
-            self.log.debug("request failed", extra=log.fields(
-                method=method, code=code.name, error=message))
-        context.abort(code, message)
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return handler
-        method = details.method.rsplit("/", 1)[-1]
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                try:
-                    resp = inner(request, context)
-                except Exception as exc:
-                    self._fail(method, exc, context)
-                    raise  # unreachable: abort raises
-                self.metrics.requests.labels(method, "OK").inc()
-                return resp
-
-            return handler._replace(unary_unary=unary)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                try:
-                    yield from inner_stream(request, context)
-                except GeneratorExit:
-                    self.metrics.requests.labels(method, "CANCELLED").inc()
-                    raise
-                except Exception as exc:
-                    self._fail(method, exc, context)
-                    raise  # unreachable: abort raises
-                self.metrics.requests.labels(method, "OK").inc()
-
-            return handler._replace(unary_stream=stream)
-        return handler
 
 
 @dataclass
@@ -117,6 +66,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.runtime: Runtime | None = None  # None while the models load
+        self.streams = StreamLimit(cfg.max_streams_per_key)
 
     def _rt(self) -> Runtime:
         rt = self.runtime
@@ -126,6 +76,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Generate(self, request: pb.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        caller = auth.CURRENT.get()
+        if caller is None:  # no keys: the queue's limits apply (--max-queue)
+            yield from self._generate(request, context)
+            return
+        with self.streams.hold(caller):
+            yield from self._generate(request, context)
+
+    def _generate(self, request: pb.GenerateRequest,
+                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         rt = self._rt()
         params = GenerateParams.from_pb(request, rt.rc)
         job = rt.engine.generate(params, _time_remaining(context))
@@ -192,6 +151,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                   context: grpc.ServicerContext) -> pb.EraseSlotResponse:
         n = self._rt().slots.erase(request.id_slot, _time_remaining(context))
         return pb.EraseSlotResponse(id_slot=request.id_slot, n_erased=n)
+
+
+def snapshot_security(cfg: Config) -> dict[str, Any]:
+    """The snapshot client's TLS credentials and API key from the configuration."""
+    creds = (tls.channel_credentials(cfg.snapshot_tls_ca, cfg.snapshot_tls_cert,
+                                     cfg.snapshot_tls_key)
+             if cfg.snapshot_tls_ca is not None else None)
+    key = (auth.read_key_file(cfg.snapshot_key_file) if cfg.snapshot_key_file is not None
+           else None)
+    return {"credentials": creds, "api_key": key}
 
 
 def _model_info(model: Model, path: Any) -> pb.ModelInfo:
@@ -274,6 +243,14 @@ class Server:
         self._fallback: Fallback | None = None
         self._slots: SlotManager | None = None
         self._engine: Engine | None = None
+        self._keys = access.key_ring(cfg.api_keys) if cfg.api_keys is not None else None
+        self._gate = (auth.gate(self._keys, access.allowed) if self._keys is not None
+                      else None)
+
+    def reload_keys(self) -> None:
+        """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
+        if self._keys is not None:
+            self._keys.reload_logged(self.log)
 
     def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -287,7 +264,9 @@ class Server:
         cfg.check_models()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers,
                                                         thread_name_prefix="grpc"),
-                             interceptors=[ErrorInterceptor(self.metrics)],
+                             interceptors=[StatusInterceptor(
+                                 lambda m, code: self.metrics.requests.labels(m, code).inc(),
+                                 self.log, self._gate, status_of)],
                              options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -295,7 +274,12 @@ class Server:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), server)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        addr = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert is not None and cfg.tls_key is not None:
+            self.port = server.add_secure_port(addr, tls.server_credentials(
+                cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca))
+        else:
+            self.port = server.add_insecure_port(addr)
         if self.port == 0:
             raise OSError(f"cannot listen on {cfg.host}:{cfg.port}")
         server.start()
@@ -304,7 +288,9 @@ class Server:
             self.metrics_port, self._metrics_stop = self.metrics.serve(cfg.metrics_host,
                                                                        cfg.metrics_port)
         self.log.info("listening", extra=log.fields(
-            host=cfg.host, port=self.port, metrics_port=self.metrics_port or None))
+            host=cfg.host, port=self.port, metrics_port=self.metrics_port or None,
+            tls=cfg.tls_cert is not None, mtls=cfg.tls_client_ca is not None,
+            api_keys=len(self._keys) if self._keys is not None else None))
         return self.port
 
     def load(self) -> None:
@@ -323,8 +309,10 @@ class Server:
         engine = Engine(cfg, target, draft, self.metrics)
         self._engine = engine  # closed by stop() even if start-up is cut short
         store = self._open_store()
-        rc = RequestContext(cfg, engine.tokenizer, target.n_vocab, engine.n_ctx, engine.n_slots,
-                            engine.has_draft)
+        tokenizer = BoundedTokenizer(engine.tokenizer, cfg.max_prompt_bytes,
+                                     cfg.tokenize_threads, cfg.max_queue)
+        rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,  # type: ignore[arg-type]
+                            engine.n_slots, engine.has_draft)
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
         if store is not None and cfg.auto_save:
@@ -349,7 +337,7 @@ class Server:
             def open_snapshot_store(addr: str) -> SnapshotStore:
                 return SnapshotStore(addr, timeout=cfg.snapshot_timeout,
                                      max_protocol=cfg.snapshot_client_max_protocol,
-                                     logger=self.log)
+                                     logger=self.log, **snapshot_security(cfg))
 
             addrs = parse_addrs(cfg.snapshot_addr)
             self._store = (open_snapshot_store(addrs[0]) if len(addrs) == 1

@@ -81,11 +81,14 @@ class SnapshotStore:
                   restarting service before it raises Unavailable.
     min_rate:     slowest transfer rate in bytes/s the deadlines allow for.
     logger:       where the one protocol-1 warning goes (default: the service's logger).
+    credentials, api_key: TLS and the key of the snapshot client (SnapshotClient).
     """
 
     def __init__(self, addr: str, *, timeout: float = 30.0, max_protocol: int = PROTOCOL_MAX,
                  retries: int = 5, backoff: float = 0.1, min_rate: float = 32 << 20,
-                 logger: logging.Logger | None = None) -> None:
+                 logger: logging.Logger | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 api_key: str | None = None) -> None:
         if not addr or ":" not in addr:
             raise ValueError(f"snapshot service address {addr!r} is not HOST:PORT")
         if timeout <= 0:
@@ -100,6 +103,8 @@ class SnapshotStore:
         self.backoff = backoff
         self.min_rate = min_rate
         self.log = logger or log.get()
+        self._credentials = credentials
+        self._api_key = api_key
         self._lock = threading.Lock()
         self._client = self._new_client()
         self._retired: list[SnapshotClient] = []  # replaced after a downgrade; closed last
@@ -110,7 +115,8 @@ class SnapshotStore:
     def _new_client(self) -> SnapshotClient:
         return SnapshotClient(self.addr, max_protocol=self.max_protocol, timeout=self.timeout,
                               retries=self.retries, backoff=self.backoff,
-                              min_rate=self.min_rate)
+                              min_rate=self.min_rate, credentials=self._credentials,
+                              api_key=self._api_key)
 
     # --- SlotStore --------------------------------------------------------------------
 

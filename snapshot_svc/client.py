@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 import grpc
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, __version__, buffers
+from snapshot_svc.clientlib.auth import BearerInterceptor
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
@@ -191,12 +192,16 @@ class SnapshotClient:
     timeout:     deadline of each call in seconds (transfers get size / min_rate more).
     min_rate:    slowest transfer rate in bytes/s the deadline allows for.
     retries:     how many times an UNAVAILABLE call is retried (backoff from `backoff` s).
+    credentials: TLS (clientlib.tls.channel_credentials); None: plaintext.
+    api_key:     sent as `authorization: Bearer <key>` with every call.
     """
 
     def __init__(self, addr: str, *, max_protocol: int = PROTOCOL_MAX,
                  min_protocol: int = PROTOCOL_MIN, timeout: float = 30.0,
                  min_rate: float = 32 << 20, retries: int = 5, backoff: float = 0.1,
-                 max_backoff: float = 2.0, channel: grpc.Channel | None = None) -> None:
+                 max_backoff: float = 2.0, channel: grpc.Channel | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 api_key: str | None = None) -> None:
         if not PROTOCOL_MIN <= min_protocol <= max_protocol <= PROTOCOL_MAX:
             raise ValueError(f"need {PROTOCOL_MIN} <= min_protocol <= max_protocol <= "
                              f"{PROTOCOL_MAX}")
@@ -208,7 +213,13 @@ class SnapshotClient:
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
-        self._channel = channel or grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+        if channel is None:
+            channel = (grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
+                       if credentials is None else
+                       grpc.secure_channel(addr, credentials, options=list(CHANNEL_OPTIONS)))
+        if api_key:
+            channel = grpc.intercept_channel(channel, BearerInterceptor(api_key))
+        self._channel = channel
         self._stub = SnapshotStub(self._channel)  # chunks without extra copies
         self._lock = threading.Lock()
         self._info: ServerInfo | SnapshotError | None = None  # Hello's answer, once

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
+from snapshot_svc.clientlib import settings, tls
 
 ENV_PREFIX = "WARMSLOT_SNAPSHOT_"
 DEFAULT_PORT = 50052
@@ -48,6 +50,16 @@ class SnapshotConfig:
     s3_region: str = ""  # empty: us-east-1 (or AWS_DEFAULT_REGION... through boto3)
     replica_id: str = ""  # names this replica's uploads in the bucket; empty: the host name
     gc_grace_s: float = 3600.0  # S3: unreferenced objects younger than this are kept
+    # security: API keys with namespaces (clientlib.auth) and TLS
+    api_keys: Path | None = None
+    insecure: bool = False  # serve a non-loopback address with neither keys nor TLS
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: clients need a certificate it signed (mTLS)
+    # limits that keep one client from starving the others (limits.py)
+    stream_idle_timeout_s: float = 30.0  # a Put sending nothing this long is cancelled
+    max_streams_per_key: int = 8  # Put/Get streams at once per key (< workers)
+    quota_bytes: int = 0  # stored bytes per key namespace; 0 = no quota
 
     def __post_init__(self) -> None:
         if (self.data_dir is None) == (not self.store):
@@ -63,17 +75,26 @@ class SnapshotConfig:
             raise ValueError("max_snapshot_bytes and workers must be positive, grace_s >= 0")
         if self.spare_bytes < 0:
             raise ValueError("spare_bytes must be >= 0")
+        if self.stream_idle_timeout_s <= 0 or self.quota_bytes < 0:
+            raise ValueError("--stream-idle-timeout must be > 0 and --quota-bytes >= 0")
+        if not 0 < self.max_streams_per_key < self.workers:
+            raise ValueError(f"--max-streams-per-key must be in 1..{self.workers - 1} (fewer "
+                             "than --workers, so that other keys always find a thread)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        tls.check_exposure(self.host, self.api_keys, self.tls_cert is not None, self.insecure)
+
+
+def _path_or_none(value: str) -> Path | None:
+    return None if value.strip().lower() in ("", "none") else Path(value)
 
 
 def _flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
           conv: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
-    var = ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-    if var in env:
-        try:
-            default = conv(env[var])
-        except (ValueError, argparse.ArgumentTypeError) as exc:
-            parser.error(f"{var}={env[var]!r}: {exc}")
-    parser.add_argument(flag, type=conv, default=default, help=f"{help} [env {var}]", **kw)
+    """One flag; its variable (settings.env_var) is applied by parse_config."""
+    parser.add_argument(flag, type=conv, default=default, help=help, **kw)
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -109,6 +130,21 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
           "seconds a staged target waits for its draft")
     _flag(p, env, "--log-level", str, d.log_level, "debug, info, warning or error")
+    _flag(p, env, "--api-keys", _path_or_none, None,
+          "file of API keys, one '<key> namespace=NAME|admin' per line (reloaded on SIGHUP)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host with neither --api-keys nor TLS")
+    _flag(p, env, "--tls-cert", _path_or_none, None, "TLS certificate (PEM)")
+    _flag(p, env, "--tls-key", _path_or_none, None, "TLS private key (PEM)")
+    _flag(p, env, "--tls-client-ca", _path_or_none, None,
+          "CA (PEM) whose client certificates are required (mutual TLS)")
+    _flag(p, env, "--stream-idle-timeout", float, d.stream_idle_timeout_s,
+          "seconds a Put may send nothing before it is cancelled (its space freed)")
+    _flag(p, env, "--max-streams-per-key", int, d.max_streams_per_key,
+          "Put/Get streams one API key may have open at once (RESOURCE_EXHAUSTED beyond)")
+    _flag(p, env, "--quota-bytes", parse_size, d.quota_bytes,
+          "bytes a namespaced key's snapshots may hold (RESOURCE_EXHAUSTED beyond); 0 = off")
+    settings.document_env(p, ENV_PREFIX)
     return p
 
 
@@ -116,7 +152,7 @@ def parse_config(argv: Sequence[str] | None = None,
                  env: Mapping[str, str] | None = None) -> SnapshotConfig:
     env = os.environ if env is None else env
     parser = build_parser(env)
-    a = parser.parse_args(argv)
+    a = settings.parse(parser, argv if argv is not None else sys.argv[1:], env, ENV_PREFIX)
     if a.data_dir is None and not a.store:
         parser.error(f"--data-dir (or {ENV_PREFIX}DATA_DIR) or --store is required")
     try:
@@ -129,7 +165,12 @@ def parse_config(argv: Sequence[str] | None = None,
                               metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
                               stage_ttl_s=a.stage_ttl, log_level=a.log_level, store=a.store,
                               s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
-                              replica_id=a.replica_id, gc_grace_s=a.gc_grace)
+                              replica_id=a.replica_id, gc_grace_s=a.gc_grace,
+                              api_keys=a.api_keys, insecure=a.insecure, tls_cert=a.tls_cert,
+                              tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
+                              stream_idle_timeout_s=a.stream_idle_timeout,
+                              max_streams_per_key=a.max_streams_per_key,
+                              quota_bytes=a.quota_bytes)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

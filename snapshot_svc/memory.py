@@ -9,9 +9,10 @@ a 64 MiB Put paid ~20 ms of faults on the server and a Get ~25 ms on the client.
 With chunks served from the heap and the heap top kept, each chunk reuses the
 memory the previous one freed.
 
-`tune_malloc()` is called by the entry points of both services (and by the
-snapshot benchmark, which stands in for the inference service's process); the
-library modules never change process-wide settings on import.
+`tune_malloc()` is called by the snapshot service's entry point (and by the snapshot
+benchmark); the library modules never change process-wide settings on import. The
+inference service does not import it: its image sets the same thresholds with
+GLIBC_TUNABLES (deploy/Dockerfile).
 """
 
 from __future__ import annotations

@@ -16,24 +16,26 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__
+from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, limits, tenants
 from snapshot_svc.backend import Backend
+from snapshot_svc.clientlib import auth, tls
+from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import (
     Cancelled,
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
     SnapshotError,
     Unavailable,
 )
@@ -72,120 +74,6 @@ def negotiate(client_min: int, client_max: int, server_max: int) -> int:
     return chosen
 
 
-class _Malformed:
-    """Stands for a request message that did not parse (INVALID_ARGUMENT, not INTERNAL)."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    if deserializer is None:
-        return None
-
-    def parse(data: bytes) -> Any:
-        try:
-            return deserializer(data)
-        except DecodeError as exc:  # e.g. a name that is not valid UTF-8
-            return _Malformed(str(exc) or "malformed request")
-
-    return parse
-
-
-def _check(request: Any) -> Any:
-    if isinstance(request, _Malformed):
-        raise InvalidArgument(f"malformed request: {request.error}")
-    return request
-
-
-def _checked(requests: Iterable[Any]) -> Iterator[Any]:
-    for r in requests:
-        yield _check(r)
-
-
-class StatusInterceptor(grpc.ServerInterceptor):
-    """Wraps every Snapshot handler: refuses calls while draining (UNAVAILABLE), turns
-    SnapshotError into its status code and anything else into INTERNAL, makes
-    unparsable requests INVALID_ARGUMENT, and counts calls by method and code."""
-
-    def __init__(self, draining: threading.Event, metrics: Metrics) -> None:
-        self._draining = draining
-        self._metrics = metrics
-        self._prefix = f"/{SERVICE_NAME}/"
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(handler_call_details)
-        name = handler_call_details.method
-        if handler is None or not name.startswith(self._prefix):
-            return handler
-        method = name[len(self._prefix):]
-        deser = _tolerant(handler.request_deserializer)
-        if handler.unary_unary:
-            uu = handler.unary_unary
-
-            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                return self._call(method, context, lambda: uu(_check(request), context))
-
-            return handler._replace(request_deserializer=deser, unary_unary=unary_unary)
-        if handler.stream_unary:
-            su = handler.stream_unary
-
-            def stream_unary(requests: Iterable[Any], context: grpc.ServicerContext) -> Any:
-                return self._call(method, context, lambda: su(_checked(requests), context))
-
-            return handler._replace(request_deserializer=deser, stream_unary=stream_unary)
-        if handler.unary_stream:
-            us = handler.unary_stream
-
-            def unary_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                return self._stream(method, context, lambda: us(_check(request), context))
-
-            return handler._replace(request_deserializer=deser, unary_stream=unary_stream)
-        return handler  # no stream-stream methods
-
-    def _enter(self) -> None:
-        if self._draining.is_set():
-            raise Unavailable("the snapshot service is shutting down")
-
-    def _fail(self, method: str, context: grpc.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, grpc.RpcError | Cancelled) or not context.is_active():
-            self._metrics.rpcs.labels(method, "CANCELLED").inc()
-            log_event(log, logging.INFO, "rpc_cancelled", method=method)
-            if isinstance(exc, grpc.RpcError):
-                raise exc  # raised by grpc itself (the request stream broke): it knows
-            context.abort(grpc.StatusCode.CANCELLED, "the client went away")
-        if isinstance(exc, SnapshotError):
-            code, message = exc.code, exc.message
-            log_event(log, logging.INFO, "rpc_failed", method=method, code=code.name,
-                      message=message)
-        else:
-            code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"
-            log.exception("internal_error", extra={"event_fields": {"method": method}})
-        self._metrics.rpcs.labels(method, code.name).inc()
-        context.abort(code, message)
-
-    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
-        try:
-            self._enter()
-            response = fn()
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            self._fail(method, context, exc)
-            raise  # unreachable: _fail raises
-        self._metrics.rpcs.labels(method, "OK").inc()
-        return response
-
-    def _stream(self, method: str, context: grpc.ServicerContext,
-                fn: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-        try:
-            self._enter()
-            yield from fn()
-        except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            self._fail(method, context, exc)
-            raise  # unreachable
-        self._metrics.rpcs.labels(method, "OK").inc()
-
-
 class SnapshotServicer(pb_grpc.SnapshotServicer):
     """The Snapshot RPCs over a storage backend. Errors are raised as SnapshotError."""
 
@@ -193,6 +81,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         self.config = config
         self.store = store
         self.metrics = metrics
+        self.streams = limits.StreamLimit(config.max_streams_per_key)
 
     @property
     def drafts(self) -> bool:
@@ -225,6 +114,27 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
 
     def Put(self, request_iterator: Iterator[pb.PutRequest],
             context: grpc.ServicerContext) -> pb.PutResponse:
+        with self.streams.hold(auth.CURRENT.get()):
+            return self._put(limits.until_idle(request_iterator,
+                                               self.config.stream_idle_timeout_s, "Put"),
+                             context)
+
+    def _check_quota(self, stored: str, size: int) -> None:
+        """RESOURCE_EXHAUSTED when a namespaced key's Put of `size` bytes would take its
+        namespace past --quota-bytes (what the name holds now is not counted)."""
+        caller = auth.CURRENT.get()
+        quota = self.config.quota_bytes
+        if not quota or caller is None or caller.namespace is None or caller.is_admin:
+            return
+        used = sum(s.target.size + (s.draft.size if s.draft else 0)
+                   for s in self.store.list(tenants.stored_prefix(caller, ""))
+                   if s.name != stored)
+        if used + size > quota:
+            raise ResourceExhausted(f"namespace {caller.namespace!r} holds {used} bytes; "
+                                    f"{size} more would pass its quota of {quota} bytes")
+
+    def _put(self, request_iterator: Iterator[pb.PutRequest],
+             context: grpc.ServicerContext) -> pb.PutResponse:
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         upload = None
@@ -238,10 +148,11 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             part = self._part(h.part)
             label = part.label
             header = self.store.check_header(
-                h.name, part, h.size, h.sha256, PartMeta(h.format_version, h.fingerprint,
-                                                         h.n_tokens),
+                tenants.stored_name(auth.CURRENT.get(), h.name), part, h.size, h.sha256,
+                PartMeta(h.format_version, h.fingerprint, h.n_tokens),
                 draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
                 target_sha256=h.target_sha256, trailer=self.drafts)
+            self._check_quota(header.name, h.size)
             upload = self.store.begin_put(header)
             trailer = None
             for msg in request_iterator:  # chunks arrive as memoryviews (wire.py)
@@ -274,7 +185,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                       bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
                       committed=out.committed, spare=spare,
                       ms=round((time.perf_counter() - t0) * 1e3, 2))
-            return pb.PutResponse(name=header.name, part=int(part), bytes=out.info.size,
+            return pb.PutResponse(name=h.name, part=int(part), bytes=out.info.size,
                                   sha256=out.info.sha256, commit_id=out.commit_id,
                                   committed=out.committed, has_draft=out.has_draft)
         except SnapshotError as exc:
@@ -299,19 +210,26 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
 
     def Get(self, request: pb.GetRequest,
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
+        with self.streams.hold(auth.CURRENT.get()):
+            yield from self._get(request, context)
+
+    def _get(self, request: pb.GetRequest,
+             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         try:
             part = self._part(request.part)
             label = part.label
-            snap, reader = self.store.open_part(request.name, part, request.target_sha256)
+            snap, reader = self.store.open_part(
+                tenants.stored_name(auth.CURRENT.get(), request.name), part,
+                request.target_sha256)
             info = snap.part(part)
             assert info is not None
             try:
                 draft_sha = snap.draft.sha256 if (part is Part.TARGET and snap.draft
                                                   and self.drafts) else ""
                 yield pb.GetResponse(header=pb.GetHeader(
-                    name=snap.name, commit_id=snap.commit_id,
+                    name=request.name, commit_id=snap.commit_id,
                     created_unix_ms=snap.created_unix_ms, info=info.to_pb(),
                     draft_sha256=draft_sha))
                 remaining = info.size
@@ -337,15 +255,26 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             self.metrics.get_seconds.labels(label).observe(time.perf_counter() - t0)
 
     def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
-        return pb.StatResponse(snapshot=self._visible(self.store.stat(request.name)).to_pb())
+        info = self._visible(self.store.stat(tenants.stored_name(auth.CURRENT.get(),
+                                                                 request.name))).to_pb()
+        info.name = request.name
+        return pb.StatResponse(snapshot=info)
 
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        return pb.ListResponse(
-            snapshots=[self._visible(s).to_pb() for s in self.store.list(request.prefix)])
+        caller = auth.CURRENT.get()
+        out = []
+        for s in self.store.list(tenants.stored_prefix(caller, request.prefix)):
+            name = tenants.caller_name(caller, s.name)
+            if name is not None:
+                info = self._visible(s).to_pb()
+                info.name = name
+                out.append(info)
+        return pb.ListResponse(snapshots=out)
 
     def Delete(self, request: pb.DeleteRequest,
                context: grpc.ServicerContext) -> pb.DeleteResponse:
-        return pb.DeleteResponse(bytes_freed=self.store.delete(request.name))
+        return pb.DeleteResponse(bytes_freed=self.store.delete(
+            tenants.stored_name(auth.CURRENT.get(), request.name)))
 
 
 def open_backend(config: SnapshotConfig) -> Backend:
@@ -372,13 +301,18 @@ class SnapshotServer:
         self.port = 0
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        # before the store opens: a wrong key file (ValueError) leaves nothing open
+        self._keys = (auth.KeyRing(config.api_keys, (auth.ADMIN,), namespaces=True)
+                      if config.api_keys is not None else None)
         self.store = open_backend(config)
         self.metrics = Metrics(self.store.usage, self.store.spares)
         # calls beyond `workers` wait for a thread (they are not refused)
         self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
                                                     thread_name_prefix="snapshot-rpc")
         self._grpc = grpc.server(
-            self._executor, interceptors=[StatusInterceptor(self._draining, self.metrics)],
+            self._executor, interceptors=[StatusInterceptor(
+                lambda method, code: self.metrics.rpcs.labels(method, code).inc(), log,
+                self._gate)],
             options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
                      ("grpc.so_reuseport", 0)])
         add_snapshot_servicer(SnapshotServicer(config, self.store, self.metrics), self._grpc)
@@ -388,14 +322,31 @@ class SnapshotServer:
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         self._metrics_http: Any = None
 
+    def _gate(self, method: str, context: grpc.ServicerContext) -> auth.Principal | None:
+        if self._draining.is_set():
+            raise Unavailable("the snapshot service is shutting down")
+        # every known key may call every method; its namespace limits the names
+        return self._keys.authenticate(context.invocation_metadata()) if self._keys else None
+
+    def reload_keys(self) -> None:
+        """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
+        if self._keys is not None:
+            self._keys.reload_logged(log)
+
     @property
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
     def start(self) -> int:
         try:
-            self.port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        except RuntimeError as exc:
+            addr = f"{self.config.host}:{self.config.port}"
+            c = self.config
+            if c.tls_cert is not None and c.tls_key is not None:
+                self.port = self._grpc.add_secure_port(addr, tls.server_credentials(
+                    c.tls_cert, c.tls_key, c.tls_client_ca))
+            else:
+                self.port = self._grpc.add_insecure_port(addr)
+        except (RuntimeError, ValueError) as exc:
             self.store.close()
             raise Unavailable(f"cannot listen on {self.config.host}:{self.config.port}: "
                               f"{exc}") from exc
@@ -409,7 +360,9 @@ class SnapshotServer:
                   max_protocol=self.config.max_protocol,
                   max_snapshot_bytes=self.config.max_snapshot_bytes,
                   store=self.store.describe(), metrics_port=self.config.metrics_port,
-                  version=__version__)
+                  version=__version__, tls=self.config.tls_cert is not None,
+                  mtls=self.config.tls_client_ca is not None,
+                  api_keys=len(self._keys) if self._keys is not None else None)
         return self.port
 
     def stop(self, grace: float | None = None) -> None:
@@ -458,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SnapshotError as exc:
         log_event(log, logging.ERROR, "start_failed", error=exc.message)
         return 1
+    except ValueError as exc:  # an unreadable or wrong key file
+        log_event(log, logging.ERROR, "start_failed", error=str(exc))
+        return 1
+    signal.signal(signal.SIGHUP, lambda signum, frame: server.reload_keys())
     while not stop.wait(0.5):
         pass
     server.stop()

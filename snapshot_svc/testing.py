@@ -87,7 +87,7 @@ class ServerProcess:
             try:
                 rec = json.loads(line)
             except ValueError:
-                rec = {"event": "raw", "text": line.rstrip("\n")}
+                rec = {"msg": "raw", "text": line.rstrip("\n")}
             self.lines.append(rec)
             self._new.put(rec)
 
@@ -95,7 +95,7 @@ class ServerProcess:
         """The first log record with this event (seen before or arriving within timeout)."""
         deadline = time.monotonic() + timeout
         for rec in list(self.lines):
-            if rec.get("event") == event:
+            if rec.get("msg") == event:
                 return rec
         while True:
             left = deadline - time.monotonic()
@@ -111,7 +111,7 @@ class ServerProcess:
                         raise TimeoutError(f"server exited ({self.proc.returncode}) before "
                                            f"{event!r}; log: {self.lines[-20:]}") from None
                 continue
-            if rec.get("event") == event:
+            if rec.get("msg") == event:
                 return rec
 
     def terminate(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

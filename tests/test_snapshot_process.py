@@ -88,8 +88,8 @@ def test_client_killed_mid_upload_leaves_nothing(tmp_path: Path, mode: str) -> N
         # grpc reports the lost client as a cancellation or as a stream that ended
         # early (then the size check refuses it): either way nothing is stored
         wait_until(lambda: any(
-            r.get("event") == "rpc_cancelled"
-            or (r.get("event") == "rpc_failed" and "truncated" in r.get("message", ""))
+            r.get("msg") == "rpc_cancelled"
+            or (r.get("msg") == "rpc_failed" and "truncated" in r.get("message", ""))
             for r in list(server.lines)), what="upload abandoned")
         got = c.get("s")
         assert (got.target, got.draft) == (b"old-target", b"old-draft")
@@ -107,7 +107,7 @@ def test_restart_between_save_and_restore(tmp_path: Path) -> None:
     with ServerProcess(None, env=env) as first, SnapshotClient(first.address) as c:
         res = c.put("auto-host-slot0", target, draft)
         assert first.terminate() == 0
-    assert any(rec.get("event") == "stopped" for rec in first.lines)
+    assert any(rec.get("msg") == "stopped" for rec in first.lines)
     with ServerProcess(None, env=env) as second, SnapshotClient(second.address) as c:
         got = c.get("auto-host-slot0")
         assert (got.target, got.draft, got.info.commit_id) == (target, draft, res.commit_id)
@@ -165,7 +165,7 @@ def test_cli_flags_and_env(tmp_path: Path) -> None:
                                 "--port", "0"], cwd=ROOT, capture_output=True, text=True,
                                timeout=30)
         assert clash.returncode == 1
-        assert '"event": "start_failed"' in clash.stderr and "in use" in clash.stderr
+        assert '"msg": "start_failed"' in clash.stderr and "in use" in clash.stderr
     usage = subprocess.run([sys.executable, "-m", "snapshot_svc"], cwd=ROOT,
                            capture_output=True, text=True, timeout=30, env={"PATH": ""})
     assert usage.returncode == 2 and "WARMSLOT_SNAPSHOT_DATA_DIR" in usage.stderr

@@ -741,9 +741,9 @@ def test_metrics_endpoint(tmp_path: Path) -> None:
 def test_log_lines_are_json_events() -> None:
     rec = logging.LogRecord("snapshot_svc.storage", logging.INFO, __file__, 1,
                             "snapshot_committed", None, None)
-    rec.event_fields = {"name": "s", "target_bytes": 10}
+    rec.fields = {"name": "s", "target_bytes": 10}
     out = json.loads(JsonFormatter().format(rec))
-    assert out["event"] == "snapshot_committed" and out["level"] == "info"
+    assert out["msg"] == "snapshot_committed" and out["level"] == "info"
     assert out["name"] == "s" and out["target_bytes"] == 10 and out["ts"].endswith("Z")
 
 

@@ -47,10 +47,13 @@ def compose_command() -> list[str] | None:
     return None
 
 
-def health(addr: str, timeout: float = 2.0) -> str:
+def health(addr: str, timeout: float = 2.0,
+           credentials: grpc.ChannelCredentials | None = None) -> str:
     """grpc.health.v1 status of the whole server at `addr`, or 'UNREACHABLE'."""
     try:
-        with grpc.insecure_channel(addr) as ch:
+        ch = (grpc.insecure_channel(addr) if credentials is None
+              else grpc.secure_channel(addr, credentials))
+        with ch:
             reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
                                                          timeout=timeout)
             return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -80,16 +83,51 @@ class Service:
         return f"127.0.0.1:{self.port}"
 
 
+class Secrets:
+    """The deployment's certificates and keys, made on the host (deploy/init_secrets.py)
+    and mounted at /secrets, so that the tests hold the CA and the admin keys."""
+
+    def __init__(self, workdir: Path, replicas: list[str]) -> None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("init_secrets",
+                                                      DEPLOY / "init_secrets.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        self.dir = workdir / "secrets"
+        self.replicas = replicas
+        mod.make(self.dir, replicas)
+        self.dir.chmod(0o755)  # the containers' user reads them (test files only)
+        for f in self.dir.iterdir():
+            f.chmod(0o644)
+        self.admin_key = (self.dir / "admin.key").read_text().strip()
+        self.user_key = (self.dir / "user.key").read_text().strip()
+        self.snapshot_admin_key = self.admin_key  # the same admin key on both services
+
+    def read(self, name: str) -> bytes:
+        return (self.dir / name).read_bytes()
+
+    def credentials(self, client_cert: bool = False) -> grpc.ChannelCredentials:
+        """Trusting the deployment's CA; with `client_cert`, showing the services'
+        certificate (the snapshot service requires one)."""
+        if client_cert:
+            return grpc.ssl_channel_credentials(self.read("ca.crt"), self.read("service.key"),
+                                                self.read("service.crt"))
+        return grpc.ssl_channel_credentials(self.read("ca.crt"))
+
+
 class Project:
     """A compose project made of deploy/docker-compose.yml plus a test override that puts
-    every service on host networking with free loopback ports. Unique name; `down -v`
-    removes everything it made."""
+    every service on host networking with free loopback ports and mounts the test's
+    secrets. Unique name; `down -v` removes everything it made."""
 
     def __init__(self, engine: Any, workdir: Path, tag: str,
                  services: list[Service], profiles: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.name = f"{PROJECT_PREFIX}{tag}{secrets.token_hex(3)}"
         self.services = {s.name: s for s in services}
+        self.secrets = Secrets(workdir, [s.hostname for s in services if s.hostname])
         self.override = workdir / f"{self.name}.override.json"
         self.override.write_text(json.dumps(self._override(), indent=2))
         cmd = compose_command()
@@ -126,6 +164,7 @@ class Project:
                     env["WARMSLOT_SNAPSHOT_ADDR"] = ",".join(replicas)
             if s.hostname:
                 env["WARMSLOT_INSTANCE_ID"] = s.hostname
+                env["WARMSLOT_SNAPSHOT_KEY_FILE"] = f"/secrets/replica-{s.hostname}.key"
             env.update(s.env)
             svc: dict[str, Any] = {
                 "image": SEAWEEDFS_IMAGE if s.name == "seaweedfs" else IMAGE,
@@ -135,13 +174,20 @@ class Project:
                                 # take many seconds to start on a loaded machine: failed
                                 # checks count only after this
                                 "start_period": "90s" if s.name == "seaweedfs"
-                                or s.name.startswith("snapshot-s3") else "2s"}}
+                                or s.name.startswith("snapshot-s3") else "2s"},
+                "volumes": [*s.volumes, f"{self.secrets.dir}:/secrets:ro"]}
             if s.hostname:
                 svc["hostname"] = s.hostname
-            if s.volumes:
-                svc["volumes"] = s.volumes
             out[s.name] = svc
+        # the secrets step finds the test's set complete (these replicas) and keeps it
+        out["secrets"] = {"image": IMAGE, "network_mode": "host",
+                          "command": ["python3", "/app/deploy/init_secrets.py", "/secrets",
+                                      *self.secrets.replicas],
+                          "volumes": [f"{self.secrets.dir}:/secrets"]}
         return {"services": out}
+
+    def credentials(self, service: str) -> grpc.ChannelCredentials:
+        return self.secrets.credentials(client_cert=service == "snapshot")
 
     def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         r = subprocess.run([*self.cmd, *args], capture_output=True, text=True, timeout=timeout)
@@ -164,7 +210,7 @@ class Project:
         addr = self.services[service].addr
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if health(addr, timeout=1.0) == "SERVING":
+            if health(addr, timeout=1.0, credentials=self.credentials(service)) == "SERVING":
                 now = time.time()
                 started = parse_docker_time(self.container(service).attrs["State"]["StartedAt"])
                 return round(now - started, 2)

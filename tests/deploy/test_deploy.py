@@ -11,7 +11,10 @@ deploy/build-offline.sh; skipped, with the reason, when no docker engine can be 
 - restart of the inference container: a long session on slot 0 resumes (the next turn
   processes only its new tokens, output identical to a control computed before);
 - `down` (volume kept) and `up`: the snapshot volume and the session are still there;
-- a second replica restores the first one's saved session by name.
+- security: the default compose configuration runs TLS and keys, the snapshot service
+  unpublished, each replica with its own snapshot namespace; in the running stack a
+  call without TLS, without a key or with a key lacking the right is refused, and a
+  replica cannot reach another's snapshots.
 
 The session checks need restart-resume (--snapshot-addr, --instance-id, auto-save and
 auto-restore in the inference service); an image without it is stale and fails them.
@@ -210,10 +213,21 @@ def stack(engine: Any, models: Models, tmp_path_factory: pytest.TempPathFactory
         project.down()
 
 
-def client(project: Project, service: str = "inference") -> Any:
+def client(project: Project, service: str = "inference", key: str | None = "admin") -> Any:
     from inference_svc.client import InferenceClient
 
-    return InferenceClient(project.services[service].addr, timeout=600)
+    api_key = {"admin": project.secrets.admin_key, "user": project.secrets.user_key}.get(
+        key or "")
+    return InferenceClient(project.services[service].addr, timeout=600, api_key=api_key,
+                           credentials=project.credentials(service))
+
+
+def snapshot_admin(project: Project) -> Any:
+    from snapshot_svc.client import SnapshotClient
+
+    return SnapshotClient(project.services["snapshot"].addr,
+                          credentials=project.credentials("snapshot"),
+                          api_key=project.secrets.snapshot_admin_key)
 
 
 def test_stack_is_healthy_and_serves_through_the_port(stack: Project) -> None:
@@ -224,6 +238,76 @@ def test_stack_is_healthy_and_serves_through_the_port(stack: Project) -> None:
         assert info.n_slots == 2
         _, last = c.generate("def add(a, b):", max_tokens=8, temperature=0.0)
         assert last.done and last.timings.predicted_n > 0
+
+
+def test_stack_refuses_calls_without_tls_or_key(stack: Project) -> None:
+    import grpc
+
+    from inference_svc.client import InferenceClient
+    from snapshot_svc.client import SnapshotClient
+    from snapshot_svc.errors import Unauthenticated, Unavailable
+
+    addr = stack.services["inference"].addr
+
+    def code(fn: Any) -> str:
+        try:
+            fn()
+        except grpc.RpcError as exc:
+            return exc.code().name
+        return "OK"
+
+    with InferenceClient(addr, timeout=10) as plain:
+        assert code(plain.info) == "UNAVAILABLE"
+    with client(stack, key=None) as anonymous:
+        assert code(anonymous.info) == "UNAUTHENTICATED"
+    with client(stack, key="user") as user:
+        assert code(user.info) == "OK"
+        assert code(user.slots) == "PERMISSION_DENIED"
+    snap = stack.services["snapshot"].addr
+    for creds in (None, stack.secrets.credentials(client_cert=False)):  # no TLS, no cert
+        with SnapshotClient(snap, credentials=creds, retries=0, timeout=10,
+                            api_key=stack.secrets.snapshot_admin_key) as sc, \
+                pytest.raises(Unavailable):
+            sc.list()
+    with SnapshotClient(snap, credentials=stack.credentials("snapshot"), retries=0,
+                        timeout=10) as sc, pytest.raises(Unauthenticated):
+        sc.list()
+
+
+def test_default_compose_is_secure(engine: Any) -> None:
+    """The compose files as shipped: TLS and keys on every service, certificates and keys
+    made by the secrets step in a volume, the snapshot service's gRPC port not published
+    on the host, and every replica with its own snapshot key (namespace)."""
+    import subprocess
+
+    import yaml
+
+    from tests.deploy.stack import DEPLOY
+
+    cmd = compose_command()
+    assert cmd is not None
+    out = subprocess.run([*cmd, "-f", str(DEPLOY / "docker-compose.yml"), "-f",
+                          str(DEPLOY / "docker-compose.override.yml"), "--profile",
+                          "replicas", "config"], capture_output=True, text=True, check=True,
+                         cwd=DEPLOY, timeout=120).stdout
+    services = yaml.safe_load(out)["services"]
+    assert "init_secrets.py" in " ".join(services["secrets"]["command"])
+    snap = services["snapshot"]
+    published = [str(p.get("published") if isinstance(p, dict) else p)
+                 for p in snap.get("ports", [])]
+    assert not any("50052" in p for p in published), published
+    env = snap["environment"]
+    assert env["WARMSLOT_SNAPSHOT_API_KEYS"] and env["WARMSLOT_SNAPSHOT_TLS_CERT"]
+    assert env["WARMSLOT_SNAPSHOT_TLS_CLIENT_CA"]  # replicas need client certificates
+    key_files = set()
+    for name in ("inference", "inference-1", "inference-2"):
+        env = services[name]["environment"]
+        for var in ("WARMSLOT_API_KEYS", "WARMSLOT_TLS_CERT", "WARMSLOT_TLS_KEY",
+                    "WARMSLOT_SNAPSHOT_TLS_CA", "WARMSLOT_SNAPSHOT_TLS_CERT"):
+            assert env.get(var), (name, var)
+        assert "WARMSLOT_INSECURE" not in env
+        key_files.add(env["WARMSLOT_SNAPSHOT_KEY_FILE"])
+    assert key_files == {f"/secrets/replica-inference-{i}.key" for i in range(3)}
 
 
 # --- the session -----------------------------------------------------------------------
@@ -329,10 +413,8 @@ def test_restart_resumes_the_session(stack: Project, features: set[str],
 
 def test_down_and_up_keeps_the_volume_and_the_session(stack: Project, features: set[str],
                                                       request: pytest.FixtureRequest) -> None:
-    from snapshot_svc.client import SnapshotClient
-
     marker = os.urandom(4096)
-    with SnapshotClient(stack.services["snapshot"].addr) as sc:
+    with snapshot_admin(stack) as sc:
         sc.put("deploy-marker", marker)
     session = session_if_resume(request, features)
     if session is not None:
@@ -342,7 +424,7 @@ def test_down_and_up_keeps_the_volume_and_the_session(stack: Project, features: 
     stack.compose("up", "-d", "snapshot", "inference")
     REPORT["start_to_serving_s"]["snapshot_after_down_up"] = stack.wait_serving("snapshot")
     REPORT["start_to_serving_s"]["inference_after_down_up"] = stack.wait_serving("inference")
-    with SnapshotClient(stack.services["snapshot"].addr) as sc:
+    with snapshot_admin(stack) as sc:
         assert sc.get("deploy-marker").target == marker
     require_resume(features)
     assert session is not None
@@ -350,26 +432,24 @@ def test_down_and_up_keeps_the_volume_and_the_session(stack: Project, features: 
         check_resumed_turn(c, session, prompt, expected, control, n0, "after down and up")
 
 
-def test_second_replica_restores_the_first_replicas_session(session: Session,
-                                                            stack: Project) -> None:
+def test_replicas_cannot_reach_each_others_snapshots(session: Session,
+                                                     stack: Project) -> None:
+    import grpc
+
     stack.compose("up", "-d", "--no-deps", "inference-1")
     REPORT["start_to_serving_s"]["inference_replica_cold"] = stack.wait_serving("inference-1")
     with client(stack) as a, client(stack, "inference-1") as b:
         saved = a.save(0, "session-a")
-        restored = b.restore(0, "session-a")
-        assert restored.n_restored == saved.n_saved
-        assert restored.draft_restored
-        prompt = session.history + session.take(NEW)
-        expected, control = turn(a, prompt, 0)  # the replica that never moved it
-        out, t = turn(b, prompt, 0)
-        assert out == expected
-        assert t.prompt_n <= len(prompt) - saved.n_saved + 1
-        REPORT["migration"] = {"tokens": saved.n_saved, "restore_ms": round(
-            restored.restore_ms, 1), "prompt_n": t.prompt_n, "control_prompt_n": control.prompt_n}
-    # each replica auto-saves under its own instance id
+        assert saved.n_saved > 0
+        with pytest.raises(grpc.RpcError) as err:  # A's namespace: absent for B
+            b.restore(0, "session-a")
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        b.generate("def sub(a, b):", id_slot=0, max_tokens=4, temperature=0.0)
+        b.save(0, "session-a")  # B's own snapshot of that name: no clash
+        assert a.restore(0, "session-a").n_restored == saved.n_saved
+    # each replica auto-saves under its own instance id, in its own namespace
     stack.compose("stop", "inference", "inference-1")
-    from snapshot_svc.client import SnapshotClient
-
-    with SnapshotClient(stack.services["snapshot"].addr) as sc:
-        names = {i.name for i in sc.list("auto-")}
-    assert {"auto-ws-a-slot0", "auto-ws-b-slot0"} <= names, names
+    with snapshot_admin(stack) as sc:
+        names = {i.name for i in sc.list("ws-")}
+    assert {"ws-a:auto-ws-a-slot0", "ws-b:auto-ws-b-slot0", "ws-a:session-a",
+            "ws-b:session-a"} <= names, names

@@ -1,0 +1,25 @@
+"""Who may call what on the inference service. Keys of role `user` may generate,
+tokenize, detokenize and read the service's info; `admin` keys may call every method
+(the slot operations as well: list, save, restore, erase). Methods not listed here,
+now or added later, are admin-only until listed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from snapshot_svc.clientlib import auth
+
+SERVICE = "/warmslot.inference.v1.Inference/"
+USER_METHODS = frozenset(SERVICE + m for m in ("Generate", "Tokenize", "Detokenize",
+                                               "GetInfo"))
+REFLECTION_PREFIX = "/grpc.reflection."
+ROLES = (auth.USER, auth.ADMIN)
+
+
+def allowed(method: str, principal: auth.Principal) -> bool:
+    return (principal.is_admin or method in USER_METHODS
+            or method.startswith(REFLECTION_PREFIX))
+
+
+def key_ring(path: Path) -> auth.KeyRing:
+    return auth.KeyRing(path, ROLES, namespaces=False)

@@ -1,0 +1,69 @@
+"""Tokenization of request text, bounded: a text over --max-prompt-bytes is refused
+before it is tokenized, tokenization runs on a small pool of its own threads (not on
+the gRPC handler threads, so a flood of large prompts cannot hold up other calls), a
+bounded number of texts wait for it, and the memory a large text took is given back
+to the system afterwards."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from concurrent import futures
+from typing import Any
+
+from inference_svc.core import Tokenizer
+from inference_svc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+
+TRIM_ABOVE_BYTES = 256 << 10  # texts at least this large: malloc_trim afterwards
+WAIT_S = 120.0  # longest a text waits for and takes in the pool
+
+
+def _malloc_trim() -> Any:
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return lambda: None
+    trim.argtypes = (ctypes.c_size_t,)
+    return lambda: trim(0)
+
+
+class BoundedTokenizer:
+    """A Tokenizer whose `encode` is bounded as above; everything else is the wrapped
+    tokenizer's."""
+
+    def __init__(self, tokenizer: Tokenizer, max_bytes: int, threads: int,
+                 max_waiting: int) -> None:
+        self._tok = tokenizer
+        self.max_bytes = max_bytes
+        self._pool = futures.ThreadPoolExecutor(max_workers=threads,
+                                                thread_name_prefix="tokenize")
+        self._admitted = threading.BoundedSemaphore(threads + max_waiting)
+        self._trim = _malloc_trim()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def _encode(self, text: str, size: int) -> list[int]:
+        try:
+            return self._tok.encode(text)
+        finally:
+            if size >= TRIM_ABOVE_BYTES:
+                self._trim()
+
+    def encode(self, text: str) -> list[int]:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_bytes:
+            raise InvalidArgument(f"the text is {size} bytes, the limit is {self.max_bytes} "
+                                  "(--max-prompt-bytes)")
+        if not self._admitted.acquire(blocking=False):
+            raise ResourceExhausted("too many texts waiting to be tokenized; retry later")
+        try:
+            return self._pool.submit(self._encode, text, size).result(timeout=WAIT_S)
+        except futures.TimeoutError:
+            raise DeadlineExceeded(f"tokenizing took longer than {WAIT_S:g} s") from None
+        finally:
+            self._admitted.release()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,140 @@
+"""TLS and mutual TLS on both services, with certificates made here by openssl: real
+handshakes, and each failure (wrong CA, expired certificate, no client certificate,
+plaintext client to a TLS server) a clear UNAVAILABLE on the client."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_svc.client import InferenceClient
+from inference_svc.pb import inference_pb2 as ipb
+from snapshot_svc.client import SnapshotClient
+from snapshot_svc.clientlib.tls import channel_credentials
+from snapshot_svc.config import SnapshotConfig
+from snapshot_svc.errors import Unavailable
+from snapshot_svc.server import SnapshotServer
+from tests.fixtures.servicekit import model_pair, running, service_config
+from tests.seckit import make_ca, make_cert, write_keys
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: tuple[Path, Path]
+    other_ca: tuple[Path, Path]
+    server: tuple[Path, Path]
+    expired: tuple[Path, Path]
+    client: tuple[Path, Path]
+    stranger: tuple[Path, Path]  # a client certificate of the other CA
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    ca, other = make_ca(d, "ca"), make_ca(d, "other-ca")
+    return Pki(ca, other, make_cert(d, "server", ca), make_cert(d, "old", ca, expired=True),
+               make_cert(d, "client", ca), make_cert(d, "stranger", other))
+
+
+def _snap(tmp_path: Path, cert: tuple[Path, Path], client_ca: Path | None = None
+          ) -> SnapshotServer:
+    return SnapshotServer(SnapshotConfig(data_dir=tmp_path / "data", port=0,
+                                         tls_cert=cert[0], tls_key=cert[1],
+                                         tls_client_ca=client_ca))
+
+
+def _client(srv: SnapshotServer, creds: grpc.ChannelCredentials | None) -> SnapshotClient:
+    # "localhost": the name in the server's certificate
+    return SnapshotClient(f"localhost:{srv.port}", credentials=creds, retries=0, timeout=5)
+
+
+def _refused(srv: SnapshotServer, creds: grpc.ChannelCredentials | None) -> str:
+    with _client(srv, creds) as c, pytest.raises(Unavailable) as err:
+        c.list()
+    return err.value.message
+
+
+def test_snapshot_tls(pki: Pki, tmp_path: Path) -> None:
+    with _snap(tmp_path, pki.server) as srv:
+        with _client(srv, channel_credentials(pki.ca[0])) as c:
+            c.put("a", b"x" * 3_000_000)
+            assert bytes(c.get("a").target) == b"x" * 3_000_000
+        # a client that trusts another CA does not accept the server
+        assert "CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate" in \
+            _refused(srv, channel_credentials(pki.other_ca[0]))
+        # a plaintext client cannot speak to a TLS server: the server hangs up
+        assert "Socket closed" in _refused(srv, None)
+
+
+def test_snapshot_expired_certificate(pki: Pki, tmp_path: Path) -> None:
+    with _snap(tmp_path, pki.expired) as srv:
+        assert "CERTIFICATE_VERIFY_FAILED: certificate has expired" in \
+            _refused(srv, channel_credentials(pki.ca[0]))
+
+
+def test_snapshot_mutual_tls(pki: Pki, tmp_path: Path) -> None:
+    with _snap(tmp_path, pki.server, client_ca=pki.ca[0]) as srv:
+        _refused(srv, channel_credentials(pki.ca[0]))  # no client certificate
+        _refused(srv, channel_credentials(pki.ca[0], *pki.stranger))  # the other CA's
+        with _client(srv, channel_credentials(pki.ca[0], *pki.client)) as c:
+            c.put("m", b"y" * 1000)
+            assert [s.name for s in c.list()] == ["m"]
+
+
+@pytest.fixture()
+def tls_pair(pki: Pki, tmp_path: Path) -> Iterator[tuple[SnapshotServer, object]]:
+    """A snapshot service with mTLS and namespaced keys, and an inference service with
+    TLS, keys, and its snapshot client on mTLS with its own namespace key."""
+    keys = write_keys(tmp_path / "snap-keys", {"replica-a-key-0123456789": "namespace=a"})
+    (tmp_path / "replica.key").write_text("replica-a-key-0123456789\n")
+    snap_cfg = SnapshotConfig(data_dir=tmp_path / "data", port=0, api_keys=keys,
+                              tls_cert=pki.server[0], tls_key=pki.server[1],
+                              tls_client_ca=pki.ca[0])
+    with SnapshotServer(snap_cfg) as snap:
+        cfg = service_config(
+            *model_pair(tmp_path.parent), snapshot_addr=f"localhost:{snap.port}",
+            api_keys=write_keys(tmp_path / "keys", {"admin-key-0123456789ab": "admin"}),
+            tls_cert=pki.server[0], tls_key=pki.server[1],
+            snapshot_tls_ca=pki.ca[0], snapshot_tls_cert=pki.client[0],
+            snapshot_tls_key=pki.client[1], snapshot_key_file=tmp_path / "replica.key",
+            auto_save=False)
+        with running(cfg) as srv:
+            yield snap, srv
+
+
+def test_inference_tls_with_snapshot_mtls(pki: Pki, tls_pair: tuple) -> None:
+    snap, srv = tls_pair
+    addr = f"localhost:{srv.port}"
+    creds = channel_credentials(pki.ca[0])
+    with InferenceClient(addr, api_key="admin-key-0123456789ab", credentials=creds) as c:
+        c.generate([1, 2, 3], max_tokens=4, id_slot=0)
+        saved = c.stub.SaveSlot(ipb.SaveSlotRequest(id_slot=0, filename="s0"), timeout=30)
+        assert saved.n_saved > 0
+    # the slot is stored in the replica's namespace, reached over mTLS
+    assert [s.name for s in snap.store.list("")] == ["a:s0"]
+    with InferenceClient(addr, api_key="admin-key-0123456789ab") as plain, \
+            pytest.raises(grpc.RpcError) as err:
+        plain.tokenize("hi")
+    assert err.value.code() == UNAVAILABLE
+
+
+def test_client_command_line_with_tls_and_key(pki: Pki, tls_pair: tuple, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from inference_svc.client import main
+
+    _, srv = tls_pair
+    (tmp_path / "admin.key").write_text("admin-key-0123456789ab\n")
+    base = ["--addr", f"localhost:{srv.port}", "--tls-ca", str(pki.ca[0])]
+    assert main([*base, "--api-key-file", str(tmp_path / "admin.key"), "tokenize", "hi"]) == 0
+    assert capsys.readouterr().out.strip() != ""
+    assert main([*base, "tokenize", "hi"]) != 0  # no key
+    assert capsys.readouterr().err.startswith("error: UNAUTHENTICATED: this service needs an "
+                                              "API key")
