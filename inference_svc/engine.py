@@ -21,13 +21,11 @@ from typing import Any, Generic, TypeVar
 
 from inference_svc import log
 from inference_svc.config import Config
-from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
+from inference_svc.core import BadStateError, Context, Model, StreamDecoder, Tokenizer
 from inference_svc.core.speculative import NO_SPEC, Counters, SpecDecoder
 from inference_svc.errors import ServiceError, Unavailable
 from inference_svc.metrics import Metrics
 from inference_svc.scheduler import Job, Scheduler, common_prefix
-from inference_svc.slotfile import ModelSpec
-from inference_svc.snapshots import model_spec
 from inference_svc.types import Chunk, Finished, GenerateParams, SlotInfo, StopReason, Timings
 
 T = TypeVar("T")
@@ -129,6 +127,27 @@ class SlotOp(Job, Generic[T]):
         return self._result  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class SlotState:
+    """A slot's whole state as the decoding core writes it, in parts: the target
+    context's slot state (WSKV) and the draft state (WSSP: pending offset, lag, RNG,
+    counters and the draft's KV), each a view of the buffer the core wrote."""
+
+    target: memoryview
+    draft: memoryview | None
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What `Engine.apply` did with the draft: `sidecar` True when the saved draft
+    state was loaded; otherwise `rejected` says why the core refused it ("" when
+    there was none) and the draft was reset."""
+
+    sidecar: bool
+    rejected: str = ""
+
+
 @dataclass
 class _Call:
     fn: Callable[[], Any]
@@ -168,8 +187,6 @@ class Engine:
         except BaseException:
             self._free()
             raise
-        self.target_spec: ModelSpec = model_spec(target, self.n_ctx)
-        self.draft_spec: ModelSpec | None = model_spec(draft, self.n_ctx) if draft else None
         rng = random.SystemRandom() if cfg.seed is None else random.Random(cfg.seed)
         for i in range(self.n_slots):
             self.dec.seed(i, rng.getrandbits(64))
@@ -299,6 +316,52 @@ class Engine:
         return [SlotInfo(i, dec.n_tokens(i), s.job is not None, dec.draft_n_tokens(i),
                          dec.draft_offset(i), dec.counters(i), s.last_used_unix_ms)
                 for i, s in enumerate(self.sched.slots)]
+
+    # ---------------------------------------------------------------- slot operations
+    # On the engine thread only (inside slot_op or call): the engine is the one owner
+    # of a slot's contexts.
+
+    def n_tokens(self, slot: int) -> int:
+        return self.dec.n_tokens(slot)
+
+    def capture(self, slot: int) -> SlotState:
+        """The slot's target and draft state; an idle slot's pending token is
+        committed first (a no-op when there is none)."""
+        dec = self.dec
+        dec.commit(slot)
+        draft = dec.draft_state(slot) if self.has_draft else None
+        return SlotState(self.tctx.get_state(slot), draft, dec.n_tokens(slot))
+
+    def apply(self, slot: int, target_parts: tuple[bytes | memoryview, ...],
+              draft_state: bytes | memoryview | None, draft_offset: int) -> Applied:
+        """Replaces the slot's content: the target state (header, tokens, KV parts),
+        then the draft state, or, when there is none or the core refuses it, an empty
+        draft from `draft_offset`. A target the core refuses raises BadStateError and
+        leaves the slot empty."""
+        dec = self.dec
+        dec.clear(slot)
+        try:
+            self.tctx.set_state_parts(slot, *target_parts)
+        except BadStateError:
+            dec.clear(slot)
+            raise
+        if not self.has_draft:
+            return Applied(False)
+        rejected = ""
+        if draft_state is not None:
+            try:
+                dec.set_draft_state(slot, draft_state)
+                return Applied(True)
+            except BadStateError as exc:
+                rejected = str(exc)
+        dec.draft_reset(slot, draft_offset)
+        return Applied(False, rejected)
+
+    def erase(self, slot: int) -> int:
+        """Empties the slot; the number of tokens it held."""
+        n = self.dec.n_tokens(slot)
+        self.dec.clear(slot)
+        return n
 
     # ---------------------------------------------------------------- executor
 

@@ -285,7 +285,7 @@ def test_draft_restore_policies(dec: SpecDecoder) -> None:
 def test_bad_draft_state_leaves_draft_empty(dec: SpecDecoder) -> None:
     dec.generate(0, PROMPT, 10, GREEDY, SpecParams(n_max=3))
     dec.commit(0)
-    good = dec.draft_state(0)
+    good = bytes(dec.draft_state(0))
     dec.target.set_state(1, dec.target.get_state(0))
     bad = {
         "truncated": good[:-4],

@@ -4,7 +4,10 @@ when the owner is collected."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Self
+
+import numpy as np
 
 from . import binding
 from .errors import InvalidArgumentError
@@ -49,3 +52,13 @@ def buffer_arg(data: bytes | bytearray | memoryview) -> tuple[Any, int]:
     """A (pointer, length) pair for a C call reading `data` (NULL when empty)."""
     view = memoryview(data).cast("B")
     return (binding.ffi.from_buffer(view) if len(view) else binding.ffi.NULL), len(view)
+
+
+def state_buffer(size: int, write: Callable[[Any], int]) -> memoryview:
+    """Runs `write(pointer)` on a fresh buffer of `size` bytes (it returns the bytes it
+    wrote) and returns a read-only view of them. The buffer is neither zero-filled
+    nor copied afterwards: the core's write is the only pass over the bytes."""
+    buf = np.empty(size, dtype=np.uint8)
+    written = write(binding.ffi.from_buffer(buf) if size else binding.ffi.NULL)
+    buf.flags.writeable = False
+    return memoryview(buf)[:written]

@@ -17,7 +17,7 @@ import numpy as np
 from . import binding
 from .binding import ffi
 from .errors import InvalidArgumentError
-from .handle import NativeHandle, buffer_arg
+from .handle import NativeHandle, buffer_arg, state_buffer
 from .model import Context
 
 MAX_DRAFT = 16
@@ -183,11 +183,11 @@ class SpecDecoder(NativeHandle):
                         int(c.n_draft_prefill), [int(x) for x in c.drafted_at],
                         [int(x) for x in c.accepted_at])
 
-    def draft_state(self, slot: int) -> bytes:
+    def draft_state(self, slot: int) -> memoryview:
+        """The slot's draft state (ws_spec_state_get format), as Context.get_state."""
         size = binding.spec_state_size(self.handle, slot)
-        buf = bytearray(size)
-        n = binding.spec_state_get(self.handle, slot, ffi.from_buffer(buf), size)
-        return bytes(buf[:n])
+        return state_buffer(size, lambda ptr: binding.spec_state_get(self.handle, slot, ptr,
+                                                                     size))
 
     def set_draft_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
         return binding.spec_state_set(self.handle, slot, *buffer_arg(data))
