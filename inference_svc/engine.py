@@ -79,6 +79,7 @@ class GenJob(Job):
         self.ended = threading.Event()  # set once the last item (Finished or an error) is out
         self.text = text  # None: no stop strings, the reader decodes the tokens
         self.todo: list[int] | None = None  # prompt tokens left to process; None: decoding
+        self.draft_lag = 0  # the draft's lag behind the target's KV still to catch up
         self.emitted = 0
         self.timings = Timings(n_truncated=params.n_truncated)
         self.counters0 = Counters()
@@ -394,6 +395,8 @@ class Engine:
             job.timings.prompt_n = len(p.prompt) - keep
             job.counters0 = dec.counters(slot)
             job.todo = list(p.prompt[keep:])
+            # -1: unknown, the first prefill unit of a speculative request catches up
+            job.draft_lag = -1 if p.spec is not None and self.has_draft else 0
         except Exception as exc:
             self._abort(job, exc)
 
@@ -431,11 +434,15 @@ class Engine:
         todo = job.todo
         assert todo is not None
         batch = self.cfg.batch
-        if len(todo) > batch and dec.n_tokens(slot) == self.tctx.n_tokens(slot):
-            # a chunk of a long prompt: into the KV without sampling (no pending token)
-            self.tctx.decode(slot, todo[:batch])
-            if p.spec is not None:
-                dec.draft_sync(slot)
+        if p.spec is not None and job.draft_lag:
+            # a draft behind its target (a restored slot to re-prefill) catches up in
+            # units of at most `batch` tokens before the prompt
+            done, job.draft_lag = dec.draft_catch_up(slot, batch)
+            if done:
+                return
+        if len(todo) > batch:
+            # a chunk of a long prompt: into the KV without sampling
+            dec.prefill_chunk(slot, todo[:batch], with_draft=p.spec is not None)
             job.todo = todo[batch:]
             return
         first = dec.prefill(slot, todo, p.sampling, with_draft=p.spec is not None)

@@ -290,6 +290,18 @@ ws_status ws_spec_clear(ws_spec *spec, int32_t slot);
 ws_status ws_spec_draft_reset(ws_spec *spec, int32_t slot, int32_t offset);
 /* Brings the draft level with the target's KV tokens now; *n_out: tokens decoded. */
 ws_status ws_spec_draft_sync(ws_spec *spec, int32_t slot, int32_t *n_out);
+/*
+ * Prefill in bounded pieces, for a caller that interleaves slots:
+ * ws_spec_prefill_chunk appends the pending token (if any) and the tokens to
+ * S without sampling (the slot holds no pending token afterwards); with_draft:
+ * the draft then catches up by at most as many tokens as the target decoded.
+ * ws_spec_draft_catch_up decodes at most max_tokens of the draft's lag behind
+ * the target's KV; *n_done: tokens decoded, *n_left: the lag that remains.
+ */
+ws_status ws_spec_prefill_chunk(ws_spec *spec, int32_t slot, const int32_t *tokens,
+                                int32_t n_tokens, int with_draft);
+ws_status ws_spec_draft_catch_up(ws_spec *spec, int32_t slot, int32_t max_tokens,
+                                 int32_t *n_done, int32_t *n_left);
 ws_status ws_spec_draft_offset(const ws_spec *spec, int32_t slot, int32_t *offset_out);
 ws_status ws_spec_counters_get(const ws_spec *spec, int32_t slot, ws_spec_counters *out);
 

@@ -225,6 +225,16 @@ def spec_draft_sync(spec: Any, slot: int) -> int:
     return int(n[0])
 
 
+def spec_prefill_chunk(spec: Any, slot: int, tokens: Any, n: int, with_draft: bool) -> None:
+    _check_spec(lib.ws_spec_prefill_chunk(spec, slot, tokens, n, int(with_draft)), spec)
+
+
+def spec_draft_catch_up(spec: Any, slot: int, max_tokens: int) -> tuple[int, int]:
+    done, left = ffi.new("int32_t *"), ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_draft_catch_up(spec, slot, max_tokens, done, left), spec)
+    return int(done[0]), int(left[0])
+
+
 def spec_counters_get(spec: Any, slot: int, out: Any) -> None:
     _check_spec(lib.ws_spec_counters_get(spec, slot, out), spec)
 

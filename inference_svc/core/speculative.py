@@ -139,6 +139,21 @@ class SpecDecoder(NativeHandle):
         return binding.spec_prefill(self.handle, slot, ptr, int(toks.size), sampling.to_c(),
                                     with_draft)
 
+    def prefill_chunk(self, slot: int, tokens: list[int] | np.ndarray,
+                      with_draft: bool = True) -> None:
+        """Appends (any pending token and) tokens without sampling; with_draft: the
+        draft catches up by at most as many tokens."""
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        if toks.size == 0:
+            raise InvalidArgumentError("a prefill chunk needs at least one token")
+        binding.spec_prefill_chunk(self.handle, slot, ffi.from_buffer("int32_t[]", toks),
+                                   int(toks.size), with_draft)
+
+    def draft_catch_up(self, slot: int, max_tokens: int) -> tuple[int, int]:
+        """Decodes at most max_tokens of the draft's lag behind the target's KV:
+        (tokens decoded, lag left)."""
+        return binding.spec_draft_catch_up(self.handle, slot, max_tokens)
+
     def step(self, slot: int, sampling: SamplingParams, spec: SpecParams = NO_SPEC,
              max_new: int = MAX_DRAFT + 1) -> list[int]:
         """One verification pass: 1..min(max_new, n_max + 1) new tokens."""
