@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from inference_svc import log
 from inference_svc.config import Config
-from inference_svc.core import BadStateError, Context, Model, StreamDecoder, Tokenizer
+from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
 from inference_svc.core.speculative import NO_SPEC, Counters, SpecDecoder
 from inference_svc.errors import ServiceError, Unavailable
 from inference_svc.metrics import Metrics
@@ -328,10 +328,8 @@ class Engine:
     def capture(self, slot: int) -> SlotState:
         """The slot's target and draft state; an idle slot's pending token is
         committed first (a no-op when there is none)."""
-        dec = self.dec
-        dec.commit(slot)
-        draft = dec.draft_state(slot) if self.has_draft else None
-        return SlotState(self.tctx.get_state(slot), draft, dec.n_tokens(slot))
+        target, draft = self.dec.slot_state(slot)
+        return SlotState(target, draft, self.dec.n_tokens(slot))
 
     def apply(self, slot: int, target_parts: tuple[bytes | memoryview, ...],
               draft_state: bytes | memoryview | None, draft_offset: int) -> Applied:
@@ -339,24 +337,9 @@ class Engine:
         then the draft state, or, when there is none or the core refuses it, an empty
         draft from `draft_offset`. A target the core refuses raises BadStateError and
         leaves the slot empty."""
-        dec = self.dec
-        dec.clear(slot)
-        try:
-            self.tctx.set_state_parts(slot, *target_parts)
-        except BadStateError:
-            dec.clear(slot)
-            raise
-        if not self.has_draft:
-            return Applied(False)
-        rejected = ""
-        if draft_state is not None:
-            try:
-                dec.set_draft_state(slot, draft_state)
-                return Applied(True)
-            except BadStateError as exc:
-                rejected = str(exc)
-        dec.draft_reset(slot, draft_offset)
-        return Applied(False, rejected)
+        loaded, rejected = self.dec.set_slot_state(slot, target_parts, draft_state,
+                                                   draft_offset)
+        return Applied(loaded, rejected)
 
     def erase(self, slot: int) -> int:
         """Empties the slot; the number of tokens it held."""

@@ -877,3 +877,64 @@ ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t
     *read_out = SPEC_HEADER_BYTES + kv_read;
     return WS_OK;
 }
+
+/* ------------------------------------------------------------------------- */
+/* the whole slot: target and draft state together                          */
+
+ws_status ws_spec_slot_state_prepare(ws_spec *s, int32_t slot, size_t *target_size,
+                                     size_t *draft_size) {
+    if (!s || !target_size || !draft_size) return WS_ERR_INVALID_ARGUMENT;
+    *target_size = *draft_size = 0;
+    TRY(ws_spec_commit(s, slot));
+    ws_status st = ws_slot_state_size(s->tgt, slot, target_size);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "target state");
+    if (s->dft) TRY(ws_spec_state_size(s, slot, draft_size));
+    return WS_OK;
+}
+
+ws_status ws_spec_slot_state_get(const ws_spec *s, int32_t slot, uint8_t *tbuf, size_t tcap,
+                                 size_t *t_written, uint8_t *dbuf, size_t dcap,
+                                 size_t *d_written) {
+    if (!s || !t_written || !d_written) return WS_ERR_INVALID_ARGUMENT;
+    *t_written = *d_written = 0;
+    TRY(check_slot(s, slot));
+    if (s->slots[slot].pending >= 0)
+        return fail(s, WS_ERR_BAD_STATE, "slot %d holds a pending token: prepare it first", slot);
+    ws_status st = ws_slot_state_get(s->tgt, slot, tbuf, tcap, t_written);
+    if (st != WS_OK) return fail_from((ws_spec *)s, s->tgt, st, "target state");
+    if (s->dft) {
+        st = ws_spec_state_get(s, slot, dbuf, dcap, d_written);
+        if (st != WS_OK) *t_written = 0;
+        return st;
+    }
+    return WS_OK;
+}
+
+ws_status ws_spec_slot_state_set(ws_spec *s, int32_t slot, const uint8_t *header,
+                                 size_t header_len, const uint8_t *tokens, size_t tokens_len,
+                                 const uint8_t *kv, size_t kv_len_, const uint8_t *dbuf,
+                                 size_t dlen, int32_t draft_offset, int *draft_loaded) {
+    if (!s || !draft_loaded) return WS_ERR_INVALID_ARGUMENT;
+    *draft_loaded = 0;
+    TRY(ws_spec_clear(s, slot));
+    size_t read = 0;
+    ws_status st = ws_slot_state_set_parts(s->tgt, slot, header, header_len, tokens, tokens_len,
+                                           kv, kv_len_, &read);
+    if (st != WS_OK) {
+        fail_from(s, s->tgt, st, "target state");
+        ws_spec_clear(s, slot);
+        return st;
+    }
+    const int32_t tn = kv_len(s->tgt, slot);
+    if (draft_offset < 0 || draft_offset > tn) {
+        ws_spec_clear(s, slot);
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "draft offset %d outside 0..%d", draft_offset, tn);
+    }
+    if (!s->dft) return WS_OK;
+    s->last_error[0] = '\0';
+    if (dbuf && ws_spec_state_set(s, slot, dbuf, dlen, &read) == WS_OK) {
+        *draft_loaded = 1;
+        return WS_OK;
+    }
+    return ws_spec_draft_reset(s, slot, draft_offset);
+}

@@ -474,3 +474,40 @@ def test_prefill_chunks_match_one_prefill(dec: SpecDecoder) -> None:
         dec.prefill_chunk(0, [])
     with pytest.raises(ContextFullError):
         dec.prefill_chunk(0, [1] * 300)
+
+
+def test_whole_slot_state_in_parts(dec: SpecDecoder) -> None:
+    """slot_state commits the pending token and gives both states apart; set_slot_state
+    loads them into another slot, which then continues exactly like the first."""
+    spec = SpecParams(n_max=4)
+    sp = SamplingParams(temperature=0.8, top_k=30)
+    dec.seed(0, 3)
+    dec.generate(0, PROMPT, 15, sp, spec)
+    n = dec.n_tokens(0)
+    target, draft = dec.slot_state(0)
+    assert draft is not None
+    assert dec.target.n_tokens(0) == n  # the pending token went into the KV
+    assert bytes(target) == bytes(dec.target.get_state(0))
+    assert bytes(draft) == bytes(dec.draft_state(0))
+    header, toks = bytes(target[:32]), bytes(target[32:32 + 4 * n])
+    parts = (header, toks, target[32 + 4 * n:])
+    assert dec.set_slot_state(1, parts, draft, 0) == (True, "")
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1)) == (n, dec.draft_n_tokens(0))
+    assert dec.counters(1) == dec.counters(0)
+    assert dec.generate(1, [9], 10, sp, spec) == dec.generate(0, [9], 10, sp, spec)
+    # a refused draft state: the target is loaded, the draft starts empty at the offset
+    bad = bytearray(draft)
+    bad[0] ^= 0xFF
+    loaded, why = dec.set_slot_state(1, parts, bad, n)
+    assert not loaded and "magic" in why
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1), dec.draft_offset(1)) == (n, 0, n)
+    # no draft state: an empty draft from the given offset, nothing refused
+    assert dec.set_slot_state(1, parts, None, 0) == (False, "")
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1), dec.draft_offset(1)) == (n, 0, 0)
+    # a refused target or offset leaves the slot empty
+    with pytest.raises(BadStateError):
+        dec.set_slot_state(1, (header, toks[:-4], parts[2]), draft, 0)
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1)) == (0, 0)
+    with pytest.raises(InvalidArgumentError, match="draft offset"):
+        dec.set_slot_state(1, parts, None, n + 1)
+    assert dec.n_tokens(1) == 0

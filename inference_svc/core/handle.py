@@ -54,11 +54,21 @@ def buffer_arg(data: bytes | bytearray | memoryview) -> tuple[Any, int]:
     return (binding.ffi.from_buffer(view) if len(view) else binding.ffi.NULL), len(view)
 
 
-def state_buffer(size: int, write: Callable[[Any], int]) -> memoryview:
-    """Runs `write(pointer)` on a fresh buffer of `size` bytes (it returns the bytes it
-    wrote) and returns a read-only view of them. The buffer is neither zero-filled
-    nor copied afterwards: the core's write is the only pass over the bytes."""
+def new_buffer(size: int) -> tuple[np.ndarray, Any]:
+    """A fresh buffer of `size` bytes for the core to write into, and its pointer (NULL
+    when empty). It is not zero-filled: the core's write is the only pass over it."""
     buf = np.empty(size, dtype=np.uint8)
-    written = write(binding.ffi.from_buffer(buf) if size else binding.ffi.NULL)
+    return buf, (binding.ffi.from_buffer(buf) if size else binding.ffi.NULL)
+
+
+def written_view(buf: np.ndarray, n: int) -> memoryview:
+    """A read-only view of the first n bytes the core wrote into `buf` (no copy)."""
     buf.flags.writeable = False
-    return memoryview(buf)[:written]
+    return memoryview(buf)[:n]
+
+
+def state_buffer(size: int, write: Callable[[Any], int]) -> memoryview:
+    """Runs `write(pointer)` on a new_buffer of `size` bytes (it returns the bytes it
+    wrote) and returns a read-only view of them."""
+    buf, ptr = new_buffer(size)
+    return written_view(buf, write(ptr))

@@ -17,7 +17,7 @@ import numpy as np
 from . import binding
 from .binding import ffi
 from .errors import InvalidArgumentError
-from .handle import NativeHandle, buffer_arg, state_buffer
+from .handle import NativeHandle, buffer_arg, new_buffer, state_buffer, written_view
 from .model import Context
 
 MAX_DRAFT = 16
@@ -206,6 +206,28 @@ class SpecDecoder(NativeHandle):
 
     def set_draft_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
         return binding.spec_state_set(self.handle, slot, *buffer_arg(data))
+
+    def slot_state(self, slot: int) -> tuple[memoryview, memoryview | None]:
+        """The slot's whole state after committing its pending token: the target
+        context's slot state and the draft state (None without a draft model), each a
+        read-only view of the buffer the core wrote it into."""
+        tsize, dsize = binding.spec_slot_state_prepare(self.handle, slot)
+        tbuf, tptr = new_buffer(tsize)
+        dbuf, dptr = new_buffer(dsize)
+        tn, dn = binding.spec_slot_state_get(self.handle, slot, tptr, tsize, dptr, dsize)
+        return written_view(tbuf, tn), (written_view(dbuf, dn) if self.has_draft else None)
+
+    def set_slot_state(self, slot: int, target_parts: tuple[bytes | memoryview, ...],
+                       draft: bytes | memoryview | None, draft_offset: int) -> tuple[bool, str]:
+        """Replaces the slot's content: the target state from its (header, tokens, KV)
+        parts, then the draft state, or an empty draft from `draft_offset` when there
+        is none or the core refuses it. (draft loaded, why it was refused). A refused
+        target raises BadStateError and leaves the slot empty."""
+        header, tokens, kv = target_parts
+        dptr, dlen = buffer_arg(draft) if draft is not None else (ffi.NULL, 0)
+        return binding.spec_slot_state_set(self.handle, slot, *buffer_arg(header),
+                                           *buffer_arg(tokens), *buffer_arg(kv), dptr, dlen,
+                                           draft_offset)
 
     def generate(self, slot: int, prompt: list[int], n_new: int, sampling: SamplingParams,
                  spec: SpecParams = NO_SPEC) -> list[int]:
