@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from inference_svc.core import Context, Model  # noqa: E402
-from inference_svc.snapshots import encode_slot, model_spec  # noqa: E402
+from inference_svc.snapshots import context_spec, encode_slot  # noqa: E402
 
 KV_TYPES = ("f32", "f16")
 
@@ -68,7 +68,7 @@ def state_sizes(model: Model, tokens: list[int], threads: int) -> dict[str, dict
         with Context(model, n_ctx=len(tokens), n_threads=threads, kv_type=kv) as ctx:
             prefill(ctx, tokens)
             state = ctx.get_state(0)
-            slot = encode_slot(state, None, model_spec(ctx), None)
+            slot = encode_slot(state, None, context_spec(ctx), None)
             out[kv] = {"state_bytes": ctx.state_size(0), "slot_file_bytes": len(slot.target),
                        "kv_bytes_per_token": model.kv_bytes_per_token(kv)}
     return out

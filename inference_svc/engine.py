@@ -1,55 +1,34 @@
 """The engine: one thread that owns the decoding core and runs every slot.
 
-Handlers submit *jobs*. A job needs a slot: a generation, or a slot operation
-(save, restore, erase) that runs once the slot is idle. Jobs wait in one FIFO
-queue; an idle slot goes to the first job that can take it (a job for slot -1
-takes the idle slot whose tokens share the longest prefix with its prompt,
-then the least recently used). Each round of the loop runs one *unit* of every
-active generation: a prompt chunk of at most `batch` tokens, or one
-speculative step. So concurrent requests progress interleaved, and a
-cancelled request stops within one unit, leaving in its slot what it
-processed. `call` runs a function on the engine thread between units.
+Handlers submit *jobs*: a generation, or a slot operation (save, restore,
+erase) that runs once the slot is idle. The scheduler (inference_svc.scheduler)
+decides which job gets which slot and when; the engine is its executor: each
+round it runs one *unit* of every active generation, a prompt chunk of at most
+`batch` tokens or one speculative step, so concurrent requests progress
+interleaved and a cancelled request stops within one unit, leaving in its slot
+what it processed. `call` runs a function on the engine thread between units.
 """
 
 from __future__ import annotations
 
-import collections
 import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
-
-import numpy as np
 
 from inference_svc import log
 from inference_svc.config import Config
 from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
 from inference_svc.core.speculative import NO_SPEC, Counters, SpecDecoder
-from inference_svc.errors import (
-    Cancelled,
-    DeadlineExceeded,
-    ResourceExhausted,
-    ServiceError,
-    Unavailable,
-)
+from inference_svc.errors import ServiceError, Unavailable
 from inference_svc.metrics import Metrics
-from inference_svc.slotfile import ModelSpec
-from inference_svc.snapshots import model_spec
+from inference_svc.scheduler import Job, Scheduler, common_prefix
 from inference_svc.types import Chunk, Finished, GenerateParams, SlotInfo, StopReason, Timings
 
 T = TypeVar("T")
-
-
-def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
-    return int(diff[0]) if diff.size else n
 
 
 class StopText:
@@ -89,40 +68,6 @@ class StopText:
         return out
 
 
-class Job:
-    """Something that needs a slot, waiting in the queue until it gets one."""
-
-    def __init__(self, id_slot: int, wait_until: float, rpc_deadline: float | None) -> None:
-        self.id_slot = id_slot
-        self.wait_until = wait_until
-        self.rpc_deadline = rpc_deadline
-        self.submitted = time.monotonic()
-        self.slot = -1
-        self._cancelled = threading.Event()
-        self.on_cancel: Callable[[], None] | None = None  # wakes the engine up
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        if not self._cancelled.is_set():
-            self._cancelled.set()
-            if self.on_cancel is not None:
-                self.on_cancel()
-
-    def fail(self, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    def wait_error(self, n_slots: int) -> ServiceError:
-        if self.rpc_deadline is not None and time.monotonic() >= self.rpc_deadline:
-            return DeadlineExceeded("the deadline passed while the request waited for a slot")
-        waited = time.monotonic() - self.submitted
-        which = (f"slot {self.id_slot} stayed" if self.id_slot >= 0
-                 else f"all {n_slots} slots stayed")
-        return ResourceExhausted(f"{which} busy for {waited:.1f} s: try again later")
-
-
 class GenJob(Job):
     """A generation. Output goes to `out`: Chunk..., then Finished or an exception."""
 
@@ -134,14 +79,23 @@ class GenJob(Job):
         self.ended = threading.Event()  # set once the last item (Finished or an error) is out
         self.text = text  # None: no stop strings, the reader decodes the tokens
         self.todo: list[int] | None = None  # prompt tokens left to process; None: decoding
+        self.draft_lag = 0  # the draft's lag behind the target's KV still to catch up
         self.emitted = 0
         self.timings = Timings(n_truncated=params.n_truncated)
         self.counters0 = Counters()
         self.t_start = self.t_first = 0.0
 
     def fail(self, exc: BaseException) -> None:
+        self.running = False
         self.out.put(exc)
         self.ended.set()
+
+    def prefix_hint(self) -> Sequence[int]:
+        return self.params.prompt if self.params.cache_prompt else ()
+
+    def batchable(self) -> bool:
+        # target-only decode steps share a forward pass (step_multi)
+        return self.todo is None and self.params.spec is None and not self.cancelled
 
 
 class SlotOp(Job, Generic[T]):
@@ -163,6 +117,7 @@ class SlotOp(Job, Generic[T]):
         self._done.set()
 
     def fail(self, exc: BaseException) -> None:
+        self.running = False
         self._error = exc
         self._done.set()
 
@@ -173,6 +128,27 @@ class SlotOp(Job, Generic[T]):
         return self._result  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class SlotState:
+    """A slot's whole state as the decoding core writes it, in parts: the target
+    context's slot state (WSKV) and the draft state (WSSP: pending offset, lag, RNG,
+    counters and the draft's KV), each a view of the buffer the core wrote."""
+
+    target: memoryview
+    draft: memoryview | None
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What `Engine.apply` did with the draft: `sidecar` True when the saved draft
+    state was loaded; otherwise `rejected` says why the core refused it ("" when
+    there was none) and the draft was reset."""
+
+    sidecar: bool
+    rejected: str = ""
+
+
 @dataclass
 class _Call:
     fn: Callable[[], Any]
@@ -181,17 +157,10 @@ class _Call:
     error: BaseException | None = None
 
 
-@dataclass
-class _Slot:
-    id: int
-    job: Job | None = None
-    tokens: list[int] = field(default_factory=list)  # as of the last time it was idle
-    last_used: float = 0.0  # monotonic
-    last_used_unix_ms: int = 0
-
 
 class Engine:
-    """Owns the models' contexts and the speculative decoder; see the module doc."""
+    """Owns the models' contexts and the speculative decoder, and runs the
+    scheduler's rounds on its thread; it is the scheduler's executor."""
 
     def __init__(self, cfg: Config, target: Model, draft: Model | None,
                  metrics: Metrics | None = None) -> None:
@@ -219,19 +188,14 @@ class Engine:
         except BaseException:
             self._free()
             raise
-        self.target_spec: ModelSpec = model_spec(self.tctx)
-        self.draft_spec: ModelSpec | None = model_spec(self.dctx) if self.dctx else None
         rng = random.SystemRandom() if cfg.seed is None else random.Random(cfg.seed)
         for i in range(self.n_slots):
             self.dec.seed(i, rng.getrandbits(64))
-        self._slots = [_Slot(i) for i in range(self.n_slots)]
+        self.sched = Scheduler(cfg.slots, cfg.max_queue, cfg.max_queue_wait, self,
+                               on_error=self._log_failure)
         self._cond = threading.Condition()
-        self._waiting: collections.deque[Job] = collections.deque()
         self._calls: list[_Call] = []
-        self._active: list[GenJob] = []
-        self._accepting = True
         self._closed = False
-        self._cut_at: float | None = None  # drain: cut running generations at this time
         self._thread = threading.Thread(target=self._run, name="warmslot-engine", daemon=True)
         self._thread.start()
 
@@ -241,15 +205,6 @@ class Engine:
 
     # ---------------------------------------------------------------- handler side
 
-    def _deadlines(self, time_remaining: float | None) -> tuple[float, float | None]:
-        now = time.monotonic()
-        wait = self.cfg.max_queue_wait
-        rpc_deadline = None
-        if time_remaining is not None:
-            rpc_deadline = now + time_remaining
-            wait = min(wait, time_remaining - min(0.1, 0.1 * time_remaining))
-        return now + max(wait, 0.0), rpc_deadline
-
     def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
@@ -257,18 +212,14 @@ class Engine:
     def _submit(self, job: Job) -> None:
         job.on_cancel = self._wake
         with self._cond:
-            if not self._accepting:
-                raise Unavailable("the server is shutting down")
-            if len(self._waiting) >= self.cfg.max_queue:
-                raise ResourceExhausted(f"{len(self._waiting)} requests are already waiting for "
-                                        f"a slot: try again later")
-            self._waiting.append(job)
-            self.metrics.queue_depth.set(len(self._waiting))
+            self.sched.submit(job)
+            self.metrics.queue_depth.set(len(self.sched.waiting))
             self._cond.notify_all()
 
     def generate(self, params: GenerateParams, time_remaining: float | None = None) -> GenJob:
         """Queues a generation; read its output from job.out, call job.cancel() to stop it."""
-        wait_until, rpc_deadline = self._deadlines(time_remaining)
+        with self._cond:
+            wait_until, rpc_deadline = self.sched.deadlines(time_remaining)
         job = GenJob(params, wait_until, rpc_deadline,
                      StopText(self.tokenizer, params.stop) if params.stop else None)
         self._submit(job)
@@ -277,7 +228,8 @@ class Engine:
     def slot_op(self, id_slot: int, fn: Callable[[int], T],
                 time_remaining: float | None = None) -> T:
         """Runs fn(slot) on the engine thread once the slot is idle; returns its result."""
-        wait_until, rpc_deadline = self._deadlines(time_remaining)
+        with self._cond:
+            wait_until, rpc_deadline = self.sched.deadlines(time_remaining)
         job: SlotOp[T] = SlotOp(id_slot, fn, wait_until, rpc_deadline)
         self._submit(job)
         return job.result()
@@ -297,7 +249,7 @@ class Engine:
 
     def n_running(self) -> int:
         """Generations running now (read without locking: a hint)."""
-        return len(self._active)
+        return len(self.sched.active)
 
     def list_slots(self) -> list[SlotInfo]:
         return self.call(self._slot_infos)
@@ -307,23 +259,16 @@ class Engine:
         most `grace` seconds before cutting them at a unit boundary. The engine still
         runs `call`s afterwards (e.g. to save every slot) until close()."""
         with self._cond:
-            self._accepting = False
-            self._cut_at = time.monotonic() + grace
-            for job in self._waiting:
-                job.fail(Unavailable("the server is shutting down"))
-            self._waiting.clear()
+            self.sched.start_drain(grace)
             self._cond.notify_all()
-            while self._active and not self._closed:
+            while self.sched.active and not self._closed:
                 self._cond.wait(0.1)
 
     def close(self) -> None:
         """Stops the engine thread and frees the core."""
         with self._cond:
-            self._accepting = False
             self._closed = True
-            for job in self._waiting:
-                job.fail(Unavailable("the server is shutting down"))
-            self._waiting.clear()
+            self.sched.close_queue()
             self._cond.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
@@ -337,22 +282,18 @@ class Engine:
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        sched = self.sched
         while True:
             with self._cond:
                 while True:
-                    admitted: list[Job] = []
-                    if self._waiting:
-                        self._sweep_locked()
-                        admitted = self._admit_locked()
+                    admitted = sched.admit()
                     calls, self._calls = self._calls, []
-                    if calls or admitted or self._active or self._closed:
+                    if calls or admitted or sched.active or self._closed:
                         break
-                    now = time.monotonic()
-                    wake = min((j.wait_until for j in self._waiting), default=None)
-                    self._cond.wait(None if wake is None else max(wake - now, 0.0) + 0.001)
+                    wake = sched.wake_in()
+                    self._cond.wait(None if wake is None else wake + 0.001)
                 if self._closed and not calls:
-                    for job in list(self._active):
-                        self._guarded(job, self._stop, Unavailable("the server is shutting down"))
+                    sched.stop_all(Unavailable("the server is shutting down"))
                     return
             for c in calls:
                 try:
@@ -360,114 +301,75 @@ class Engine:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     c.error = exc
                 c.done.set()
-            for job in admitted:
-                self._guarded(job, self._begin)
-            cut = self._cut_at is not None and time.monotonic() >= self._cut_at
-            batched = [] if cut else self._batched_steps()
-            for job in list(self._active):
-                if cut:
-                    self._guarded(job, self._stop, Unavailable("the server is shutting down"))
-                elif job not in batched:
-                    self._guarded(job, self._unit)
+            sched.run_round(admitted)
             # every round: a generation that ended while others run changes the count too
-            self.metrics.slots_busy.set(sum(s.job is not None for s in self._slots))
-            self.metrics.queue_depth.set(len(self._waiting))
-            if not self._active:
+            self.metrics.slots_busy.set(sched.n_busy())
+            self.metrics.queue_depth.set(len(sched.waiting))
+            if not sched.active:
                 with self._cond:
                     self._cond.notify_all()  # drain() waits for this
 
-    def _guarded(self, job: Job, fn: Callable[..., None], *args: Any) -> None:
-        """Runs fn(job, *args); a failure that escaped it fails the job and frees its slot
-        (emptied), so the engine thread never dies and no handler waits forever."""
-        try:
-            fn(job, *args)
-        except BaseException as exc:  # noqa: BLE001 - logged and handed to the request
-            self.log.error("engine failure", exc_info=exc, extra=log.fields(slot=job.slot))
-            if job in self._active:
-                self._active.remove(job)  # type: ignore[arg-type]
-            try:
-                self.dec.clear(job.slot)
-                self._release(job.slot)
-            except BaseException:  # noqa: BLE001
-                self._slots[job.slot].job = None
-                self._slots[job.slot].tokens = []
-            job.fail(exc)
-
-    def _sweep_locked(self) -> None:
-        now = time.monotonic()
-        keep: collections.deque[Job] = collections.deque()
-        for job in self._waiting:
-            if job.cancelled:
-                job.fail(Cancelled("cancelled while waiting for a slot"))
-            elif now >= job.wait_until:
-                job.fail(job.wait_error(self.n_slots))
-            else:
-                keep.append(job)
-        self._waiting = keep
-        self.metrics.queue_depth.set(len(keep))
-
-    def _admit_locked(self) -> list[Job]:
-        idle = {s.id for s in self._slots if s.job is None}
-        out: list[Job] = []
-        for job in list(self._waiting):
-            if not idle:
-                break
-            if job.id_slot >= 0:
-                if job.id_slot not in idle:
-                    continue
-                pick = job.id_slot
-            else:
-                pick = self._best_slot(job, idle)
-            idle.discard(pick)
-            self._waiting.remove(job)
-            self._slots[pick].job = job
-            job.slot = pick
-            out.append(job)
-        return out
-
-    def _best_slot(self, job: Job, idle: set[int]) -> int:
-        """The idle slot sharing the longest prefix with the prompt, then the LRU one."""
-        prompt = job.params.prompt if isinstance(job, GenJob) and job.params.cache_prompt else ()
-
-        def key(i: int) -> tuple[int, float]:
-            s = self._slots[i]
-            return (-common_prefix(s.tokens, prompt) if prompt else 0, s.last_used)
-
-        return min(sorted(idle), key=key)
-
-    def _release(self, slot: int) -> None:
-        s = self._slots[slot]
-        s.job = None
-        s.tokens = self.dec.tokens(slot)
-        s.last_used = time.monotonic()
-        s.last_used_unix_ms = int(time.time() * 1000)
+    def _log_failure(self, job: Job, exc: BaseException) -> None:
+        self.log.error("engine failure", exc_info=exc, extra=log.fields(slot=job.slot))
 
     def _slot_infos(self) -> list[SlotInfo]:
         dec = self.dec
         return [SlotInfo(i, dec.n_tokens(i), s.job is not None, dec.draft_n_tokens(i),
                          dec.draft_offset(i), dec.counters(i), s.last_used_unix_ms)
-                for i, s in enumerate(self._slots)]
+                for i, s in enumerate(self.sched.slots)]
 
-    def _begin(self, job: Job) -> None:
+    # ---------------------------------------------------------------- slot operations
+    # On the engine thread only (inside slot_op or call): the engine is the one owner
+    # of a slot's contexts.
+
+    def n_tokens(self, slot: int) -> int:
+        return self.dec.n_tokens(slot)
+
+    def capture(self, slot: int) -> SlotState:
+        """The slot's target and draft state; an idle slot's pending token is
+        committed first (a no-op when there is none)."""
+        target, draft = self.dec.slot_state(slot)
+        return SlotState(target, draft, self.dec.n_tokens(slot))
+
+    def apply(self, slot: int, target_parts: tuple[bytes | memoryview, ...],
+              draft_state: bytes | memoryview | None, draft_offset: int) -> Applied:
+        """Replaces the slot's content: the target state (header, tokens, KV parts),
+        then the draft state, or, when there is none or the core refuses it, an empty
+        draft from `draft_offset`. A target the core refuses raises BadStateError and
+        leaves the slot empty."""
+        loaded, rejected = self.dec.set_slot_state(slot, target_parts, draft_state,
+                                                   draft_offset)
+        return Applied(loaded, rejected)
+
+    def erase(self, slot: int) -> int:
+        """Empties the slot; the number of tokens it held."""
+        n = self.dec.n_tokens(slot)
+        self.dec.clear(slot)
+        return n
+
+    # ---------------------------------------------------------------- executor
+
+    def reset(self, slot: int) -> None:
+        self.dec.clear(slot)
+
+    def slot_tokens(self, slot: int) -> list[int]:
+        return self.dec.tokens(slot)
+
+    def begin(self, job: Job) -> None:
         slot = job.slot
         if isinstance(job, SlotOp):
-            try:
-                job.run(slot)
-            finally:
-                self._release(slot)
+            job.run(slot)
+            job.running = False
             return
         assert isinstance(job, GenJob)
-        if job.cancelled:
-            job.fail(Cancelled("cancelled"))
-            self._release(slot)
-            return
         try:
             p = job.params
             dec = self.dec
             job.t_start = time.monotonic()
             job.timings.queue_ms = 1e3 * (job.t_start - job.submitted)
             job.timings.id_slot = slot
-            common = common_prefix(self._slots[slot].tokens, p.prompt) if p.cache_prompt else 0
+            tokens = self.sched.slots[slot].tokens
+            common = common_prefix(tokens, p.prompt) if p.cache_prompt else 0
             keep = min(common, len(p.prompt) - 1)
             dec.truncate(slot, keep)
             if p.seed is not None:
@@ -476,31 +378,29 @@ class Engine:
             job.timings.prompt_n = len(p.prompt) - keep
             job.counters0 = dec.counters(slot)
             job.todo = list(p.prompt[keep:])
+            # -1: unknown, the first prefill unit of a speculative request catches up
+            job.draft_lag = -1 if p.spec is not None and self.has_draft else 0
         except Exception as exc:
             self._abort(job, exc)
-            return
-        self._active.append(job)
 
-    def _batched_steps(self) -> list[GenJob]:
-        """One forward pass for the target-only decode steps of every running request
-        (a step each, as `_unit` would take them one by one); the jobs it served."""
-        jobs = [j for j in self._active if isinstance(j, GenJob) and j.todo is None
-                and j.params.spec is None and not j.cancelled]
-        if len(jobs) < 2:
-            return []
+    def step_batch(self, jobs: list[Job]) -> bool:
+        """One forward pass for the target-only decode steps of the jobs (a step each,
+        as `unit` would take them one by one)."""
+        gens = [j for j in jobs if isinstance(j, GenJob)]
         try:
-            toks = self.dec.step_multi([j.slot for j in jobs],
-                                       [j.params.sampling for j in jobs])
+            toks = self.dec.step_multi([j.slot for j in gens],
+                                       [j.params.sampling for j in gens])
         except Exception:  # noqa: BLE001 - e.g. a full slot: each job steps on its own
-            return []
-        for job, tok in zip(jobs, toks, strict=True):
-            self._guarded(job, self._take, [tok])
-        return jobs
+            return False
+        for job, tok in zip(gens, toks, strict=True):
+            try:
+                self._take(job, [tok])
+            except Exception as exc:
+                self._abort(job, exc)
+        return True
 
-    def _unit(self, job: GenJob) -> None:
-        if job.cancelled:
-            self._stop(job, Cancelled("cancelled"))
-            return
+    def unit(self, job: Job) -> None:
+        assert isinstance(job, GenJob)
         try:
             if job.todo is not None:
                 self._prefill_unit(job)
@@ -517,11 +417,15 @@ class Engine:
         todo = job.todo
         assert todo is not None
         batch = self.cfg.batch
-        if len(todo) > batch and dec.n_tokens(slot) == self.tctx.n_tokens(slot):
-            # a chunk of a long prompt: into the KV without sampling (no pending token)
-            self.tctx.decode(slot, todo[:batch])
-            if p.spec is not None:
-                dec.draft_sync(slot)
+        if p.spec is not None and job.draft_lag:
+            # a draft behind its target (a restored slot to re-prefill) catches up in
+            # units of at most `batch` tokens before the prompt
+            done, job.draft_lag = dec.draft_catch_up(slot, batch)
+            if done:
+                return
+        if len(todo) > batch:
+            # a chunk of a long prompt: into the KV without sampling
+            dec.prefill_chunk(slot, todo[:batch], with_draft=p.spec is not None)
             job.todo = todo[batch:]
             return
         first = dec.prefill(slot, todo, p.sampling, with_draft=p.spec is not None)
@@ -568,7 +472,8 @@ class Engine:
             job.out.put(Chunk(out, joined))
 
     def _close_out(self, job: GenJob) -> Timings:
-        """Commits the pending token, releases the slot and completes the timings."""
+        """Commits the pending token, ends the job (the scheduler frees the slot) and
+        completes the timings."""
         slot = job.slot
         self.dec.commit(slot)
         now = time.monotonic()
@@ -579,9 +484,7 @@ class Engine:
             tm.prompt_ms = 1e3 * (now - job.t_start)
         tm.predicted_n = job.emitted
         tm.add_counters(self.dec.counters(slot) - job.counters0)
-        if job in self._active:
-            self._active.remove(job)
-        self._release(slot)
+        job.running = False
         m = self.metrics
         m.tokens.labels("prompt").inc(tm.prompt_n)
         m.tokens.labels("cached").inc(tm.cache_n)
@@ -612,8 +515,9 @@ class Engine:
             predicted_ms=round(tm.predicted_ms, 2), draft_n=tm.draft_n,
             draft_n_accepted=tm.draft_n_accepted, draft_prompt_n=tm.draft_prompt_n))
 
-    def _stop(self, job: GenJob, err: ServiceError) -> None:
+    def stop(self, job: Job, err: ServiceError) -> None:
         """Ends a generation early at a unit boundary; the slot keeps what was processed."""
+        assert isinstance(job, GenJob)
         try:
             tm = self._close_out(job)
         except Exception as exc:
@@ -627,10 +531,7 @@ class Engine:
         """A unit failed: the request gets the error, the slot is emptied."""
         self.log.warning("generate failed", exc_info=not isinstance(exc, ServiceError),
                          extra=log.fields(slot=job.slot, error=str(exc)))
-        if job in self._active:
-            self._active.remove(job)
         try:
             self.dec.clear(job.slot)
         finally:
-            self._release(job.slot)
             job.fail(exc)

@@ -1,7 +1,8 @@
 """Slot files: the target file `<name>` and its draft sidecar `<name>.drft`.
 
-Pure functions between bytes and objects: no I/O and no decoding-core calls,
-so the local store, the snapshot client and tools share them. The byte layout
+Pure functions between bytes and objects: no I/O and no decoding-core calls
+(the core's state constants are read from its binding), so the local store, the
+snapshot client and tools share them. The byte layout
 is specified in docs/formats.md; keep the two in step.
 
 Checks are split in two:
@@ -18,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+
+from inference_svc.core.binding import lib as _core
 
 TARGET_MAGIC = b"WSLT"
 DRAFT_MAGIC = b"WSLD"
@@ -48,17 +51,18 @@ _TARGET_HEAD = struct.Struct("<4sIII32s8I")
 _DRAFT_HEAD = struct.Struct("<4sIII32s32s9I")
 _PREFIX = struct.Struct("<4sII")  # magic, version, header_len: common to every version
 
-# the decoding core's slot state (ws_slot_state_get): 8 x u32 header; the core writes
-# version 2 (dtype f32 or f16) and reads 1 and 2
-CORE_KV_MAGIC = 0x564B5357  # "WSKV"
-CORE_KV_VERSION = 2
+# the decoding core's slot state (ws_slot_state_get): 8 x u32 header; its magic and
+# version (2: dtype f32 or f16; 1 is still read) are the core's own constants
+# (native/warmslot.h), read through the binding
+CORE_KV_MAGIC = int(_core.WS_STATE_MAGIC)  # "WSKV"
+CORE_KV_VERSION = int(_core.WS_STATE_VERSION)
 _CORE_KV_HEAD = struct.Struct("<8I")
-# the core's draft state (ws_spec_state_get) v1: magic, version, d_off, lag_ok,
-# rng[4] u64, counters (4 + 2 x 16) u64, then the draft's WSKV slot state
-CORE_SPEC_MAGIC = 0x50535357  # "WSSP"
-CORE_SPEC_VERSION = 1
-_CORE_SPEC_HEAD = struct.Struct("<4I4Q36Q")
-SPEC_MAX_DRAFT = 16  # drafted_at / accepted_at entries (the core's WS_SPEC_MAX_DRAFT)
+# the core's draft state (ws_spec_state_get): magic, version, d_off, lag_ok,
+# rng[4] u64, counters (4 + 2 x WS_SPEC_MAX_DRAFT) u64, then the draft's WSKV slot state
+CORE_SPEC_MAGIC = int(_core.WS_SPEC_STATE_MAGIC)  # "WSSP"
+CORE_SPEC_VERSION = int(_core.WS_SPEC_STATE_VERSION)
+SPEC_MAX_DRAFT = int(_core.WS_SPEC_MAX_DRAFT)  # drafted_at / accepted_at entries
+_CORE_SPEC_HEAD = struct.Struct(f"<4I4Q{4 + 2 * SPEC_MAX_DRAFT}Q")
 # largest counter a restored draft state may hold: centuries of steps at any speed, and far
 # enough below 2^64 that no later step of the core can overflow it
 MAX_COUNTER = 2**53 - 1

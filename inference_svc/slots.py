@@ -11,11 +11,12 @@ import time
 
 from inference_svc import log
 from inference_svc.core import BadStateError
-from inference_svc.engine import Engine
+from inference_svc.engine import Engine, SlotState
 from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from inference_svc.metrics import Metrics
 from inference_svc.names import validate_name
-from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
+from inference_svc.slotfile import ModelSpec
+from inference_svc.snapshots import PreparedRestore, encode_slot, model_spec, prepare_restore
 from inference_svc.store import SlotStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
 
@@ -32,6 +33,10 @@ class SlotManager:
     def __init__(self, engine: Engine, store: SlotStore | None, draft_policy: str,
                  metrics: Metrics) -> None:
         self.engine = engine
+        kv_type = engine.cfg.kv_type
+        self.target_spec: ModelSpec = model_spec(engine.target, engine.n_ctx, kv_type)
+        self.draft_spec: ModelSpec | None = (model_spec(engine.draft, engine.n_ctx, kv_type)
+                                             if engine.draft is not None else None)
         self.store = store
         self.draft_policy = DraftPolicy.EMPTY if draft_policy == "empty" else DraftPolicy.REPREFILL
         self.metrics = metrics
@@ -51,8 +56,8 @@ class SlotManager:
         name = validate_name(filename)
         self._need_store()
         t0 = time.perf_counter()
-        tstate, dstate = eng.slot_op(id_slot, self._capture, time_remaining)
-        return self._persist(id_slot, name, tstate, dstate, t0)
+        state = eng.slot_op(id_slot, eng.capture, time_remaining)
+        return self._persist(id_slot, name, state, t0)
 
     def save_on_engine(self, id_slot: int, name: str, *, deadline: float | None = None,
                        store: SlotStore | None = None) -> SaveResult | None:
@@ -61,21 +66,20 @@ class SlotManager:
         store than the configured one (the stop's local fallback); `deadline`
         (time.monotonic()): when a remote store gives up."""
         t0 = time.perf_counter()
-        captured = self.engine.call(
-            lambda: self._capture(id_slot) if self.engine.dec.n_tokens(id_slot) else None)
-        if captured is None:
+        eng = self.engine
+        state = eng.call(lambda: eng.capture(id_slot) if eng.n_tokens(id_slot) else None)
+        if state is None:
             return None
-        return self._persist(id_slot, validate_name(name), captured[0], captured[1], t0,
-                             store=store, deadline=deadline)
+        return self._persist(id_slot, validate_name(name), state, t0, store=store,
+                             deadline=deadline)
 
-    def _persist(self, id_slot: int, name: str, tstate: bytes, dstate: bytes | None,
-                 t0: float, *, store: SlotStore | None = None,
+    def _persist(self, id_slot: int, name: str, state: SlotState, t0: float, *,
+                 store: SlotStore | None = None,
                  deadline: float | None = None) -> SaveResult:
         """Encodes captured state and writes it (off the engine thread)."""
-        eng = self.engine
         store = store or self._need_store()
         try:
-            enc = encode_slot(tstate, dstate, eng.target_spec, eng.draft_spec)
+            enc = encode_slot(state.target, state.draft, self.target_spec, self.draft_spec)
             n_written = store.save(name, enc.target, enc.draft, target_sha256=enc.target_sha256,
                                    deadline=deadline)
         except BaseException as exc:
@@ -95,13 +99,6 @@ class SlotManager:
             draft_saved=draft_saved, store=store.describe(), ms=round(ms, 2)))
         return SaveResult(id_slot, name, enc.n_tokens, n_written, draft_saved, ms,
                           enc.target_sha256)
-
-    def _capture(self, slot: int) -> tuple[bytes, bytes | None]:
-        """On the engine thread: the slot's target state and draft state bytes."""
-        eng = self.engine
-        eng.dec.commit(slot)  # idle slots hold no pending token; this is a no-op then
-        draft = eng.dec.draft_state(slot) if eng.has_draft else None
-        return eng.tctx.get_state(slot), draft
 
     # ------------------------------------------------------------------ restore
 
@@ -123,8 +120,8 @@ class SlotManager:
         name = filename
         try:
             name = validate_name(filename)
-            prepared = prepare_restore(store or self._need_store(), name, eng.target_spec,
-                                       eng.draft_spec, load_by)
+            prepared = prepare_restore(store or self._need_store(), name, self.target_spec,
+                                       self.draft_spec, load_by)
 
             def apply(slot: int) -> tuple[DraftPolicy, str]:
                 _caller_waits(deadline, name)  # on the engine thread, just before
@@ -151,28 +148,21 @@ class SlotManager:
                              policy is DraftPolicy.SIDECAR, policy, ms, note)
 
     def _apply(self, slot: int, prepared: PreparedRestore) -> tuple[DraftPolicy, str]:
-        """On the engine thread: empties the slot, then loads the checked state."""
+        """On the engine thread: loads the checked state into the slot."""
         eng = self.engine
-        dec = eng.dec
-        dec.clear(slot)
+        # without a usable sidecar the draft starts empty: at the end of the context
+        # ("empty") or at 0, to be re-prefilled by the next speculative request
+        offset = prepared.n_tokens if self.draft_policy is DraftPolicy.EMPTY else 0
         try:
-            eng.tctx.set_state_parts(slot, *prepared.target_parts)
+            applied = eng.apply(slot, prepared.target_parts, prepared.draft_state, offset)
         except BadStateError as exc:
-            dec.clear(slot)
             raise DataLoss(f"slot file rejected by the decoding core: {exc}") from exc
         if not eng.has_draft:
             return DraftPolicy.NONE, prepared.draft_note
-        note = prepared.draft_note
-        if prepared.draft_state is not None:
-            try:
-                dec.set_draft_state(slot, prepared.draft_state)
-                return DraftPolicy.SIDECAR, ""
-            except BadStateError as exc:
-                note = f"draft sidecar rejected by the decoding core: {exc}"
-        if self.draft_policy is DraftPolicy.EMPTY:
-            dec.draft_reset(slot, prepared.n_tokens)
-        else:
-            dec.draft_reset(slot, 0)
+        if applied.sidecar:
+            return DraftPolicy.SIDECAR, ""
+        note = (f"draft sidecar rejected by the decoding core: {applied.rejected}"
+                if applied.rejected else prepared.draft_note)
         return self.draft_policy, note
 
     # ------------------------------------------------------------------ erase
@@ -181,11 +171,6 @@ class SlotManager:
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
 
-        def erase(slot: int) -> int:
-            n = eng.dec.n_tokens(slot)
-            eng.dec.clear(slot)
-            return n
-
-        n = eng.slot_op(id_slot, erase, time_remaining)
+        n = eng.slot_op(id_slot, eng.erase, time_remaining)
         self.log.info("slot erased", extra=log.fields(slot=id_slot, n_tokens=n))
         return n

@@ -10,17 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inference_svc import slotfile
-from inference_svc.core import Context
+from inference_svc.core import Context, Model
 from inference_svc.slotfile import DTYPE_BY_NAME, KVLayout, ModelSpec
 from inference_svc.store import SlotStore
 
 
-def model_spec(ctx: Context) -> ModelSpec:
-    """What a slot file must match to restore into this context: its model, KV layout and
-    type, and size."""
-    model, hp = ctx.model, ctx.model.hparams
-    layout = KVLayout(hp.n_layer, hp.n_head_kv, hp.head_dim, DTYPE_BY_NAME[ctx.kv_type])
-    return ModelSpec(model.fingerprint, model.name, layout, hp.n_vocab, ctx.n_ctx)
+def model_spec(model: Model, n_ctx: int, kv_type: str) -> ModelSpec:
+    """What a slot file must match to restore into a context of this model, size and KV
+    type: the model, the KV layout and type, and the size."""
+    hp = model.hparams
+    layout = KVLayout(hp.n_layer, hp.n_head_kv, hp.head_dim, DTYPE_BY_NAME[kv_type])
+    return ModelSpec(model.fingerprint, model.name, layout, hp.n_vocab, n_ctx)
+
+
+def context_spec(ctx: Context) -> ModelSpec:
+    """model_spec of an open context."""
+    return model_spec(ctx.model, ctx.n_ctx, ctx.kv_type)
 
 
 @dataclass(frozen=True)

@@ -433,6 +433,67 @@ ws_status ws_spec_draft_sync(ws_spec *s, int32_t slot, int32_t *n_out) {
     return WS_OK;
 }
 
+/* At most max_tokens of the draft's lag behind the target's KV. The last lag_ok
+ * tokens of the lag were generated, not prompt: they do not count as draft prefill. */
+static ws_status catch_up_bounded(ws_spec *s, int32_t slot, int32_t max_tokens, int32_t *n_done,
+                                  int32_t *n_left) {
+    *n_done = 0;
+    *n_left = 0;
+    if (!s->dft) return WS_OK;
+    spec_slot *ss = &s->slots[slot];
+    const int32_t tn = kv_len(s->tgt, slot);
+    const int32_t from = ss->d_off + kv_len(s->dft, slot);
+    if (ss->d_off > tn || from >= tn) return WS_OK;
+    const int32_t lag = tn - from;
+    const int32_t n = lag < max_tokens ? lag : max_tokens;
+    int32_t done = 0;
+    TRY(draft_catch_up(s, slot, from + n, NULL, &done));
+    const int32_t ok_from = tn - (ss->lag_ok < lag ? ss->lag_ok : lag);
+    int32_t in_ok = from + done > ok_from ? from + done - ok_from : 0;
+    if (in_ok > done) in_ok = done;
+    ss->c.n_draft_prefill += (uint64_t)(done - in_ok);
+    ss->lag_ok = done == lag ? 0 : ss->lag_ok - in_ok;
+    *n_done = done;
+    *n_left = lag - done;
+    return WS_OK;
+}
+
+ws_status ws_spec_draft_catch_up(ws_spec *s, int32_t slot, int32_t max_tokens, int32_t *n_done,
+                                 int32_t *n_left) {
+    if (!s || !n_done || !n_left) return WS_ERR_INVALID_ARGUMENT;
+    *n_done = 0;
+    *n_left = 0;
+    TRY(check_slot(s, slot));
+    if (max_tokens < 1)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "max_tokens %d must be >= 1", max_tokens);
+    return catch_up_bounded(s, slot, max_tokens, n_done, n_left);
+}
+
+ws_status ws_spec_prefill_chunk(ws_spec *s, int32_t slot, const int32_t *tokens, int32_t n_tokens,
+                                int with_draft) {
+    if (!s || !tokens || n_tokens < 1) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    spec_slot *ss = &s->slots[slot];
+    const int pend = ss->pending >= 0;
+    const int32_t n = n_tokens + pend;
+    const int32_t tn = kv_len(s->tgt, slot);
+    if (n > s->n_ctx - tn)
+        return fail(s, WS_ERR_CONTEXT_FULL, "%d tokens after %d exceed the context of %d", n, tn,
+                    s->n_ctx);
+    int32_t *seq = s->toks;
+    if (pend) seq[0] = ss->pending;
+    memcpy(seq + pend, tokens, sizeof(int32_t) * (size_t)n_tokens);
+    ws_status st = ws_decode(s->tgt, slot, seq, n, 0, NULL, 0);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "prefill chunk");
+    ss->pending = -1;
+    ss->lag_ok += pend; /* the pending token was generated, not prompt */
+    if (with_draft) {
+        int32_t done = 0, left = 0;
+        TRY(catch_up_bounded(s, slot, n, &done, &left));
+    }
+    return WS_OK;
+}
+
 ws_status ws_spec_draft_reset(ws_spec *s, int32_t slot, int32_t offset) {
     if (!s) return WS_ERR_INVALID_ARGUMENT;
     TRY(check_slot(s, slot));
@@ -815,4 +876,65 @@ ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t
     ss->c = c;
     *read_out = SPEC_HEADER_BYTES + kv_read;
     return WS_OK;
+}
+
+/* ------------------------------------------------------------------------- */
+/* the whole slot: target and draft state together                          */
+
+ws_status ws_spec_slot_state_prepare(ws_spec *s, int32_t slot, size_t *target_size,
+                                     size_t *draft_size) {
+    if (!s || !target_size || !draft_size) return WS_ERR_INVALID_ARGUMENT;
+    *target_size = *draft_size = 0;
+    TRY(ws_spec_commit(s, slot));
+    ws_status st = ws_slot_state_size(s->tgt, slot, target_size);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "target state");
+    if (s->dft) TRY(ws_spec_state_size(s, slot, draft_size));
+    return WS_OK;
+}
+
+ws_status ws_spec_slot_state_get(const ws_spec *s, int32_t slot, uint8_t *tbuf, size_t tcap,
+                                 size_t *t_written, uint8_t *dbuf, size_t dcap,
+                                 size_t *d_written) {
+    if (!s || !t_written || !d_written) return WS_ERR_INVALID_ARGUMENT;
+    *t_written = *d_written = 0;
+    TRY(check_slot(s, slot));
+    if (s->slots[slot].pending >= 0)
+        return fail(s, WS_ERR_BAD_STATE, "slot %d holds a pending token: prepare it first", slot);
+    ws_status st = ws_slot_state_get(s->tgt, slot, tbuf, tcap, t_written);
+    if (st != WS_OK) return fail_from((ws_spec *)s, s->tgt, st, "target state");
+    if (s->dft) {
+        st = ws_spec_state_get(s, slot, dbuf, dcap, d_written);
+        if (st != WS_OK) *t_written = 0;
+        return st;
+    }
+    return WS_OK;
+}
+
+ws_status ws_spec_slot_state_set(ws_spec *s, int32_t slot, const uint8_t *header,
+                                 size_t header_len, const uint8_t *tokens, size_t tokens_len,
+                                 const uint8_t *kv, size_t kv_len_, const uint8_t *dbuf,
+                                 size_t dlen, int32_t draft_offset, int *draft_loaded) {
+    if (!s || !draft_loaded) return WS_ERR_INVALID_ARGUMENT;
+    *draft_loaded = 0;
+    TRY(ws_spec_clear(s, slot));
+    size_t read = 0;
+    ws_status st = ws_slot_state_set_parts(s->tgt, slot, header, header_len, tokens, tokens_len,
+                                           kv, kv_len_, &read);
+    if (st != WS_OK) {
+        fail_from(s, s->tgt, st, "target state");
+        ws_spec_clear(s, slot);
+        return st;
+    }
+    const int32_t tn = kv_len(s->tgt, slot);
+    if (draft_offset < 0 || draft_offset > tn) {
+        ws_spec_clear(s, slot);
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "draft offset %d outside 0..%d", draft_offset, tn);
+    }
+    if (!s->dft) return WS_OK;
+    s->last_error[0] = '\0';
+    if (dbuf && ws_spec_state_set(s, slot, dbuf, dlen, &read) == WS_OK) {
+        *draft_loaded = 1;
+        return WS_OK;
+    }
+    return ws_spec_draft_reset(s, slot, draft_offset);
 }

@@ -308,6 +308,18 @@ ws_status ws_spec_clear(ws_spec *spec, int32_t slot);
 ws_status ws_spec_draft_reset(ws_spec *spec, int32_t slot, int32_t offset);
 /* Brings the draft level with the target's KV tokens now; *n_out: tokens decoded. */
 ws_status ws_spec_draft_sync(ws_spec *spec, int32_t slot, int32_t *n_out);
+/*
+ * Prefill in bounded pieces, for a caller that interleaves slots:
+ * ws_spec_prefill_chunk appends the pending token (if any) and the tokens to
+ * S without sampling (the slot holds no pending token afterwards); with_draft:
+ * the draft then catches up by at most as many tokens as the target decoded.
+ * ws_spec_draft_catch_up decodes at most max_tokens of the draft's lag behind
+ * the target's KV; *n_done: tokens decoded, *n_left: the lag that remains.
+ */
+ws_status ws_spec_prefill_chunk(ws_spec *spec, int32_t slot, const int32_t *tokens,
+                                int32_t n_tokens, int with_draft);
+ws_status ws_spec_draft_catch_up(ws_spec *spec, int32_t slot, int32_t max_tokens,
+                                 int32_t *n_done, int32_t *n_left);
 ws_status ws_spec_draft_offset(const ws_spec *spec, int32_t slot, int32_t *offset_out);
 ws_status ws_spec_counters_get(const ws_spec *spec, int32_t slot, ws_spec_counters *out);
 
@@ -322,6 +334,28 @@ ws_status ws_spec_state_get(const ws_spec *spec, int32_t slot, uint8_t *buf, siz
                             size_t *written_out);
 ws_status ws_spec_state_set(ws_spec *spec, int32_t slot, const uint8_t *buf, size_t len,
                             size_t *read_out);
+
+/*
+ * A slot's whole state, target and draft, in two buffers (never joined):
+ * ws_spec_slot_state_prepare commits the pending token, then gives the sizes;
+ * ws_spec_slot_state_get writes the target context's slot state
+ * (ws_slot_state_get format) into tbuf and the draft state (ws_spec_state_get
+ * format; nothing without a draft model) into dbuf.
+ * ws_spec_slot_state_set empties the slot, loads the target state from its three
+ * parts (ws_slot_state_set_parts), then the draft state validated against it.
+ * A refused target leaves the slot empty and returns its error. A draft state
+ * that is absent (dbuf NULL) or refused leaves an empty draft at draft_offset
+ * (0 <= draft_offset <= the target's tokens) and *draft_loaded 0; a refusal's
+ * reason is in ws_spec_last_error.
+ */
+ws_status ws_spec_slot_state_prepare(ws_spec *spec, int32_t slot, size_t *target_size,
+                                     size_t *draft_size);
+ws_status ws_spec_slot_state_get(const ws_spec *spec, int32_t slot, uint8_t *tbuf, size_t tcap,
+                                 size_t *t_written, uint8_t *dbuf, size_t dcap, size_t *d_written);
+ws_status ws_spec_slot_state_set(ws_spec *spec, int32_t slot, const uint8_t *header,
+                                 size_t header_len, const uint8_t *tokens, size_t tokens_len,
+                                 const uint8_t *kv, size_t kv_len, const uint8_t *dbuf,
+                                 size_t dlen, int32_t draft_offset, int *draft_loaded);
 
 #ifdef __cplusplus
 }

@@ -151,7 +151,7 @@ def corruptions(good: bytes) -> dict[str, bytes]:
 @pytest.mark.parametrize("case", sorted(corruptions(b"\0" * state_len(len(PROMPT), "f32"))))
 def test_bad_state_leaves_slot_empty_and_usable(ctx: Ctx, case: str) -> None:
     ctx.decode(0, PROMPT)
-    good = ctx.get_state(0)
+    good = bytes(ctx.get_state(0))
     expected = ctx.decode(0, [7])
     ctx.decode(1, [1, 2, 3])  # the target slot holds something before the failed set
     with pytest.raises(BadStateError):
@@ -191,7 +191,7 @@ FIXED_SIZE_CORRUPTIONS = ["bad_magic", "newer_version", "version_0", "other_laye
     "header_short", "header_long", "tokens_short", "kv_short", "kv_long", "kv_in_tokens"])
 def test_bad_state_parts_leave_slot_empty_and_usable(ctx: Ctx, case: str) -> None:
     ctx.decode(0, PROMPT)
-    good = ctx.get_state(0)
+    good = bytes(ctx.get_state(0))
     expected = ctx.decode(0, [7])
     h, t, kv = split_state(good, len(PROMPT))
     if case in FIXED_SIZE_CORRUPTIONS:

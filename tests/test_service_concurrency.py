@@ -1,5 +1,6 @@
-"""Scheduling through real gRPC: concurrent clients on fewer slots, interleaving,
-busy slots, a full queue, cancellation and disconnects, EOS, long prompts."""
+"""Scheduling wired through real gRPC: concurrent clients on fewer slots, busy slots,
+cancellation and disconnects, EOS, long prompts. The scheduling decisions themselves
+(orders, counts, limits, deadlines) are tested exactly in tests/test_scheduler.py."""
 
 from __future__ import annotations
 
@@ -140,12 +141,10 @@ def test_busy_slot_waits_then_resource_exhausted(client: InferenceClient) -> Non
     stream = client.generate_stream(make_request(prompt_of(0), max_tokens=LONG, id_slot=0,
                                                  temperature=0.0, speculative=False))
     next(stream)  # slot 0 is busy now
-    t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         client.generate(prompt_of(1), max_tokens=4, id_slot=0)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "slot 0 stayed busy" in err.value.details()
-    assert 0.1 < time.monotonic() - t0 < 5
     # slot ops wait for the slot too
     with pytest.raises(grpc.RpcError) as err:
         client.erase(0)
@@ -163,32 +162,6 @@ def test_busy_slot_waits_then_resource_exhausted(client: InferenceClient) -> Non
     wait_idle(client, 0)
 
 
-def test_full_queue_is_resource_exhausted(pair: tuple[Path, Path]) -> None:
-    # a server of its own whose waiting requests wait long enough to be counted (with the
-    # module's 0.15 s they could give up before the request that finds the queue full)
-    with running(service_config(*pair, ctx=CTX, max_queue_wait=30.0, max_queue=3)) as srv, \
-            fresh_client(srv) as client:
-        streams = [client.generate_stream(make_request(prompt_of(s), max_tokens=LONG,
-                                                       id_slot=s, speculative=False))
-                   for s in (0, 1)]
-        for s in streams:
-            next(s)
-        waiting = [client.generate_stream(make_request(prompt_of(2), max_tokens=2, id_slot=0))
-                   for _ in range(srv.cfg.max_queue)]
-        deadline = time.monotonic() + 10
-        while srv.metrics.registry.get_sample_value("warmslot_queue_depth") != 3:
-            assert time.monotonic() < deadline, "the waiting requests never queued"
-            time.sleep(0.005)
-        with pytest.raises(grpc.RpcError) as err:
-            client.generate(prompt_of(3), max_tokens=2)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "3 requests are already waiting" in err.value.details()
-        for s in streams + waiting:
-            s.cancel()
-        wait_idle(client, 0)
-        wait_idle(client, 1)
-
-
 @pytest.mark.parametrize("how", ["cancel", "disconnect"])
 def test_cancellation_frees_the_slot(client: InferenceClient, server: Server, how: str) -> None:
     p = prompt_of(4)
@@ -199,7 +172,7 @@ def test_cancellation_frees_the_slot(client: InferenceClient, server: Server, ho
         stream.cancel()
     else:
         c2.close()
-    assert wait_idle(client, 0) < 1.0
+    wait_idle(client, 0)  # the scheduler stops it at the next unit (tests/test_scheduler.py)
     if how == "cancel":
         c2.close()
     kept = client.slots()[0].n_tokens

@@ -327,3 +327,38 @@ def test_without_draft_model(pair: tuple[Path, Path], tmp_path: Path, ref: Refer
         with pytest.raises(grpc.RpcError) as err:
             gen(c, a, 0, speculative=True)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_draft_reprefill_catches_up_in_bounded_units(client: InferenceClient, server: Server,
+                                                     store_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restored slot whose draft re-prefills catches up at most `batch` tokens per
+    engine unit (so other slots keep stepping in between), then generates exactly as
+    a slot that kept its draft."""
+    engine = server._engine
+    assert engine is not None and engine.dec is not None
+    batch = server.cfg.batch
+    a = [(13 * k) % 290 + 1 for k in range(2 * batch + 20)]
+    out, _ = gen(client, a, 0)
+    client.save(0, "catch")
+    b = a + out + [7, 8, 9]
+    control_out, control = gen(client, b, 0)
+    (store_dir / "catch.drft").unlink()
+    assert client.restore(1, "catch").draft_policy_applied == pb.DRAFT_POLICY_REPREFILL
+    calls: list[tuple[int, int, int]] = []
+    catch_up = engine.dec.draft_catch_up
+
+    def recorded(slot: int, max_tokens: int) -> tuple[int, int]:
+        done, left = catch_up(slot, max_tokens)
+        calls.append((max_tokens, done, left))
+        return done, left
+
+    monkeypatch.setattr(engine.dec, "draft_catch_up", recorded)
+    out1, re = gen(client, b, 1)
+    n = len(a) + N  # the restored context, the draft's lag
+    assert calls == [(batch, batch, n - batch), (batch, batch, n - 2 * batch),
+                     (batch, n - 2 * batch, 0)]
+    assert out1 == control_out
+    assert re.timings.draft_prompt_n == len(b)
+    assert (re.timings.draft_n, re.timings.draft_n_accepted) == (
+        control.timings.draft_n, control.timings.draft_n_accepted)

@@ -20,7 +20,7 @@ from inference_svc.client import InferenceClient
 from inference_svc.core import Context, Model
 from inference_svc.core.speculative import SpecDecoder
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.snapshots import model_spec, prepare_restore
+from inference_svc.snapshots import context_spec, prepare_restore
 from inference_svc.store import LocalStore
 from tests.fixtures import make_golden
 from tests.fixtures.servicekit import running, service_config
@@ -129,7 +129,7 @@ def test_golden_files_restore_and_continue_like_the_saved_session(tmp_path: Path
         store = LocalStore(tmp_path)
         shutil.copy(GOLDEN / gs.target, tmp_path / "slot")
         shutil.copy(GOLDEN / gs.draft, tmp_path / "slot.drft")
-        p = prepare_restore(store, "slot", model_spec(tc), model_spec(dc))
+        p = prepare_restore(store, "slot", context_spec(tc), context_spec(dc))
         assert p.draft_state is not None and p.draft_note == ""
         dec.clear(1)
         tc.set_state_parts(1, *p.target_parts)
@@ -153,7 +153,7 @@ def test_golden_files_of_another_kv_type_are_refused(tmp_path: Path, version: in
         shutil.copy(GOLDEN / gs.target, tmp_path / "slot")
         shutil.copy(GOLDEN / gs.draft, tmp_path / "slot.drft")
         with pytest.raises(slotfile.IncompatibleSlotFile) as exc:
-            prepare_restore(LocalStore(tmp_path), "slot", model_spec(tc), model_spec(dc))
+            prepare_restore(LocalStore(tmp_path), "slot", context_spec(tc), context_spec(dc))
     assert str(exc.value) == (f"slot file holds an {gs.kv_type} KV cache, this server keeps "
                               f"{other}: restore it on a server started with --kv-type "
                               f"{gs.kv_type}")

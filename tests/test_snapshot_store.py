@@ -25,7 +25,7 @@ from inference_svc.core import Context, Model
 from inference_svc.core.speculative import Counters, SamplingParams, SpecDecoder, SpecParams
 from inference_svc.slotfile import DRAFT_VERSION, TARGET_VERSION, CorruptSlotFile, ModelSpec
 from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.snapshots import EncodedSlot, encode_slot, model_spec, prepare_restore
+from inference_svc.snapshots import EncodedSlot, context_spec, encode_slot, prepare_restore
 from inference_svc.store import LocalStore, SlotStore, StoredSlot
 from snapshot_svc import ctl
 from snapshot_svc.client import SnapshotClient
@@ -68,7 +68,7 @@ def core(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Core]:
     tm, dm = Model.load(d / "target.gguf"), Model.load(d / "draft.gguf")
     tc, dc = Context(tm, n_slots=3, n_ctx=N_CTX), Context(dm, n_slots=3, n_ctx=N_CTX)
     dec = SpecDecoder(tc, dc)
-    yield Core(tm, dm, dec, model_spec(tc), model_spec(dc))
+    yield Core(tm, dm, dec, context_spec(tc), context_spec(dc))
     dec.close()
     for obj in (tc, dc, tm, dm):
         obj.close()

@@ -11,7 +11,13 @@ import gguf
 import numpy as np
 import pytest
 
-from inference_svc.core import BadStateError, Context, InvalidArgumentError, Model
+from inference_svc.core import (
+    BadStateError,
+    Context,
+    ContextFullError,
+    InvalidArgumentError,
+    Model,
+)
 from inference_svc.core.speculative import NO_SPEC, SamplingParams, SpecDecoder, SpecParams
 from tests.factory import Shape, write_model
 
@@ -285,7 +291,7 @@ def test_draft_restore_policies(dec: SpecDecoder) -> None:
 def test_bad_draft_state_leaves_draft_empty(dec: SpecDecoder) -> None:
     dec.generate(0, PROMPT, 10, GREEDY, SpecParams(n_max=3))
     dec.commit(0)
-    good = dec.draft_state(0)
+    good = bytes(dec.draft_state(0))
     dec.target.set_state(1, dec.target.get_state(0))
     bad = {
         "truncated": good[:-4],
@@ -406,3 +412,102 @@ def test_step_multi_validation(dec: SpecDecoder) -> None:
     with pytest.raises(InvalidArgumentError, match="top_p 0 outside"):
         dec.step_multi([0, 1], [GREEDY, SamplingParams(top_p=0.0)])
     assert dec.n_tokens(0) == dec.n_tokens(1) == len(PROMPT) + 1  # nothing decoded
+
+
+LONG_PROMPT = [(37 * k + 11) % 290 + 1 for k in range(60)]
+
+
+def test_chunked_draft_catch_up_matches_one_sync(dec: SpecDecoder) -> None:
+    """A draft that re-prefills a restored context in bounded pieces ends with the
+    same state, bit for bit, as one draft_sync, and counts the same prefill."""
+    spec = SpecParams(n_max=4)
+    for slot in (0, 1):
+        dec.seed(slot, 5)
+        dec.generate(slot, LONG_PROMPT, 10, GREEDY, spec)
+        dec.commit(slot)
+        dec.draft_reset(slot, 0)
+    n = dec.n_tokens(0)
+    assert n == len(LONG_PROMPT) + 10
+    before = dec.counters(0)
+    assert dec.draft_sync(1) == n
+    steps = []
+    while True:
+        done, left = dec.draft_catch_up(0, 16)
+        steps.append((done, left))
+        if not left:
+            break
+    assert steps == [(16, n - 16), (16, n - 32), (16, n - 48), (16, n - 64), (n - 64, 0)]
+    assert dec.draft_catch_up(0, 16) == (0, 0)
+    assert dec.draft_n_tokens(0) == n
+    assert (dec.counters(0) - before).n_draft_prefill == n
+    assert bytes(dec.draft_state(0)) == bytes(dec.draft_state(1))
+    assert dec.generate(0, [4], 12, GREEDY, spec) == dec.generate(1, [4], 12, GREEDY, spec)
+    with pytest.raises(InvalidArgumentError):
+        dec.draft_catch_up(0, 0)
+
+
+def test_prefill_chunks_match_one_prefill(dec: SpecDecoder) -> None:
+    """Prompt chunks (target and draft, no sampling) then the last piece give the
+    same state and tokens as one prefill of the whole prompt."""
+    spec = SpecParams(n_max=4)
+    dec.seed(0, 9)
+    dec.seed(1, 9)
+    first = dec.prefill(1, LONG_PROMPT, GREEDY)
+    for i in range(0, 48, 16):
+        dec.prefill_chunk(0, LONG_PROMPT[i:i + 16])
+        assert (dec.n_tokens(0), dec.draft_n_tokens(0)) == (i + 16, i + 16)
+    assert dec.prefill(0, LONG_PROMPT[48:], GREEDY) == first
+    assert (dec.counters(0).n_draft_prefill, dec.counters(1).n_draft_prefill) == (60, 60)
+    dec.commit(0)
+    dec.commit(1)
+    assert bytes(dec.target.get_state(0)) == bytes(dec.target.get_state(1))
+    assert bytes(dec.draft_state(0)) == bytes(dec.draft_state(1))
+    assert dec.generate(0, [4], 12, GREEDY, spec) == dec.generate(1, [4], 12, GREEDY, spec)
+    # a pending token rides along with the next chunk and counts as generated
+    dec.clear(0)
+    c0 = dec.counters(0).n_draft_prefill
+    dec.prefill(0, LONG_PROMPT[:5], GREEDY)
+    dec.prefill_chunk(0, LONG_PROMPT[5:9])
+    assert dec.n_tokens(0) == dec.draft_n_tokens(0) == 10
+    assert dec.counters(0).n_draft_prefill - c0 == 5 + 4
+    with pytest.raises(InvalidArgumentError):
+        dec.prefill_chunk(0, [])
+    with pytest.raises(ContextFullError):
+        dec.prefill_chunk(0, [1] * 300)
+
+
+def test_whole_slot_state_in_parts(dec: SpecDecoder) -> None:
+    """slot_state commits the pending token and gives both states apart; set_slot_state
+    loads them into another slot, which then continues exactly like the first."""
+    spec = SpecParams(n_max=4)
+    sp = SamplingParams(temperature=0.8, top_k=30)
+    dec.seed(0, 3)
+    dec.generate(0, PROMPT, 15, sp, spec)
+    n = dec.n_tokens(0)
+    target, draft = dec.slot_state(0)
+    assert draft is not None
+    assert dec.target.n_tokens(0) == n  # the pending token went into the KV
+    assert bytes(target) == bytes(dec.target.get_state(0))
+    assert bytes(draft) == bytes(dec.draft_state(0))
+    header, toks = bytes(target[:32]), bytes(target[32:32 + 4 * n])
+    parts = (header, toks, target[32 + 4 * n:])
+    assert dec.set_slot_state(1, parts, draft, 0) == (True, "")
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1)) == (n, dec.draft_n_tokens(0))
+    assert dec.counters(1) == dec.counters(0)
+    assert dec.generate(1, [9], 10, sp, spec) == dec.generate(0, [9], 10, sp, spec)
+    # a refused draft state: the target is loaded, the draft starts empty at the offset
+    bad = bytearray(draft)
+    bad[0] ^= 0xFF
+    loaded, why = dec.set_slot_state(1, parts, bad, n)
+    assert not loaded and "magic" in why
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1), dec.draft_offset(1)) == (n, 0, n)
+    # no draft state: an empty draft from the given offset, nothing refused
+    assert dec.set_slot_state(1, parts, None, 0) == (False, "")
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1), dec.draft_offset(1)) == (n, 0, 0)
+    # a refused target or offset leaves the slot empty
+    with pytest.raises(BadStateError):
+        dec.set_slot_state(1, (header, toks[:-4], parts[2]), draft, 0)
+    assert (dec.n_tokens(1), dec.draft_n_tokens(1)) == (0, 0)
+    with pytest.raises(InvalidArgumentError, match="draft offset"):
+        dec.set_slot_state(1, parts, None, n + 1)
+    assert dec.n_tokens(1) == 0

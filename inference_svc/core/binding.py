@@ -233,6 +233,16 @@ def spec_draft_sync(spec: Any, slot: int) -> int:
     return int(n[0])
 
 
+def spec_prefill_chunk(spec: Any, slot: int, tokens: Any, n: int, with_draft: bool) -> None:
+    _check_spec(lib.ws_spec_prefill_chunk(spec, slot, tokens, n, int(with_draft)), spec)
+
+
+def spec_draft_catch_up(spec: Any, slot: int, max_tokens: int) -> tuple[int, int]:
+    done, left = ffi.new("int32_t *"), ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_draft_catch_up(spec, slot, max_tokens, done, left), spec)
+    return int(done[0]), int(left[0])
+
+
 def spec_counters_get(spec: Any, slot: int, out: Any) -> None:
     _check_spec(lib.ws_spec_counters_get(spec, slot, out), spec)
 
@@ -253,3 +263,28 @@ def spec_state_set(spec: Any, slot: int, buf: Any, length: int) -> int:
     n = ffi.new("size_t *")
     _check_spec(lib.ws_spec_state_set(spec, slot, buf, length, n), spec)
     return int(n[0])
+
+
+def spec_slot_state_prepare(spec: Any, slot: int) -> tuple[int, int]:
+    t, d = ffi.new("size_t *"), ffi.new("size_t *")
+    _check_spec(lib.ws_spec_slot_state_prepare(spec, slot, t, d), spec)
+    return int(t[0]), int(d[0])
+
+
+def spec_slot_state_get(spec: Any, slot: int, tbuf: Any, tcap: int, dbuf: Any,
+                        dcap: int) -> tuple[int, int]:
+    t, d = ffi.new("size_t *"), ffi.new("size_t *")
+    _check_spec(lib.ws_spec_slot_state_get(spec, slot, tbuf, tcap, t, dbuf, dcap, d), spec)
+    return int(t[0]), int(d[0])
+
+
+def spec_slot_state_set(spec: Any, slot: int, header: Any, header_len: int, tokens: Any,
+                        tokens_len: int, kv: Any, kv_len: int, dbuf: Any, dlen: int,
+                        draft_offset: int) -> tuple[bool, str]:
+    """(draft state loaded, why it was refused: "" when it was loaded or absent)."""
+    loaded = ffi.new("int *")
+    _check_spec(lib.ws_spec_slot_state_set(spec, slot, header, header_len, tokens, tokens_len,
+                                           kv, kv_len, dbuf, dlen, draft_offset, loaded), spec)
+    if loaded[0] or dbuf == ffi.NULL:
+        return bool(loaded[0]), ""
+    return False, ffi.string(lib.ws_spec_last_error(spec)).decode("utf-8", "replace")

@@ -4,7 +4,10 @@ when the owner is collected."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Self
+
+import numpy as np
 
 from . import binding
 from .errors import InvalidArgumentError
@@ -49,3 +52,23 @@ def buffer_arg(data: bytes | bytearray | memoryview) -> tuple[Any, int]:
     """A (pointer, length) pair for a C call reading `data` (NULL when empty)."""
     view = memoryview(data).cast("B")
     return (binding.ffi.from_buffer(view) if len(view) else binding.ffi.NULL), len(view)
+
+
+def new_buffer(size: int) -> tuple[np.ndarray, Any]:
+    """A fresh buffer of `size` bytes for the core to write into, and its pointer (NULL
+    when empty). It is not zero-filled: the core's write is the only pass over it."""
+    buf = np.empty(size, dtype=np.uint8)
+    return buf, (binding.ffi.from_buffer(buf) if size else binding.ffi.NULL)
+
+
+def written_view(buf: np.ndarray, n: int) -> memoryview:
+    """A read-only view of the first n bytes the core wrote into `buf` (no copy)."""
+    buf.flags.writeable = False
+    return memoryview(buf)[:n]
+
+
+def state_buffer(size: int, write: Callable[[Any], int]) -> memoryview:
+    """Runs `write(pointer)` on a new_buffer of `size` bytes (it returns the bytes it
+    wrote) and returns a read-only view of them."""
+    buf, ptr = new_buffer(size)
+    return written_view(buf, write(ptr))

@@ -16,7 +16,7 @@ from . import binding
 from .binding import ffi
 from .errors import CoreMemoryError, InvalidArgumentError
 from .gguf_file import GGUFModel, HParams, load_gguf
-from .handle import NativeHandle, buffer_arg
+from .handle import NativeHandle, buffer_arg, state_buffer
 from .tokenizer import Tokenizer
 
 # KV cache element types (ws_kv_type): name -> (value, bytes per element)
@@ -233,11 +233,12 @@ class Context(NativeHandle):
     def state_size(self, slot: int) -> int:
         return binding.slot_state_size(self.handle, slot)
 
-    def get_state(self, slot: int) -> bytes:
+    def get_state(self, slot: int) -> memoryview:
+        """The slot's state (ws_slot_state_get format): a read-only view of the one
+        buffer the core wrote it into."""
         size = self.state_size(slot)
-        buf = bytearray(size)
-        written = binding.slot_state_get(self.handle, slot, ffi.from_buffer(buf), size)
-        return bytes(buf[:written])
+        return state_buffer(size, lambda ptr: binding.slot_state_get(self.handle, slot, ptr,
+                                                                     size))
 
     def set_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
         """Loads a slot's state; on any error the slot is left empty and usable."""

@@ -17,7 +17,7 @@ import numpy as np
 from . import binding
 from .binding import ffi
 from .errors import InvalidArgumentError
-from .handle import NativeHandle, buffer_arg
+from .handle import NativeHandle, buffer_arg, new_buffer, state_buffer, written_view
 from .model import Context
 
 MAX_DRAFT = 16
@@ -139,6 +139,21 @@ class SpecDecoder(NativeHandle):
         return binding.spec_prefill(self.handle, slot, ptr, int(toks.size), sampling.to_c(),
                                     with_draft)
 
+    def prefill_chunk(self, slot: int, tokens: list[int] | np.ndarray,
+                      with_draft: bool = True) -> None:
+        """Appends (any pending token and) tokens without sampling; with_draft: the
+        draft catches up by at most as many tokens."""
+        toks = np.ascontiguousarray(tokens, dtype=np.int32)
+        if toks.size == 0:
+            raise InvalidArgumentError("a prefill chunk needs at least one token")
+        binding.spec_prefill_chunk(self.handle, slot, ffi.from_buffer("int32_t[]", toks),
+                                   int(toks.size), with_draft)
+
+    def draft_catch_up(self, slot: int, max_tokens: int) -> tuple[int, int]:
+        """Decodes at most max_tokens of the draft's lag behind the target's KV:
+        (tokens decoded, lag left)."""
+        return binding.spec_draft_catch_up(self.handle, slot, max_tokens)
+
     def step(self, slot: int, sampling: SamplingParams, spec: SpecParams = NO_SPEC,
              max_new: int = MAX_DRAFT + 1) -> list[int]:
         """One verification pass: 1..min(max_new, n_max + 1) new tokens."""
@@ -183,14 +198,36 @@ class SpecDecoder(NativeHandle):
                         int(c.n_draft_prefill), [int(x) for x in c.drafted_at],
                         [int(x) for x in c.accepted_at])
 
-    def draft_state(self, slot: int) -> bytes:
+    def draft_state(self, slot: int) -> memoryview:
+        """The slot's draft state (ws_spec_state_get format), as Context.get_state."""
         size = binding.spec_state_size(self.handle, slot)
-        buf = bytearray(size)
-        n = binding.spec_state_get(self.handle, slot, ffi.from_buffer(buf), size)
-        return bytes(buf[:n])
+        return state_buffer(size, lambda ptr: binding.spec_state_get(self.handle, slot, ptr,
+                                                                     size))
 
     def set_draft_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
         return binding.spec_state_set(self.handle, slot, *buffer_arg(data))
+
+    def slot_state(self, slot: int) -> tuple[memoryview, memoryview | None]:
+        """The slot's whole state after committing its pending token: the target
+        context's slot state and the draft state (None without a draft model), each a
+        read-only view of the buffer the core wrote it into."""
+        tsize, dsize = binding.spec_slot_state_prepare(self.handle, slot)
+        tbuf, tptr = new_buffer(tsize)
+        dbuf, dptr = new_buffer(dsize)
+        tn, dn = binding.spec_slot_state_get(self.handle, slot, tptr, tsize, dptr, dsize)
+        return written_view(tbuf, tn), (written_view(dbuf, dn) if self.has_draft else None)
+
+    def set_slot_state(self, slot: int, target_parts: tuple[bytes | memoryview, ...],
+                       draft: bytes | memoryview | None, draft_offset: int) -> tuple[bool, str]:
+        """Replaces the slot's content: the target state from its (header, tokens, KV)
+        parts, then the draft state, or an empty draft from `draft_offset` when there
+        is none or the core refuses it. (draft loaded, why it was refused). A refused
+        target raises BadStateError and leaves the slot empty."""
+        header, tokens, kv = target_parts
+        dptr, dlen = buffer_arg(draft) if draft is not None else (ffi.NULL, 0)
+        return binding.spec_slot_state_set(self.handle, slot, *buffer_arg(header),
+                                           *buffer_arg(tokens), *buffer_arg(kv), dptr, dlen,
+                                           draft_offset)
 
     def generate(self, slot: int, prompt: list[int], n_new: int, sampling: SamplingParams,
                  spec: SpecParams = NO_SPEC) -> list[int]:
