@@ -57,15 +57,46 @@ def test_greedy_golden(target: Model, case: int, threads: int) -> None:
     assert target.tokenizer.decode(out) == g["text"]
 
 
+# a fixed input (a project source file would change the tokens whenever it is edited)
+REFERENCE_TEXT = '''def merge_sorted(a: list[int], b: list[int]) -> list[int]:
+    """Merges two sorted lists into one sorted list."""
+    out: list[int] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    out.extend(a[i:])
+    out.extend(b[j:])
+    return out
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def add(self, word: str) -> None:
+        self.counts[word] = self.counts.get(word, 0) + 1
+'''
+
+
+# f32 KV: only the float32 arithmetic differs from the float64 reference; f16 KV: a
+# key or value near a half-precision rounding boundary may round the other way in the
+# reference, so the issue's rule (1e-3 of the largest logit) applies
+@pytest.mark.parametrize("kv_type,tol", [("f32", 1e-4), ("f16", 1e-3)])
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_core_matches_reference(target: Model, draft: Model, role: str) -> None:
+def test_core_matches_reference(target: Model, draft: Model, role: str, kv_type: str,
+                                tol: float) -> None:
     m = target if role == "target" else draft
-    text = (ROOT / "inference_svc" / "engine.py").read_text()
-    ids = m.tokenizer.encode(text)[:96]
-    with Context(m, n_ctx=128) as ctx:
+    ids = m.tokenizer.encode(REFERENCE_TEXT)[:96]
+    assert len(ids) == 96
+    with Context(m, n_ctx=128, kv_type=kv_type) as ctx:
         got = ctx.decode(0, ids, logits_all=True)
-    ref = forward(m.hparams, m.content.dequantized(), ids)
-    assert float(np.abs(got - ref).max() / np.abs(ref).max()) < 1e-4
+    ref = forward(m.hparams, m.content.dequantized(), ids, kv_type)
+    assert float(np.abs(got - ref).max() / np.abs(ref).max()) < tol
 
 
 def test_speculative_greedy_is_target_greedy(target: Model, draft: Model) -> None:

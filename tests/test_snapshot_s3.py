@@ -535,8 +535,8 @@ def _start_failure(fs: SeaweedFS, store: str, env: dict[str, str]) -> dict[str, 
                        env={**base, **env}, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stderr[-2000:]
     records = [json.loads(line) for line in p.stderr.splitlines() if line.startswith("{")]
-    [failed] = [r for r in records if r.get("event") == "start_failed"]
-    assert not any(r.get("event") == "serving" for r in records)
+    [failed] = [r for r in records if r.get("msg") == "start_failed"]
+    assert not any(r.get("msg") == "serving" for r in records)
     return failed
 
 
