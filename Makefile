@@ -111,6 +111,13 @@ models: $(DEPS_STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
 	OMP_WAIT_POLICY=PASSIVE $(PY) tools/train_models.py --out-dir models
 
+# distils a draft for SmolLM2-135M-Instruct from the target (tools/train_draft.py; about
+# 2 hours on 2 cores, resumable: shards and checkpoints in models/scratch/draft)
+DRAFT_ARGS ?=
+draft: $(DEPS_STAMP) $(SMOLLM2)
+	$(PY) -m pip install --quiet torch==2.13.0
+	OMP_NUM_THREADS=2 nice -n 19 $(PY) tools/train_draft.py $(DRAFT_ARGS)
+
 clean:
 	rm -rf build inference_svc/core/_native*.so inference_svc/core/.built-* .pytest_cache
 
