@@ -112,7 +112,7 @@ models: $(DEPS_STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(PY) tools/train_models.py --out-dir models
 
 # distils a draft for SmolLM2-135M-Instruct from the target (tools/train_draft.py; about
-# 2 hours on 2 cores, resumable: shards and checkpoints in models/scratch/draft)
+# 2 hours on 2 idle cores, resumable: shards and checkpoints in models/scratch/draft)
 DRAFT_ARGS ?=
 draft: $(DEPS_STAMP) $(SMOLLM2)
 	$(PY) -m pip install --quiet torch==2.13.0

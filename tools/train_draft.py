@@ -70,10 +70,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=256, help="tokens per training window")
     p.add_argument("--top-k", type=int, default=32, help="teacher log-probs kept per position")
-    p.add_argument("--chat-shards", type=int, default=32)
-    p.add_argument("--code-shards", type=int, default=32)
+    p.add_argument("--chat-shards", type=int, default=24)
+    p.add_argument("--code-shards", type=int, default=24)
     p.add_argument("--shard-rows", type=int, default=32, help="windows per shard")
-    p.add_argument("--valid-shards", type=int, default=2, help="of each kind, held out")
+    p.add_argument("--valid-shards", type=int, default=1, help="of each kind, held out")
     p.add_argument("--temperature", type=float, default=0.8, help="chat sampling")
     p.add_argument("--n-embd", type=int, default=192)
     p.add_argument("--n-layer", type=int, default=2)
@@ -84,11 +84,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="token embeddings from the target's, projected on their top principal "
                    "directions, or random")
     p.add_argument("--loss", choices=("kl", "ce"), default="kl")
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--checkpoint-every", type=int, default=250)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="tiny end-to-end run")
     args = p.parse_args(argv)
     if args.quick:
@@ -149,12 +149,36 @@ def shard_path(work: Path, kind: str, i: int) -> Path:
     return work / "data" / f"{kind}_{i:04d}.pt"
 
 
+TEACHER_TOLERANCE = 1e-3  # max |logit| difference between the torch port and the C core
+
+
+@torch.no_grad()
+def check_teacher(teacher: Llama, target: Path, tok: Tokenizer, logf: Path) -> None:
+    """The torch port must compute the C core's logits (chat, code and prose prompts)."""
+    from inference_svc.core import Context, Model
+
+    texts = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n",
+             "def fibonacci(n):\n    if n < 2:", "The quick brown fox jumps over the lazy dog."]
+    worst = 0.0
+    with Model.load(target) as model:
+        for text in texts:
+            ids = tok.encode(text)
+            with Context(model, n_slots=1, n_ctx=64, n_threads=1) as ctx:
+                ref = ctx.decode(0, ids, logits_all=True)
+            got = teacher(torch.tensor([ids]))[0].numpy()
+            worst = max(worst, float(np.abs(got - ref).max()))
+    log(logf, "teacher_check", max_abs_logit_diff=worst)
+    if worst > TEACHER_TOLERANCE:
+        raise RuntimeError(f"the torch teacher differs from the C core by {worst} in a logit")
+
+
 def make_data(args: argparse.Namespace, logf: Path) -> None:
     """Teacher shards; an existing shard is kept, so an interrupted run resumes."""
     (args.work_dir / "data").mkdir(parents=True, exist_ok=True)
     tok, _ = target_tokenizer(args.target)
     eot = special_id(tok, "<|endoftext|>")
     teacher = load_teacher(args.target)
+    check_teacher(teacher, args.target, tok, logf)
     stream: np.ndarray | None = None
     # interleaved so that a run stopped early still has both kinds
     for i in range(max(args.chat_shards, args.code_shards)):
