@@ -15,8 +15,6 @@ import pytest
 from inference_svc.core import Context, Model
 from inference_svc.core.speculative import SamplingParams, SpecDecoder, SpecParams
 
-pytestmark = pytest.mark.native
-
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = ROOT / "models" / "smollm2-draft.gguf"
