@@ -19,14 +19,23 @@ def write_gguf(
     path: Path,
     cfg: LlamaConfig,
     tensors: dict[str, np.ndarray],
-    vocab: GgufVocab,
+    vocab: GgufVocab | gguf.GGUFReader,
     description: str,
+    matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F16,
 ) -> None:
-    """Write a llama.cpp-compatible ``llama`` GGUF: 2-D weights F16, norms F32."""
+    """Write a llama.cpp-compatible ``llama`` GGUF: 2-D weights in matrix_type, norms F32.
+
+    vocab is either our own byte-level BPE vocabulary or another GGUF whose
+    ``tokenizer.*`` metadata is copied unchanged (a draft for that model).
+    """
+    file_types = {
+        gguf.GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
+        gguf.GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+    }
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(cfg.name)
     writer.add_description(description)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(file_types[matrix_type])
     writer.add_context_length(cfg.n_ctx)
     writer.add_embedding_length(cfg.n_embd)
     writer.add_block_count(cfg.n_layer)
@@ -37,6 +46,25 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
     writer.add_rope_freq_base(cfg.rope_base)
     writer.add_vocab_size(cfg.n_vocab)
+    if isinstance(vocab, gguf.GGUFReader):
+        copy_tokenizer(writer, vocab)
+    else:
+        add_gpt2_vocab(writer, vocab)
+    for name, arr in tensors.items():
+        if arr.ndim == 1:
+            writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+        elif matrix_type == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float16))
+        else:
+            packed = gguf.quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), matrix_type)
+            writer.add_tensor(name, packed, raw_dtype=matrix_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_gpt2_vocab(writer: gguf.GGUFWriter, vocab: GgufVocab) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(vocab.tokens)
@@ -46,13 +74,18 @@ def write_gguf(
     writer.add_eos_token_id(EOT_ID)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
-    for name, arr in tensors.items():
-        dtype = np.float16 if arr.ndim == 2 else np.float32
-        writer.add_tensor(name, np.ascontiguousarray(arr, dtype=dtype))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader) -> None:
+    """Every ``tokenizer.*`` key of source, same value and type (chat template included)."""
+    for key, field in source.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[1])
+        else:
+            writer.add_key_value(key, field.contents(), vtype)
 
 
 @dataclass(frozen=True)
@@ -90,8 +123,15 @@ def read_gguf(path: Path) -> GgufModel:
         rope_base=f32_value(meta["llama.rope.freq_base"]),
         norm_eps=f32_value(meta["llama.attention.layer_norm_rms_epsilon"]),
     )
-    tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors}
+    tensors = {t.name: dequantized(t) for t in reader.tensors}
     return GgufModel(cfg, tensors, meta)
+
+
+def dequantized(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """Any GGML type (F16, Q8_0, Q4_1, ...) as float32 in nn.Linear layout (rows, cols)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    arr = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return np.array(arr.reshape(shape), dtype=np.float32)  # a writable copy
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
