@@ -90,8 +90,13 @@ def forward(hp: HParams, w: dict[str, np.ndarray], tokens: list[int],
         h = rmsnorm(x, w[b + "ffn_norm.weight"], hp.rms_eps)
         g, u = h @ w[b + "ffn_gate.weight"].T, h @ w[b + "ffn_up.weight"].T
         x = x + (g / (1 + np.exp(-g)) * u) @ w[b + "ffn_down.weight"].T
-    out = w.get("output.weight", w["token_embd.weight"])
-    return rmsnorm(x, w["output_norm.weight"], hp.rms_eps) @ out.T
+    # the output matrix is widened in blocks of rows: Gemma's 262144 x 640 at once would
+    # take 1.3 GB in float64
+    name = "output.weight" if "output.weight" in w else "token_embd.weight"
+    out32 = dict.__getitem__(w, name)
+    h = rmsnorm(x, w["output_norm.weight"], hp.rms_eps)
+    return np.concatenate([h @ out32[r:r + 32768].astype(np.float64).T
+                           for r in range(0, out32.shape[0], 32768)], axis=1)
 
 
 def forward_gemma3(hp: HParams, w: dict[str, np.ndarray], tokens: list[int],
@@ -132,5 +137,10 @@ def forward_gemma3(hp: HParams, w: dict[str, np.ndarray], tokens: list[int],
         g, u = h @ w[b + "ffn_gate.weight"].T, h @ w[b + "ffn_up.weight"].T
         y = (gelu_tanh(g) * u) @ w[b + "ffn_down.weight"].T
         x = x + rmsnorm(y, w[b + "post_ffw_norm.weight"], hp.rms_eps)
-    out = w.get("output.weight", w["token_embd.weight"])
-    return rmsnorm(x, w["output_norm.weight"], hp.rms_eps) @ out.T
+    # the output matrix is widened in blocks of rows: Gemma's 262144 x 640 at once would
+    # take 1.3 GB in float64
+    name = "output.weight" if "output.weight" in w else "token_embd.weight"
+    out32 = dict.__getitem__(w, name)
+    h = rmsnorm(x, w["output_norm.weight"], hp.rms_eps)
+    return np.concatenate([h @ out32[r:r + 32768].astype(np.float64).T
+                           for r in range(0, out32.shape[0], 32768)], axis=1)
