@@ -73,6 +73,9 @@ class TokenizerData:
     merges: list[str]
     bos_id: int | None
     eos_id: int | None
+    scores: list[float] = field(default_factory=list)  # the 'llama' (SentencePiece) model
+    add_bos: bool = False            # tokenizer.ggml.add_bos_token
+    add_space_prefix: bool = False   # tokenizer.ggml.add_space_prefix ('llama' model)
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,12 @@ def _tokenizer(header: Header) -> TokenizerData:
     merges = _field(header, "tokenizer.ggml.merges", [], required=False)
     bos = _field(header, "tokenizer.ggml.bos_token_id", None, required=False)
     eos = _field(header, "tokenizer.ggml.eos_token_id", None, required=False)
+    scores = _field(header, "tokenizer.ggml.scores", [], required=False)
     return TokenizerData(
+        scores=[float(x) for x in scores],
+        add_bos=bool(_field(header, "tokenizer.ggml.add_bos_token", False, required=False)),
+        add_space_prefix=bool(_field(header, "tokenizer.ggml.add_space_prefix", True,
+                                     required=False)),
         model=model,
         tokens=tokens,
         token_types=[int(t) for t in types],
