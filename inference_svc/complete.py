@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> None:
     with Model.load(args.model) as model, \
             Context(model, n_slots=1, n_ctx=args.ctx, n_threads=args.threads) as ctx:
         tok = model.tokenizer
-        prompt = tok.encode(args.prompt) or [tok.bos_id if tok.bos_id is not None else 0]
+        prompt = (tok.encode(args.prompt, add_bos=True)
+                  or [tok.bos_id if tok.bos_id is not None else 0])
         if len(prompt) + args.max_tokens > ctx.n_ctx:
             raise CoreError(f"prompt of {len(prompt)} tokens plus {args.max_tokens} new ones "
                             f"exceed the context of {ctx.n_ctx}")

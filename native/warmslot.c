@@ -73,6 +73,24 @@ struct ws_model {
 };
 
 /* A weight matrix: present, of a supported type, of the expected shape. */
+/* dims per head: explicit (gemma3's 256 for a width of 640 and 4 heads) or n_embd/n_head */
+static int ws_head_dim(const ws_hparams *hp) {
+    return hp->head_dim > 0 ? hp->head_dim : hp->n_embd / hp->n_head;
+}
+
+/* a gemma3 layer that attends to the last n_swa positions only */
+static int ws_layer_is_local(const ws_hparams *hp, int layer) {
+    return hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0 && (layer + 1) % hp->swa_period != 0;
+}
+
+/* gelu with the tanh approximation, tanh(u) = 1 - 2 / (exp(2u) + 1) by ws_expf: the
+   same bits on every machine */
+static float ws_gelu_tanh(float x) {
+    const float u = 0.7978845608028654f * x * (1.0f + 0.044715f * x * x);
+    const float th = 1.0f - 2.0f / (ws_expf(2.0f * u) + 1.0f);
+    return 0.5f * x * (1.0f + th);
+}
+
 static ws_status check_tensor(const ws_tensor *t, const char *name, int layer, int rows,
                               int cols) {
     char where[64];
@@ -112,7 +130,19 @@ ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **ou
     if (hp->n_head % hp->n_head_kv != 0)
         return fail_global(WS_ERR_INVALID_ARGUMENT, "n_head %d is not a multiple of n_head_kv %d",
                            hp->n_head, hp->n_head_kv);
-    const int head_dim = hp->n_embd / hp->n_head;
+    if (hp->arch != WS_ARCH_LLAMA && hp->arch != WS_ARCH_GEMMA3)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "architecture %d is not supported", hp->arch);
+    if (hp->head_dim < 0 || (hp->arch == WS_ARCH_LLAMA && hp->head_dim != 0 &&
+                             hp->head_dim != hp->n_embd / hp->n_head))
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "head_dim %d is not valid for this model",
+                           hp->head_dim);
+    if (hp->arch == WS_ARCH_GEMMA3 &&
+        (hp->n_swa < 0 || hp->swa_period < 0 || (hp->n_swa > 0 && hp->swa_period <= 0) ||
+         !(hp->rope_theta_swa > 0.0f) || !isfinite(hp->rope_theta_swa)))
+        return fail_global(WS_ERR_INVALID_ARGUMENT,
+                           "gemma3: n_swa %d, swa_period %d and rope_theta_swa %g are not valid",
+                           hp->n_swa, hp->swa_period, (double)hp->rope_theta_swa);
+    const int head_dim = ws_head_dim(hp);
     if (hp->n_rot <= 0 || hp->n_rot > head_dim || hp->n_rot % 2 != 0)
         return fail_global(WS_ERR_INVALID_ARGUMENT,
                            "n_rot %d must be even and in 1..head_dim (%d)", hp->n_rot, head_dim);
@@ -128,6 +158,11 @@ ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **ou
         const ws_layer_weights *L = &w->layers[l];
         if (!L->attn_norm || !L->ffn_norm)
             return fail_global(WS_ERR_INVALID_ARGUMENT, "layer %d has a missing norm weight", l);
+        if (hp->arch == WS_ARCH_GEMMA3 && (!L->attn_q_norm || !L->attn_k_norm ||
+                                           !L->post_attn_norm || !L->post_ffn_norm))
+            return fail_global(WS_ERR_INVALID_ARGUMENT,
+                               "layer %d: a gemma3 layer needs q/k and post-attention/FFN norms",
+                               l);
         st = check_tensor(&L->wq, "attn_q", l, q_dim, hp->n_embd);
         if (st == WS_OK) st = check_tensor(&L->wk, "attn_k", l, kv_dim, hp->n_embd);
         if (st == WS_OK) st = check_tensor(&L->wv, "attn_v", l, kv_dim, hp->n_embd);
@@ -249,6 +284,9 @@ struct ws_context {
 
     float *rope_cos;   /* [n_ctx][n_rot/2] */
     float *rope_sin;   /* [n_ctx][n_rot/2] */
+    float *rope_cos_swa; /* [n_ctx][n_rot/2] local layers' base (gemma3), else NULL */
+    float *rope_sin_swa;
+    float *ybuf;       /* [n_batch][n_embd] a sub-layer's output before its post-norm */
 
     /* scratch for one chunk of at most n_batch tokens */
     float *x;          /* [n_batch][n_embd]  residual stream        */
@@ -401,6 +439,9 @@ void ws_context_free(ws_context *ctx) {
     free(ctx->n_past);
     free(ctx->rope_cos);
     free(ctx->rope_sin);
+    free(ctx->rope_cos_swa);
+    free(ctx->rope_sin_swa);
+    free(ctx->ybuf);
     free(ctx->x);
     free(ctx->xn);
     free(ctx->q);
@@ -440,7 +481,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     if (!ctx) return fail_global(WS_ERR_OUT_OF_MEMORY, "out of memory allocating the context");
     ctx->model = model;
     ctx->params = params;
-    ctx->head_dim = hp->n_embd / hp->n_head;
+    ctx->head_dim = ws_head_dim(hp);
     ctx->q_dim = hp->n_head * ctx->head_dim;
     ctx->kv_dim = hp->n_head_kv * ctx->head_dim;
     ctx->n_rot = hp->n_rot;
@@ -467,6 +508,11 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     }
     ctx->rope_cos = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
     ctx->rope_sin = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
+    if (hp->arch == WS_ARCH_GEMMA3) {
+        ctx->rope_cos_swa = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
+        ctx->rope_sin_swa = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
+        ctx->ybuf = alloc_floats(nb * (size_t)hp->n_embd, &ok);
+    }
     ctx->x = alloc_floats(nb * (size_t)hp->n_embd, &ok);
     ctx->xn = alloc_floats((size_t)params.n_threads * nb * (size_t)hp->n_embd, &ok);
     ctx->q = alloc_floats(nb * (size_t)ctx->q_dim, &ok);
@@ -494,7 +540,8 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
                            params.n_slots, params.n_ctx, kv_bytes / 1048576.0);
     }
 
-    /* RoPE tables, llama.cpp "normal" mode: pair (2i, 2i+1) turns by pos * theta^(-2i/n_rot) */
+    /* RoPE tables: rotation i turns by pos * theta^(-2i/n_rot) (llama: the pair (2i, 2i+1),
+       gemma3: NeoX's pair (i, i + n_rot/2)); gemma3's local layers have their own base */
     const int half = ctx->n_rot / 2;
     for (int pos = 0; pos < params.n_ctx; pos++) {
         for (int i = 0; i < half; i++) {
@@ -502,6 +549,12 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
             double ang = (double)pos * freq;
             ctx->rope_cos[(size_t)pos * half + i] = (float)cos(ang);
             ctx->rope_sin[(size_t)pos * half + i] = (float)sin(ang);
+            if (ctx->rope_cos_swa) {
+                freq = pow((double)hp->rope_theta_swa, -2.0 * (double)i / (double)ctx->n_rot);
+                ang = (double)pos * freq;
+                ctx->rope_cos_swa[(size_t)pos * half + i] = (float)cos(ang);
+                ctx->rope_sin_swa[(size_t)pos * half + i] = (float)sin(ang);
+            }
         }
     }
 
@@ -560,6 +613,14 @@ static void rmsnorm_rows(float *out, const float *x, const float *w, int n, floa
     }
 }
 
+static void rope_apply_neox(float *v, const float *cs, const float *sn, int half) {
+    for (int i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * cs[i] - b * sn[i];
+        v[i + half] = a * sn[i] + b * cs[i];
+    }
+}
+
 static void rope_apply(float *v, const float *cs, const float *sn, int half) {
     for (int i = 0; i < half; i++) {
         float a = v[2 * i], b = v[2 * i + 1];
@@ -601,8 +662,8 @@ static inline float dot_kv(const float *q, const uint8_t *base, size_t i0, int n
  * before the same arithmetic.
  */
 static inline __attribute__((always_inline)) void
-attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h0, const int NH,
-             const int F16) {
+attend_group(ws_context *ctx, int ith, int slot, int layer, int lo, int pos, int t, int h0,
+             const int NH, const int F16) {
     const ws_hparams *hp = &ctx->model->hp;
     const int hd = ctx->head_dim;
     const int kvh = h0 / (hp->n_head / hp->n_head_kv);
@@ -613,11 +674,12 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
         out[h] = ctx->att + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
         sc[h] = ctx->scores + ((size_t)ith * 2 + (size_t)h) * ctx->params.n_ctx; /* [pos+1] */
     }
-    const uint8_t *k0 = kv_head(ctx, ctx->k_cache, slot, layer, kvh, 0);
-    const uint8_t *v0 = kv_head(ctx, ctx->v_cache, slot, layer, kvh, 0);
+    /* positions lo..pos: the key and value of position lo + j at row j */
+    const uint8_t *k0 = kv_head(ctx, ctx->k_cache, slot, layer, kvh, lo);
+    const uint8_t *v0 = kv_head(ctx, ctx->v_cache, slot, layer, kvh, lo);
     const size_t stride = (size_t)hd; /* positions of one KV head are contiguous */
     const float scale = ctx->attn_scale;
-    const int n = pos + 1, n8 = n & ~7;
+    const int n = pos + 1 - lo, n8 = n & ~7;
     float mx[2] = {-INFINITY, -INFINITY};
     int j = 0;
     if ((hd & 7) == 0) {
@@ -706,17 +768,35 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int 
         }
 }
 
-/* attention of the query heads of KV head `kvh` of one token: in pairs, then one */
+/* attention of the query heads of KV head `kvh` of one token: in pairs, then one; a
+   local layer attends to positions pos - n_swa + 1 .. pos only */
 static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int kvh) {
-    const int rep = ctx->model->hp.n_head / ctx->model->hp.n_head_kv;
+    const ws_hparams *hp = &ctx->model->hp;
+    const int lo = ws_layer_is_local(hp, layer) && pos >= hp->n_swa ? pos - hp->n_swa + 1 : 0;
+    const int rep = hp->n_head / hp->n_head_kv;
     int h = kvh * rep;
     const int he = h + rep;
     if (ctx->params.kv_type == WS_KV_F16) {
-        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, pos, t, h, 2, 1);
-        if (h < he) attend_group(ctx, ith, slot, layer, pos, t, h, 1, 1);
+        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 2, 1);
+        if (h < he) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 1, 1);
     } else {
-        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, pos, t, h, 2, 0);
-        if (h < he) attend_group(ctx, ith, slot, layer, pos, t, h, 1, 0);
+        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 2, 0);
+        if (h < he) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 1, 0);
+    }
+}
+
+/* x[t] += rmsnorm(ybuf[t]) * w for this thread's tokens (whole rows: each row's
+   operations do not depend on the split) */
+static void add_normed(ws_context *ctx, const float *w, int ith, int nth, int nt) {
+    const ws_hparams *hp = &ctx->model->hp;
+    const int E = hp->n_embd;
+    int a, b;
+    split_range(nt, ith, nth, 1, &a, &b);
+    rmsnorm_rows(ctx->ybuf, ctx->ybuf, w, E, hp->rms_eps, a, b);
+    for (int t = a; t < b; t++) {
+        float *xt = ctx->x + (size_t)t * E;
+        const float *yt = ctx->ybuf + (size_t)t * E;
+        for (int i = 0; i < E; i++) xt[i] += yt[i];
     }
 }
 
@@ -740,8 +820,12 @@ static void forward_worker(ws_context *ctx, int ith) {
     float *wbuf = ctx->wbuf + (size_t)ith * 4 * (size_t)ctx->wbuf_cols; /* [4][cols] */
     const int n_units = hp->n_head + 2 * hp->n_head_kv;
 
+    const int gemma = hp->arch == WS_ARCH_GEMMA3;
     for (int l = 0; l < hp->n_layer; l++) {
         const ws_layer_weights *L = &m->w.layers[l];
+        const int local = ws_layer_is_local(hp, l);
+        const float *rcos = local ? ctx->rope_cos_swa : ctx->rope_cos;
+        const float *rsin = local ? ctx->rope_sin_swa : ctx->rope_sin;
 
         rmsnorm_rows(xn, ctx->x, L->attn_norm, E, hp->rms_eps, 0, nt);
 
@@ -757,9 +841,16 @@ static void forward_worker(ws_context *ctx, int ith) {
             ws_matmul(dst, ld, w, xn, E, h * hd, (h + 1) * hd, nt, 0, wbuf);
             for (int t = 0; t < nt; t++) {
                 float *v = dst + (size_t)t * ld + (size_t)h * hd;
-                if (is_q || is_k)
+                if (gemma && (is_q || is_k)) {
+                    /* QK-norm: each head normalised on its own, then NeoX RoPE */
+                    rmsnorm_rows(v, v, is_q ? L->attn_q_norm : L->attn_k_norm, hd, hp->rms_eps,
+                                 0, 1);
+                    rope_apply_neox(v, rcos + (size_t)tpos[t] * half,
+                                    rsin + (size_t)tpos[t] * half, half);
+                } else if (is_q || is_k) {
                     rope_apply(v, ctx->rope_cos + (size_t)tpos[t] * half,
                                ctx->rope_sin + (size_t)tpos[t] * half, half);
+                }
                 if (!is_q) /* this head of the token's key / value into its slot's cache */
                     kv_store(ctx, kv_head(ctx, is_k ? ctx->k_cache : ctx->v_cache, tslot[t], l,
                                           h, tpos[t]), v, hd);
@@ -775,9 +866,15 @@ static void forward_worker(ws_context *ctx, int ith) {
         }
         pool_barrier(pool);
 
-        /* output projection added to the residual stream */
+        /* output projection added to the residual stream (gemma3: its post-norm first) */
         split_range(E, ith, nth, 4, &a, &b);
-        ws_matmul(ctx->x, E, &L->wo, ctx->att, Q, a, b, nt, 1, wbuf);
+        if (gemma) {
+            ws_matmul(ctx->ybuf, E, &L->wo, ctx->att, Q, a, b, nt, 0, wbuf);
+            pool_barrier(pool);
+            add_normed(ctx, L->post_attn_norm, ith, nth, nt);
+        } else {
+            ws_matmul(ctx->x, E, &L->wo, ctx->att, Q, a, b, nt, 1, wbuf);
+        }
         pool_barrier(pool);
 
         rmsnorm_rows(xn, ctx->x, L->ffn_norm, E, hp->rms_eps, 0, nt);
@@ -788,12 +885,21 @@ static void forward_worker(ws_context *ctx, int ith) {
         ws_matmul(ctx->hb2, F, &L->w_up, xn, E, a, b, nt, 0, wbuf);
         for (int t = 0; t < nt; t++) {
             float *g = ctx->hb + (size_t)t * F, *u = ctx->hb2 + (size_t)t * F;
-            for (int i = a; i < b; i++) g[i] = ws_silu(g[i]) * u[i];
+            if (gemma) /* GeGLU */
+                for (int i = a; i < b; i++) g[i] = ws_gelu_tanh(g[i]) * u[i];
+            else
+                for (int i = a; i < b; i++) g[i] = ws_silu(g[i]) * u[i];
         }
         pool_barrier(pool);
 
         split_range(E, ith, nth, 4, &a, &b);
-        ws_matmul(ctx->x, E, &L->w_down, ctx->hb, F, a, b, nt, 1, wbuf);
+        if (gemma) {
+            ws_matmul(ctx->ybuf, E, &L->w_down, ctx->hb, F, a, b, nt, 0, wbuf);
+            pool_barrier(pool);
+            add_normed(ctx, L->post_ffn_norm, ith, nth, nt);
+        } else {
+            ws_matmul(ctx->x, E, &L->w_down, ctx->hb, F, a, b, nt, 1, wbuf);
+        }
         pool_barrier(pool);
     }
 
@@ -851,6 +957,16 @@ ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size
     return WS_OK;
 }
 
+/* a token's embedding row (gemma3: times sqrt(n_embd), rounded to float as llama.cpp) */
+static void embed(const ws_context *ctx, int32_t token, float *out) {
+    const ws_hparams *hp = &ctx->model->hp;
+    ws_row_f32(&ctx->model->w.tok_embd, token, out);
+    if (hp->arch == WS_ARCH_GEMMA3) {
+        const float scale = sqrtf((float)hp->n_embd);
+        for (int i = 0; i < hp->n_embd; i++) out[i] *= scale;
+    }
+}
+
 ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_t n_tokens,
                     int logits_all, float *logits, size_t logits_cap) {
     if (!ctx) return WS_ERR_INVALID_ARGUMENT;
@@ -882,7 +998,7 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
         if (nt > ctx->params.n_batch) nt = ctx->params.n_batch;
         const int last_chunk = done + nt == n_tokens;
         for (int t = 0; t < nt; t++)
-            ws_row_f32(&ctx->model->w.tok_embd, tokens[done + t], ctx->x + (size_t)t * E);
+            embed(ctx, tokens[done + t], ctx->x + (size_t)t * E);
         for (int t = 0; t < nt; t++) {
             ctx->tok_slot[t] = slot;
             ctx->tok_pos[t] = n_past + done + t;
@@ -938,7 +1054,7 @@ ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *
                         "logits buffer holds %zu floats, %zu are needed", logits_cap, need);
     const int E = hp->n_embd;
     for (int32_t t = 0; t < n; t++) {
-        ws_row_f32(&ctx->model->w.tok_embd, tokens[t], ctx->x + (size_t)t * E);
+        embed(ctx, tokens[t], ctx->x + (size_t)t * E);
         ctx->tok_slot[t] = slots[t];
         ctx->tok_pos[t] = ctx->n_past[slots[t]];
     }

@@ -40,7 +40,15 @@ typedef enum {
     WS_ERR_THREAD = 6,           /* a worker thread could not be started                */
 } ws_status;
 
-/* Hyper-parameters of a llama-family model. */
+/* Architectures of the forward pass. */
+typedef enum {
+    WS_ARCH_LLAMA = 0,  /* the default: a zero-filled ws_hparams is a llama model      */
+    WS_ARCH_GEMMA3 = 1, /* embedding scaled by sqrt(n_embd), QK-norm, NeoX RoPE, GeGLU
+                           (gelu-tanh), post-attention and post-FFN norms, sliding-window
+                           layers with their own RoPE base                              */
+} ws_arch;
+
+/* Hyper-parameters of a model. The fields after rope_theta default to 0 (llama). */
 typedef struct {
     int32_t n_vocab;
     int32_t n_embd;      /* model width                                    */
@@ -50,7 +58,13 @@ typedef struct {
     int32_t n_ff;        /* feed-forward width                             */
     int32_t n_rot;       /* rotated dims per head (== head_dim here)       */
     float rms_eps;
-    float rope_theta;
+    float rope_theta;    /* RoPE base (gemma3: of the global layers)        */
+    int32_t arch;        /* ws_arch                                         */
+    int32_t head_dim;    /* dims per head; 0: n_embd / n_head               */
+    int32_t n_swa;       /* gemma3: sliding window (positions a local layer
+                            attends to, itself included); 0: every layer global */
+    int32_t swa_period;  /* gemma3: layer l is global when (l+1) % swa_period == 0 */
+    float rope_theta_swa; /* gemma3: RoPE base of the local layers           */
 } ws_hparams;
 
 /* Tensor types the core computes with: the values of ggml's type enum, so a GGUF
@@ -101,6 +115,11 @@ typedef struct {
     ws_tensor w_gate;         /* [n_ff][n_embd]                    */
     ws_tensor w_up;           /* [n_ff][n_embd]                    */
     ws_tensor w_down;         /* [n_embd][n_ff]                    */
+    /* gemma3 only (NULL for llama) */
+    const float *attn_q_norm; /* [head_dim] RMSNorm of each query head */
+    const float *attn_k_norm; /* [head_dim] RMSNorm of each key head   */
+    const float *post_attn_norm; /* [n_embd] on the attention output   */
+    const float *post_ffn_norm;  /* [n_embd] on the FFN output         */
 } ws_layer_weights;
 
 /* Borrowed weights of a model. They must outlive the model object. */

@@ -1,4 +1,5 @@
-"""Random llama-architecture GGUF models for the tests, written with the gguf writer."""
+"""Random llama- or gemma3-architecture GGUF models for the tests, written with the gguf
+writer."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ class Shape:
     # f32 | f16 | bf16 | a quantized type: q8_0, q4_k... (QUANT_TYPES) | mixed (every
     # supported type, in turn over the matrices: widths must be multiples of 256)
     dtype: str = "f32"
+    # "llama" or "gemma3" (then head_dim may differ from n_embd / n_head, and every
+    # layer but each 6th attends to the last n_swa positions only)
+    arch: str = "llama"
+    head_dim: int = 0          # 0: n_embd // n_head
+    n_swa: int = 0
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
 
 def byte_tokens() -> list[str]:
@@ -61,7 +71,7 @@ def tokenizer_vocab(n_vocab: int, seed: int = 0) -> tuple[list[str], list[str], 
 
 def random_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    hd = shape.n_embd // shape.n_head
+    hd = shape.hd
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
@@ -81,6 +91,11 @@ def random_weights(shape: Shape, seed: int) -> dict[str, np.ndarray]:
         w[b + "ffn_gate.weight"] = mat(shape.n_ff, shape.n_embd)
         w[b + "ffn_up.weight"] = mat(shape.n_ff, shape.n_embd)
         w[b + "ffn_down.weight"] = mat(shape.n_embd, shape.n_ff)
+        if shape.arch == "gemma3":
+            w[b + "attn_q_norm.weight"] = norm(hd)
+            w[b + "attn_k_norm.weight"] = norm(hd)
+            w[b + "post_attention_norm.weight"] = norm(shape.n_embd)
+            w[b + "post_ffw_norm.weight"] = norm(shape.n_embd)
     w["output_norm.weight"] = norm(shape.n_embd)
     if not shape.tied:
         w["output.weight"] = mat(shape.n_vocab, shape.n_embd)
@@ -150,7 +165,12 @@ def write_weights(path: Path, shape: Shape, weights: dict[str, np.ndarray], tok_
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)
     writer.add_feed_forward_length(shape.n_ff)
-    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_rope_dimension_count(shape.hd)
+    if shape.head_dim:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.n_swa:
+        writer.add_sliding_window(shape.n_swa)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
@@ -179,9 +199,9 @@ def write_weights(path: Path, shape: Shape, weights: dict[str, np.ndarray], tok_
 
 
 def write_model(path: Path, shape: Shape = Shape(), seed: int = 0,
-                arch: str = "llama") -> dict[str, np.ndarray]:
+                arch: str | None = None) -> dict[str, np.ndarray]:
     """Writes a random model; returns its F32 weights (before any F16/BF16/quantized
     storage; k-quant tensors are random blocks of the same amplitude instead)."""
     weights = random_weights(shape, seed)
-    write_weights(path, shape, weights, seed, f"random-{seed}", arch)
+    write_weights(path, shape, weights, seed, f"random-{seed}", arch or shape.arch)
     return weights

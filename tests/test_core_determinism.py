@@ -147,6 +147,9 @@ ATTENTION_SHAPES = {
     "hd40_rep3": Shape(n_vocab=300, n_embd=240, n_layer=2, n_head=6, n_head_kv=2, n_ff=96),
     "hd12_mqa": Shape(n_vocab=300, n_embd=48, n_layer=2, n_head=4, n_head_kv=1, n_ff=64),
     "hd36_mha": Shape(n_vocab=300, n_embd=108, n_layer=1, n_head=3, n_head_kv=3, n_ff=64),
+    # gemma3: head_dim 40 (not n_embd / n_head), a window of 7 in layers 0-4, layer 5 global
+    "gemma3": Shape(n_vocab=300, n_embd=48, n_layer=6, n_head=4, n_head_kv=2, n_ff=64,
+                    tied=True, arch="gemma3", head_dim=40, n_swa=7),
 }
 LONG = np.random.default_rng(13).integers(0, 300, 70).tolist()
 
@@ -264,3 +267,38 @@ def test_avx2_build_gives_the_same_bits_on_every_type(mixed_model: Path, kv_type
     computes the same canonical 8-lane order in 8 lanes."""
     assert (logits_digests(mixed_model, "avx2", kv_type)
             == logits_digests(mixed_model, "release", kv_type))
+
+
+def test_gemma3_threads_slots_and_multi_decode(tmp_path: Path, kv_type: str) -> None:
+    """The gemma3 pass (sliding window, post-norms split over tokens) gives the same bits
+    for every thread count, batch size, slot and multi-slot decode."""
+    path = tmp_path / "gemma3.gguf"
+    write_model(path, ATTENTION_SHAPES["gemma3"], seed=4)
+    with Model.load(path) as model:
+        assert model.hparams.arch == "gemma3" and model.hparams.head_dim == 40
+        with Context(model, n_ctx=128, n_threads=1, kv_type=kv_type) as ctx:
+            alone = one_by_one(ctx, 0, LONG)
+        for threads in (1, 2, 3):
+            with Context(model, n_slots=3, n_ctx=128, n_threads=threads,
+                         kv_type=kv_type) as ctx:
+                for size in (2, 5, 16, len(LONG)):
+                    ctx.clear(2)
+                    assert in_batches(ctx, 2, LONG, size).tobytes() == alone.tobytes()
+                ctx.clear(0)
+                ctx.clear(1)
+                ctx.decode(0, LONG[:30])
+                ctx.decode(1, LONG[:50])
+                rows = [ctx.decode_multi([1, 0], [LONG[50 + i], LONG[30 + i]])
+                        for i in range(8)]
+                assert np.stack([r[1] for r in rows]).tobytes() == alone[30:38].tobytes()
+                assert np.stack([r[0] for r in rows]).tobytes() == alone[50:58].tobytes()
+
+
+@pytest.mark.skipif(os.environ.get("WARMSLOT_NATIVE", "release") != "release",
+                    reason="compares the release build with the portable and AVX2 ones")
+def test_gemma3_builds_give_the_same_bits(tmp_path: Path, kv_type: str) -> None:
+    path = tmp_path / "gemma3.gguf"
+    write_model(path, ATTENTION_SHAPES["gemma3"], seed=4)
+    release = logits_digests(path, "release", kv_type)
+    assert logits_digests(path, "portable", kv_type) == release
+    assert logits_digests(path, "avx2", kv_type) == release

@@ -27,6 +27,12 @@ SHAPES = {
        for q in ("q8_0", "q4_0", "q4_1", "q5_0")},
     **{q: Shape(n_vocab=290, n_embd=256, n_layer=2, n_head=4, n_head_kv=2, n_ff=512, dtype=q)
        for q in ("q4_k", "q5_k", "q6_k")},
+    # gemma3: head_dim != n_embd / n_head, 7 layers (layer 5 global), a window of 9 over
+    # 40 tokens; tied (as Gemma 3) and untied
+    "gemma3": Shape(n_vocab=300, n_embd=48, n_layer=7, n_head=4, n_head_kv=2, n_ff=80,
+                    tied=True, arch="gemma3", head_dim=16, n_swa=9, rope_theta=1e6),
+    "gemma3_mha_q8": Shape(n_vocab=300, n_embd=64, n_layer=6, n_head=2, n_head_kv=2, n_ff=96,
+                           arch="gemma3", head_dim=32, n_swa=5, dtype="q8_0"),
 }
 
 

@@ -218,15 +218,15 @@ def test_architecture_is_checked_before_the_file_is_parsed(
     (vocabulary, tensors) never runs."""
     from tests.factory import Shape, write_model
 
-    bad = tmp_path / "gemma3.gguf"
+    bad = tmp_path / "qwen2.gguf"
     write_model(bad, Shape(n_vocab=300, n_embd=64, n_layer=1, n_head=4, n_head_kv=2, n_ff=96),
-                arch="gemma3")
+                arch="qwen2")
 
     def no_parse(*args: object, **kw: object) -> None:
         raise AssertionError("the GGUF file was parsed")
 
     monkeypatch.setattr(gguf_file, "parse", no_parse)
-    with pytest.raises(ModelLoadError, match="architecture 'gemma3' is not supported"):
+    with pytest.raises(ModelLoadError, match="architecture 'qwen2' is not supported"):
         load_gguf(bad)
 
 

@@ -6,15 +6,13 @@ whose length is not a multiple of the SIMD width."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
 
 from inference_svc.core.binding import ffi, lib
 from tests.factory import QUANT_TYPES, stored_bytes
+from tests.gemma3kit import gemma_path, needs_gemma3
 
 pytestmark = pytest.mark.native
 
@@ -145,19 +143,7 @@ def test_bad_arguments_are_refused() -> None:
     assert ffi.string(lib.ws_type_name(TYPE_IDS["q6_k"])) == b"Q6_K"
 
 
-GEMMA = "gemma-3-270m-q4_k_m.gguf"
-
-
-def gemma_path() -> Path | None:
-    env = os.environ.get("WARMSLOT_GEMMA3")
-    if env:
-        return Path(env)
-    found = sorted((Path(__file__).resolve().parent.parent / "models").rglob(GEMMA))
-    return found[0] if found else None
-
-
-@pytest.mark.skipif(gemma_path() is None or not gemma_path().is_file(),
-                    reason=f"{GEMMA} is not present (set WARMSLOT_GEMMA3)")
+@needs_gemma3
 def test_real_tensors_of_gemma3() -> None:
     """Real Q4_K, Q5_0, Q6_K, Q8_0 tensors (Gemma 3 270M Q4_K_M): the kernels unpack
     them as gguf does and multiply them in the canonical order."""

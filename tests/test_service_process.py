@@ -198,11 +198,29 @@ def test_unsupported_model_is_refused_before_listening(tmp_path: Path) -> None:
     assert rc == 1
     assert [r["msg"] for r in lines] == ["cannot start"]
     assert lines[0]["error"] == (f"{bad}: architecture 'gpt2' is not supported "
-                                 f"(supported: llama)")
+                                 f"(supported: llama, gemma3)")
     good, _ = model_pair(tmp_path, "draft-check")
     rc, lines = run_to_exit("--model", str(good), "--draft", str(bad))  # the draft too
     assert rc == 1 and [r["msg"] for r in lines] == ["cannot start"]
     assert "architecture 'gpt2' is not supported" in str(lines[0]["error"])
+
+
+def test_a_draft_of_another_vocabulary_is_refused_at_start(tmp_path: Path) -> None:
+    """A gemma3 target (no draft exists for it) with a draft whose vocabulary differs:
+    the service does not start, and its one error line names both vocabularies."""
+    from tests.factory import Shape, write_model
+
+    target = tmp_path / "gemma3.gguf"
+    write_model(target, Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2,
+                              n_ff=96, arch="gemma3", head_dim=32, n_swa=8, tied=True))
+    draft = tmp_path / "draft.gguf"
+    write_model(draft, Shape(n_vocab=310, n_embd=32, n_layer=1, n_head=2, n_head_kv=2,
+                             n_ff=48))
+    rc, lines = run_to_exit("--model", str(target), "--draft", str(draft))
+    assert rc == 1
+    assert lines[-1]["msg"] == "cannot start"
+    assert "the draft's vocabulary (310 tokens) differs from the target's (300" in str(
+        lines[-1]["error"])
 
 
 def test_a_model_failing_to_load_ends_with_the_error(tmp_path: Path) -> None:

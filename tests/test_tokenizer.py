@@ -66,6 +66,38 @@ def test_stream_decoder_matches_decode(tok: Tokenizer) -> None:
     assert all("\ufffd" not in p for p in pieces)
 
 
-def test_only_gpt2_tokenizers() -> None:
-    with pytest.raises(ModelLoadError, match="'llama' is not supported"):
+def test_only_gpt2_and_llama_tokenizers() -> None:
+    with pytest.raises(ModelLoadError, match="'bert' is not supported"):
+        Tokenizer(TokenizerData("bert", ["a"], [1], [], None, None))
+    with pytest.raises(ModelLoadError, match="needs a score and a type per token"):
         Tokenizer(TokenizerData("llama", ["a"], [1], [], None, None))
+    with pytest.raises(ModelLoadError, match="needs the 256 byte tokens"):
+        Tokenizer(TokenizerData("llama", ["a"], [1], [], None, None, scores=[0.0]))
+
+
+def spm_vocab() -> TokenizerData:
+    """A small SentencePiece-style vocabulary: control tokens, the 256 byte tokens, a
+    user-defined run of two spaces, and pieces whose scores decide the merges."""
+    pieces = {"a": -1.0, "b": -1.0, "c": -1.0, "\u2581": -1.0, "ab": -5.0, "bc": -2.0,
+              "\u2581a": -4.0}
+    tokens = ["<pad>", "<eos>", "<bos>"] + [f"<0x{b:02X}>" for b in range(256)] + ["  "]
+    types = [3, 3, 3] + [6] * 256 + [4]
+    tokens += list(pieces)
+    types += [1] * len(pieces)
+    scores = [0.0] * (len(tokens) - len(pieces)) + list(pieces.values())
+    return TokenizerData("llama", tokens, types, [], 2, 1, scores=scores, add_bos=True,
+                         add_space_prefix=False)
+
+
+def test_spm_merges_by_score_with_byte_fallback() -> None:
+    tok = Tokenizer(spm_vocab())
+    ids = {t: i for i, t in enumerate(tok.data.tokens)}
+    # "abc": b+c (score -2) before a+b (-5), then a+bc is not a piece: a, bc
+    assert tok.encode("abc") == [ids["a"], ids["bc"]]
+    # a space becomes U+2581; the user-defined "  " is split out before the merges
+    assert tok.encode("ab a  c") == [ids["ab"], ids["\u2581a"], ids["  "], ids["c"]]
+    # a character no piece holds: its UTF-8 bytes
+    assert tok.encode("é") == [ids["<0xC3>"], ids["<0xA9>"]]
+    assert tok.encode("a", add_bos=True) == [2, ids["a"]]
+    assert tok.decode(tok.encode("ab a  cé")) == "ab a  cé"
+    assert tok.decode([2, 1, ids["a"]]) == "a"

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +40,7 @@ def compute(hp: HParams, tensors: Mapping[str, Tensor]) -> str:
     h = hashlib.sha256()
     legacy = all(t.type_name in _LEGACY_TYPES for t in tensors.values())
     h.update(b"warmslot-model-v1\0" if legacy else b"warmslot-model-v2\0")
-    h.update(json.dumps(asdict(hp), sort_keys=True).encode())
+    h.update(json.dumps(hp.identity(), sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(name.encode() + b"\0")

@@ -1,4 +1,4 @@
-"""Reads a llama-architecture GGUF file: hyper-parameters, tokenizer metadata, a model
+"""Reads a llama or gemma3 GGUF file: hyper-parameters, tokenizer metadata, a model
 fingerprint, and the tensors as they are stored, memory-mapped from the file (no copy,
 no dequantization; the C core computes on the stored types). The C core parses no
 files."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,13 @@ from .errors import ModelLoadError
 from .fingerprint import model_fingerprint
 from .gguf_parse import Header, parse, peek_field
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+# gemma3 (llama.cpp's convention): layer l is global when (l+1) % 6 == 0, the others
+# attend to the last `sliding_window` positions with RoPE base 10000
+GEMMA3_SWA_PERIOD = 6
+GEMMA3_ROPE_THETA_SWA = 10000.0
+# the core's ws_arch values
+ARCH_IDS = {"llama": 0, "gemma3": 1}
 # the GGML types the C core computes with (weights stay in these types)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K",
                    "Q6_K")
@@ -35,10 +41,28 @@ class HParams:
     n_ctx_train: int
     rms_eps: float
     rope_theta: float
+    # gemma3 only; a llama model keeps the defaults
+    arch: str = "llama"
+    key_length: int = 0         # dims per head when not n_embd / n_head
+    n_swa: int = 0              # sliding window of the local layers
+    swa_period: int = 0         # layer l is global when (l+1) % swa_period == 0
+    rope_theta_swa: float = 0.0
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
+
+    def layer_is_local(self, layer: int) -> bool:
+        return self.n_swa > 0 and (layer + 1) % self.swa_period != 0
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that identify the model (a llama model's as before the gemma3
+        fields existed, so its fingerprint is unchanged)."""
+        d = asdict(self)
+        if self.arch == "llama":
+            for k in ("arch", "key_length", "n_swa", "swa_period", "rope_theta_swa"):
+                d.pop(k)
+        return d
 
 
 @dataclass(frozen=True)
@@ -49,6 +73,9 @@ class TokenizerData:
     merges: list[str]
     bos_id: int | None
     eos_id: int | None
+    scores: list[float] = field(default_factory=list)  # the 'llama' (SentencePiece) model
+    add_bos: bool = False            # tokenizer.ggml.add_bos_token
+    add_space_prefix: bool = False   # tokenizer.ggml.add_space_prefix ('llama' model)
 
 
 @dataclass(frozen=True)
@@ -144,6 +171,15 @@ def _hparams(header: Header, arch: str, tensors: dict[str, Tensor]) -> HParams:
     tok = tensors.get("token_embd.weight")
     if tok is None:
         raise ModelLoadError("tensor 'token_embd.weight' is missing")
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        key_len = int(_field(header, p + "attention.key_length", n_embd // n_head))
+        if int(_field(header, p + "attention.value_length", key_len)) != key_len:
+            raise ModelLoadError("gemma3: value_length differs from key_length")
+        extra = dict(arch=arch, key_length=key_len,
+                     n_swa=int(_field(header, p + "attention.sliding_window", 0,
+                                      required=False)),
+                     swa_period=GEMMA3_SWA_PERIOD, rope_theta_swa=GEMMA3_ROPE_THETA_SWA)
     return HParams(
         n_vocab=int(_field(header, p + "vocab_size", tok.shape[0])),
         n_embd=n_embd,
@@ -151,10 +187,12 @@ def _hparams(header: Header, arch: str, tensors: dict[str, Tensor]) -> HParams:
         n_head=n_head,
         n_head_kv=int(_field(header, p + "attention.head_count_kv", n_head)),
         n_ff=int(_field(header, p + "feed_forward_length")),
-        n_rot=int(_field(header, p + "rope.dimension_count", n_embd // n_head)),
+        n_rot=int(_field(header, p + "rope.dimension_count",
+                         extra.get("key_length", n_embd // n_head))),
         n_ctx_train=int(_field(header, p + "context_length")),
         rms_eps=float(_field(header, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(header, p + "rope.freq_base", 10000.0)),
+        **extra,
     )
 
 
@@ -177,6 +215,13 @@ def _expected_shapes(hp: HParams) -> dict[str, tuple[int, ...]]:
             b + "ffn_up.weight": (hp.n_ff, hp.n_embd),
             b + "ffn_down.weight": (hp.n_embd, hp.n_ff),
         }
+        if hp.arch == "gemma3":
+            shapes |= {
+                b + "attn_q_norm.weight": (hd,),
+                b + "attn_k_norm.weight": (hd,),
+                b + "post_attention_norm.weight": (hp.n_embd,),
+                b + "post_ffw_norm.weight": (hp.n_embd,),
+            }
     return shapes
 
 
@@ -234,7 +279,12 @@ def _tokenizer(header: Header) -> TokenizerData:
     merges = _field(header, "tokenizer.ggml.merges", [], required=False)
     bos = _field(header, "tokenizer.ggml.bos_token_id", None, required=False)
     eos = _field(header, "tokenizer.ggml.eos_token_id", None, required=False)
+    scores = _field(header, "tokenizer.ggml.scores", [], required=False)
     return TokenizerData(
+        scores=[float(x) for x in scores],
+        add_bos=bool(_field(header, "tokenizer.ggml.add_bos_token", False, required=False)),
+        add_space_prefix=bool(_field(header, "tokenizer.ggml.add_space_prefix", True,
+                                     required=False)),
         model=model,
         tokens=tokens,
         token_types=[int(t) for t in types],

@@ -15,7 +15,7 @@ import numpy as np
 from . import binding
 from .binding import ffi
 from .errors import CoreMemoryError, InvalidArgumentError
-from .gguf_file import GGUFModel, HParams, load_gguf
+from .gguf_file import ARCH_IDS, GGUFModel, HParams, load_gguf
 from .handle import NativeHandle, buffer_arg, state_buffer
 from .tokenizer import Tokenizer
 
@@ -24,6 +24,10 @@ KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}
 DEFAULT_KV_TYPE = "f16"
 
 _LAYER_NORMS = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight"}
+# gemma3's extra norms
+_GEMMA3_NORMS = {"attn_q_norm": "attn_q_norm.weight", "attn_k_norm": "attn_k_norm.weight",
+                 "post_attn_norm": "post_attention_norm.weight",
+                 "post_ffn_norm": "post_ffw_norm.weight"}
 _LAYER_MATRICES = {
     "wq": "attn_q.weight",
     "wk": "attn_k.weight",
@@ -65,9 +69,15 @@ class Model(NativeHandle):
             setattr(c_hp, name, getattr(hp, name))
         c_hp.rms_eps = hp.rms_eps
         c_hp.rope_theta = hp.rope_theta
+        c_hp.arch = ARCH_IDS[hp.arch]
+        c_hp.head_dim = hp.key_length
+        c_hp.n_swa = hp.n_swa
+        c_hp.swa_period = hp.swa_period
+        c_hp.rope_theta_swa = hp.rope_theta_swa
+        norms = _LAYER_NORMS | (_GEMMA3_NORMS if hp.arch == "gemma3" else {})
         layers = ffi.new("ws_layer_weights[]", hp.n_layer)
         for i in range(hp.n_layer):
-            for field, suffix in _LAYER_NORMS.items():
+            for field, suffix in norms.items():
                 setattr(layers[i], field, self._norm(f"blk.{i}.{suffix}"))
             for field, suffix in _LAYER_MATRICES.items():
                 self._matrix(getattr(layers[i], field), f"blk.{i}.{suffix}")

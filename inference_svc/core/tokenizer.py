@@ -1,7 +1,8 @@
-"""Byte-level BPE tokenizer built from a GGUF file's `gpt2` tokenizer metadata.
+"""The tokenizer of a GGUF file: byte-level BPE for its `gpt2` tokenizer metadata, or
+SentencePiece-style BPE with byte fallback for `llama` (spm.py, as llama.cpp runs it).
 
-Encoding goes through the `tokenizers` package (BPE model, GPT-2 pre-tokenizer
-regex). Decoding maps every token to its bytes, so a stream of tokens can be
+Byte-level BPE encoding goes through the `tokenizers` package (BPE model, GPT-2
+pre-tokenizer regex). Decoding maps every token to its bytes, so a stream of tokens can be
 turned into text incrementally and any list of ids decodes without raising.
 """
 
@@ -14,6 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from .errors import ModelLoadError
 from .gguf_file import TokenizerData
+from .spm import SPMTokenizer
 
 TOKEN_TYPE_CONTROL = 3
 
@@ -40,14 +42,22 @@ class Tokenizer:
     """Text <-> token ids for one model."""
 
     def __init__(self, data: TokenizerData) -> None:
-        if data.model != "gpt2":
+        if data.model not in ("gpt2", "llama"):
             raise ModelLoadError(
-                f"tokenizer model {data.model!r} is not supported (only byte-level BPE 'gpt2')"
+                f"tokenizer model {data.model!r} is not supported (byte-level BPE 'gpt2' or "
+                "SentencePiece BPE 'llama')"
             )
         self.data = data
         self.n_vocab = len(data.tokens)
         self.bos_id = data.bos_id
         self.eos_id = data.eos_id
+        self.add_bos = data.add_bos and data.bos_id is not None
+        self._spm: SPMTokenizer | None = None
+        if data.model == "llama":
+            self._spm = SPMTokenizer(data.tokens, data.scores, data.token_types,
+                                     data.add_space_prefix)
+            self._bytes = [self._spm.token_bytes(i) for i in range(self.n_vocab)]
+            return
         vocab = {tok: i for i, tok in enumerate(data.tokens)}
         merges = []
         for m in data.merges:
@@ -75,9 +85,12 @@ class Tokenizer:
         out.extend(b"" for _ in range(len(data.tokens) - len(out)))
         return out
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text; special-token strings are encoded as plain text."""
-        return list(self._hf.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of text; special-token strings are encoded as plain text. add_bos:
+        BOS first when the model's file asks for it (tokenizer.ggml.add_bos_token)."""
+        ids = self._spm.encode(text) if self._spm else self._hf.encode(
+            text, add_special_tokens=False).ids
+        return ([self.bos_id] if add_bos and self.add_bos else []) + list(ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes of one token; b'' for control tokens and ids outside the vocabulary."""
