@@ -43,7 +43,7 @@ class Speculative:
 
     Off unless a request asks for it (or --speculative): with the bundled pair the
     draft's proposals are accepted too rarely for speculation to pay on this CPU
-    (bench/speculative.py; README). When on, the draft stops proposing once its top
+    (bench/speculative.py; docs/benchmarks.md). When on, the draft stops proposing once its top
     probability falls below p_min, which wastes the fewest verification slots."""
 
     enabled: bool = False
@@ -59,8 +59,8 @@ class Config:
     slots: int = 4
     ctx: int | None = None  # None: the target model's training context
     threads: int = 2
-    # the draft is small: one thread, so its pool and the target's do not fight
-    # over the two cores (a second spinning worker slowed drafting down 4x)
+    # the draft is small: one thread, so its pool's spinning workers and the target's
+    # do not fight over the same cores
     draft_threads: int = 1
     batch: int = 512  # prompt tokens per decode call (one engine step)
     # element type of the target's and the draft's KV caches; a slot file restores only

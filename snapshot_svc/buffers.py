@@ -1,12 +1,11 @@
 """Receive buffers for large parts: mapped up front, recycled when released.
 
-A Get returns each part as one contiguous buffer. Fresh memory is expensive on
-this kind of VM: the kernel zeroes and maps every 4 KiB page on first touch
-(~2 us a page: ~35 ms for 64 MiB when the chunks are copied in, about as long
-as the transfer itself). So:
+A Get returns each part as one contiguous buffer. Fresh memory is expensive: the
+kernel zeroes and maps every 4 KiB page on first touch, which on a VM costs about
+as long as the transfer itself. So:
 
 - a new buffer is one anonymous mapping with all its pages mapped by a single
-  mmap(MAP_POPULATE) call (~21 ms for 64 MiB);
+  mmap(MAP_POPULATE) call;
 - when the last view of a buffer is released, the mapping goes back to a small
   pool (at most `IDLE_MAPPINGS`) after madvise(MADV_FREE): the kernel may take
   the pages back under memory pressure, otherwise the next Get of a similar size

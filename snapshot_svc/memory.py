@@ -4,10 +4,8 @@ A transfer allocates and frees a ~1 MiB buffer per chunk (gRPC's message bytes,
 the framed chunk). glibc serves blocks above its mmap threshold (128 KiB at
 start, adapting later) with a fresh mmap, and gives a free heap top above
 128 KiB back to the kernel; either way the next chunk lands on pages the kernel
-must fault in and zero again. On this kind of VM a 4 KiB fault costs ~2 us, so
-a 64 MiB Put paid ~20 ms of faults on the server and a Get ~25 ms on the client.
-With chunks served from the heap and the heap top kept, each chunk reuses the
-memory the previous one freed.
+must fault in and zero again, for every chunk. With chunks served from the heap
+and the heap top kept, each chunk reuses the memory the previous one freed.
 
 `tune_malloc()` is called by the snapshot service's entry point (and by the snapshot
 benchmark); the library modules never change process-wide settings on import. The

@@ -4,12 +4,8 @@ Writing a new file costs more than overwriting an old one of the same size: the
 filesystem allocates (and, mounted with `discard`, later trims) its blocks, and the
 kernel allocates fresh page-cache memory, which on a VM whose balloon reports free
 pages to the host faults in again page by page. A Put that overwrites a file whose
-blocks and cached pages already exist skips all of that. Measured on the development
-VM (1 MiB writes of 512 MiB, then fsync, 10 rounds): writes 57 ms and write+fsync
-145-170 ms over the previous file, vs 73-93 ms / 200-250 ms into a new file and
-360-1230 ms / 500-1400 ms in the rounds that got fresh memory; through the service,
-512 MiB Puts stopped having 0.9-1.3 s outliers (bench/snapshot.py). PostgreSQL
-recycles its WAL segment files for the same reasons.
+blocks and cached pages already exist skips all of that. PostgreSQL recycles its WAL
+segment files for the same reasons.
 
 A spare lives in the store's tmp/ directory: the store removes its spares when it
 closes, and a start after a crash sweeps them like any other temporary file. Its

@@ -103,8 +103,7 @@ class Upload:
     Created by `Store.begin_put`; fed with `write`; ended by `Store.finish_put`
     or `abort` (which is idempotent and always leaves no file behind). The
     digest is computed on a helper thread while the caller receives the next
-    chunk (+17-19 % Put throughput at 64 MiB, measured A/B); writing on a helper
-    too was measured and gained nothing, so the caller writes.
+    chunk; the caller writes each chunk itself.
     """
 
     def __init__(self, header: UploadHeader, path: Path, max_bytes: int,
@@ -132,8 +131,8 @@ class Upload:
                 os.ftruncate(self._fd, header.size)
             if header.size:
                 # the blocks up front: a full disk is refused before any byte is sent, and
-                # the filesystem allocates once instead of chunk by chunk (+4 % Put at
-                # 64 MiB, A/B); a spare already has them (up to its size)
+                # the filesystem allocates once instead of chunk by chunk; a spare
+                # already has them (up to its size)
                 allocate(self._fd, 0, header.size)
         except OSError as exc:
             os.close(self._fd)
