@@ -187,13 +187,24 @@ class Project:
         return {"services": out}
 
     def credentials(self, service: str) -> grpc.ChannelCredentials:
-        return self.secrets.credentials(client_cert=service == "snapshot")
+        # every snapshot service (snapshot, snapshot-s3-N) requires a client certificate
+        return self.secrets.credentials(client_cert=service.startswith("snapshot"))
 
     def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         r = subprocess.run([*self.cmd, *args], capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0:
-            raise AssertionError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+            raise AssertionError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}"
+                                 f"{self._tails()}")
         return r
+
+    def _tails(self, lines: int = 15) -> str:
+        """The last log lines of every container of the project (why an `up` failed)."""
+        out = []
+        for c in self.engine.containers.list(all=True, filters={
+                "label": [f"com.docker.compose.project={self.name}"]}):
+            tail = c.logs(tail=lines).decode(errors="replace")
+            out.append(f"\n--- {c.name} ({c.status}):\n{tail}")
+        return "".join(out)
 
     def container(self, service: str) -> Any:
         found = self.engine.containers.list(all=True, filters={"label": [

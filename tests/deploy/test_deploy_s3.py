@@ -82,6 +82,16 @@ def s3_session(s3_stack: Project, features: set[str]) -> Session:  # noqa: F811
     return s
 
 
+# the inference replica's host name, its snapshot key's namespace (deploy/init_secrets.py)
+NAMESPACE = "ws-s3"
+
+
+def admin_snapshot_client(stack: Project, service: str) -> SnapshotClient:
+    """A snapshot client over mTLS with the deployment's admin key (sees every namespace)."""
+    return SnapshotClient(stack.services[service].addr, credentials=stack.credentials(service),
+                          api_key=stack.secrets.snapshot_admin_key)
+
+
 def _restart_and_check(stack: Project, session: Session, what: str) -> None:
     with client(stack, "inference-s3-0") as c:
         prompt, expected, control, n0 = control_then_erase(c, session)
@@ -96,10 +106,12 @@ def _restart_and_check(stack: Project, session: Session, what: str) -> None:
 
 def test_s3_restart_resumes_the_session(s3_stack: Project, s3_session: Session) -> None:
     _restart_and_check(s3_stack, s3_session, "after restart (s3 profile)")
-    # the auto-save went to the bucket: both replicas list it
+    # the auto-save went to the bucket, in the replica's namespace: both snapshot
+    # replicas list it
     for name in ("snapshot-s3-1", "snapshot-s3-2"):
-        with SnapshotClient(s3_stack.services[name].addr) as sc:
-            assert "auto-ws-s3-slot0" in {i.name for i in sc.list("auto-")}
+        with admin_snapshot_client(s3_stack, name) as sc:
+            assert f"{NAMESPACE}:auto-ws-s3-slot0" in {
+                i.name for i in sc.list(f"{NAMESPACE}:auto-")}
 
 
 def test_s3_loss_of_one_snapshot_replica(s3_stack: Project, s3_session: Session) -> None:
@@ -117,7 +129,7 @@ def test_s3_loss_of_one_snapshot_replica(s3_stack: Project, s3_session: Session)
         s3_session.history = prompt + expected
         c.erase(1)
     assert time.monotonic() - t0 < 120
-    with SnapshotClient(s3_stack.services["snapshot-s3-2"].addr) as sc:
-        assert sc.stat("after-replica-loss").target.size > 0
+    with admin_snapshot_client(s3_stack, "snapshot-s3-2") as sc:
+        assert sc.stat(f"{NAMESPACE}:after-replica-loss").target.size > 0
     # a stop saves and a start restores through the replica that is left
     _restart_and_check(s3_stack, s3_session, "after restart with one snapshot replica lost")
