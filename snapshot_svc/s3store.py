@@ -172,6 +172,12 @@ class S3Store:
         try:
             self.s3.create_bucket(Bucket=bucket)
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+            if code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                # another replica starting at the same time created it first: it is
+                # usable when it answers, which the next call checks
+                self.s3.head_bucket(Bucket=bucket)
+                return
             raise FailedPrecondition(f"bucket {bucket!r} does not exist at {self.describe()} and "
                                      f"could not be created: {s3_error('', exc).message}") from exc
         log_event(log, logging.INFO, "bucket_created", bucket=bucket)

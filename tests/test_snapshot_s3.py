@@ -589,3 +589,31 @@ def test_store_url_is_checked() -> None:
                                 "WARMSLOT_SNAPSHOT_STORE": "s3://b/p",
                                 "WARMSLOT_SNAPSHOT_REPLICA_ID": "snap-1"})
     assert (cfg.data_dir, cfg.store, cfg.replica_id) == (None, "s3://b/p", "snap-1")
+
+
+def test_a_bucket_another_replica_creates_first_is_used(s3env: SeaweedFS,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas starting on a missing bucket: both find it missing, one creates it,
+    the other's create is refused (BucketAlreadyExists / ...OwnedByYou) and it must start
+    on the bucket all the same, not fail."""
+    from snapshot_svc import s3store
+
+    bucket = f"race-{uuid.uuid4().hex[:10]}"
+    real = s3store.make_client
+
+    def racing_client(*args: Any, **kw: Any) -> Any:
+        client = real(*args, **kw)
+        create = client.create_bucket
+
+        def create_after_the_other(**params: Any) -> Any:
+            raw_s3(s3env).create_bucket(Bucket=params["Bucket"])  # the other replica
+            return create(**params)
+
+        client.create_bucket = create_after_the_other
+        return client
+
+    monkeypatch.setattr(s3store, "make_client", racing_client)
+    with running_server(None, store=f"s3://{bucket}/p", s3_endpoint=s3env.endpoint,
+                        replica_id="r2") as srv, SnapshotClient(srv.address) as c:
+        c.put("x", b"data")
+        assert c.get("x").target == b"data"
