@@ -27,7 +27,7 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 
-.PHONY: all setup fetch-models draft proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume bench-security demo models clean distclean
+.PHONY: all setup fetch-models draft proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume bench-s3 bench-security demo models clean distclean
 
 all: setup
 
@@ -111,6 +111,12 @@ bench: setup
 # security probe: starvation, large prompts, TLS cost (bench/security.py)
 bench-security: setup
 	$(PY) bench/security.py
+
+# snapshots on S3 (a SeaweedFS started on loopback): Put/Get/fetch against the local
+# directory and plain boto3, then 4 inference replicas saving and restoring 200 sessions
+bench-s3: setup
+	$(PY) bench/snapshot.py --store s3://bench/run
+	$(PY) bench/s3_replicas.py
 
 # restart-resume: time to first token after a restart, with restore vs full re-prefill
 bench-resume: setup

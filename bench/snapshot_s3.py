@@ -48,6 +48,7 @@ from tests.seaweed import SeaweedFS
 MIB = 1 << 20
 SLOT_TARGET, SLOT_DRAFT = 18 * MIB, 1 * MIB
 N_CLIENTS = 4
+RAW_BUCKET = "bench-raw"
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -56,19 +57,74 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def put_get(clients: dict[str, SnapshotClient], size: int, reps: int) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds spent by each named process (this one included) during `measure`:
+    the cost of an operation whatever else shares the machine, where wall time on a
+    loaded machine mostly measures the others."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = {**pids, "bench": os.getpid()}
+        self.spent: dict[str, list[float]] = {}
+
+    def measure(self, label: str, fn: Callable[[], object]) -> float:
+        before = {n: cpu_seconds(p) for n, p in self.pids.items()}
+        wall = _timed(fn)
+        used = sum(cpu_seconds(p) - before[n] for n, p in self.pids.items())
+        self.spent.setdefault(label, []).append(used)
+        return wall
+
+    def medians(self) -> dict[str, float]:
+        return {k: round(statistics.median(v), 3) for k, v in self.spent.items()}
+
+
+def raw_s3(endpoint: str, bucket: str) -> Any:
+    """A plain boto3 client of the store, configured as the service's (no service in
+    between): the store's own ceiling on this machine."""
+    from snapshot_svc.s3client import make_client
+
+    client = make_client(endpoint, "", 1)
+    try:
+        client.create_bucket(Bucket=bucket)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    return client
+
+
+def put_get(clients: dict[str, SnapshotClient], size: int, reps: int, meter: CpuMeter,
+            raw: Any) -> dict[str, Any]:
+    """Put then Get of `size` bytes through each service, and the same object put and
+    read by plain boto3 (`raw`), all interleaved."""
     data = os.urandom(size)
     digest = hashlib.sha256(data).hexdigest()
-    times: dict[str, list[float]] = {f"{b}_{op}": [] for b in clients for op in ("put", "get")}
+    sides = [*clients, "raw"]
+    times: dict[str, list[float]] = {f"{b}_{op}": [] for b in sides for op in ("put", "get")}
     for rep in range(reps):
-        order = list(clients) if rep % 2 == 0 else list(reversed(clients))
+        order = sides if rep % 2 == 0 else list(reversed(sides))
         for backend in order:
-            c = clients[backend]
             name = f"bench-{size}-{rep}"
-            times[f"{backend}_put"].append(
-                _timed(lambda: c.put(name, data, target_sha256=digest)))  # noqa: B023
             got: list[Any] = []
-            times[f"{backend}_get"].append(_timed(lambda: got.append(c.get(name))))  # noqa: B023
+            if backend == "raw":
+                def raw_get(key: str = name, out: list[Any] = got) -> None:
+                    out.append(raw.get_object(Bucket=RAW_BUCKET, Key=key)["Body"].read())
+
+                times["raw_put"].append(meter.measure("raw_put", lambda: raw.put_object(
+                    Bucket=RAW_BUCKET, Key=name, Body=data)))  # noqa: B023
+                times["raw_get"].append(meter.measure("raw_get", raw_get))
+                if got[0] != data:
+                    raise SystemExit("raw: GetObject returned other bytes")
+                raw.delete_object(Bucket=RAW_BUCKET, Key=name)
+                continue
+            c = clients[backend]
+            times[f"{backend}_put"].append(meter.measure(
+                f"{backend}_put", lambda: c.put(name, data, target_sha256=digest)))  # noqa: B023
+            times[f"{backend}_get"].append(meter.measure(
+                f"{backend}_get", lambda: got.append(c.get(name))))  # noqa: B023
             if got[0].target != data:
                 raise SystemExit(f"{backend}: Get returned other bytes")
             got.clear()
@@ -79,6 +135,9 @@ def put_get(clients: dict[str, SnapshotClient], size: int, reps: int) -> dict[st
             "MBps": {k: round(v, 1) for k, v in rate.items()},
             "put_s3_vs_local": round(rate["s3_put"] / rate["local_put"], 3),
             "get_s3_vs_local": round(rate["s3_get"] / rate["local_get"], 3),
+            "put_raw_vs_local": round(rate["raw_put"] / rate["local_put"], 3),
+            "get_raw_vs_local": round(rate["raw_get"] / rate["local_get"], 3),
+            "cpu_s": meter.medians(),
             "median_s": {k: round(v, 4) for k, v in med.items()},
             "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()}}
 
@@ -174,16 +233,22 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                 ServerProcess(None, *s3_args, "--replica-id", "r1", env=env) as s3a, \
                 ServerProcess(None, *s3_args, "--replica-id", "r2", env=env) as s3b:
             os.environ.update(env)
+            pids = {"local_server": local.proc.pid, "s3_server": s3a.proc.pid}
+            if fs is not None and fs.proc is not None:
+                pids["seaweedfs"] = fs.proc.pid
+            raw = raw_s3(endpoint, RAW_BUCKET)
             with SnapshotClient(local.address, timeout=120) as lc, \
                     SnapshotClient(s3a.address, timeout=120) as sc:
                 results = []
                 for size in sizes:
-                    r = put_get({"local": lc, "s3": sc}, size, a.reps)
+                    r = put_get({"local": lc, "s3": sc}, size, a.reps, CpuMeter(pids), raw)
                     results.append(r)
                     print(f"{size // MIB:>4} MiB  put local {r['MBps']['local_put']:.1f} "
                           f"s3 {r['MBps']['s3_put']:.1f} MB/s ({r['put_s3_vs_local']:.2f}x)  "
                           f"get local {r['MBps']['local_get']:.1f} s3 {r['MBps']['s3_get']:.1f}"
-                          f" MB/s ({r['get_s3_vs_local']:.2f}x)", flush=True)
+                          f" MB/s ({r['get_s3_vs_local']:.2f}x)  raw boto3 put "
+                          f"{r['MBps']['raw_put']:.1f} get {r['MBps']['raw_get']:.1f} MB/s; "
+                          f"CPU s per op {r['cpu_s']}", flush=True)
             restore = slot_restore({"local": local.address, "s3": s3a.address}, a.reps)
             print(f"18 MB slot fetch: local {restore['median_ms']['local']} ms, s3 "
                   f"{restore['median_ms']['s3']} ms ({restore['s3_time_vs_local']:.2f}x the "
