@@ -3,9 +3,12 @@
 Jobs wait in one FIFO queue; an idle slot goes to the first job that can take it
 (a job for slot -1 takes the idle slot whose tokens share the longest prefix with
 its prompt, then the least recently used). Each round runs one unit of every
-running job through the executor: the decode steps that can share a forward pass
-go together, the others one by one. A cancelled job stops at the next unit
-boundary; a draining scheduler cuts the running jobs once its grace has passed.
+running job through the executor: the decode steps (target-only and speculative)
+share one forward pass, the others run one by one. A prompt or draft catch-up unit
+takes at most `chunk` tokens, or `shared_chunk` while other slots decode, so a
+decoding stream waits for one short unit at most between its tokens. A cancelled
+job stops at the next unit boundary; a draining scheduler cuts the running jobs
+once its grace has passed.
 
 The scheduler decides; the executor (the engine's model side) runs. Time comes
 from an injected clock, so every decision can be tested without sleeping. It is
@@ -97,8 +100,9 @@ class Executor(Protocol):
     def begin(self, job: Job) -> None:
         """Starts a job on its slot (a slot operation runs to completion here)."""
 
-    def unit(self, job: Job) -> None:
-        """One unit of a running job: a prompt chunk or one decode step."""
+    def unit(self, job: Job, budget: int) -> None:
+        """One unit of a running job: a prompt or draft catch-up chunk of at most
+        `budget` tokens, or one decode step."""
 
     def step_batch(self, jobs: list[Job]) -> bool:
         """One decode step for each job in one forward pass; False if it could not
@@ -126,8 +130,11 @@ class _Slot:
 class Scheduler:
     def __init__(self, n_slots: int, max_queue: int, max_queue_wait: float, executor: Executor,
                  clock: Clock = time.monotonic, wall: Clock = time.time,
-                 on_error: Callable[[Job, BaseException], None] | None = None) -> None:
+                 on_error: Callable[[Job, BaseException], None] | None = None,
+                 chunk: int = 512, shared_chunk: int = 64) -> None:
         self.n_slots = n_slots
+        self.chunk = chunk
+        self.shared_chunk = min(shared_chunk, chunk)
         self.max_queue = max_queue
         self.max_queue_wait = max_queue_wait
         self.ex = executor
@@ -238,10 +245,12 @@ class Scheduler:
         for job in [j for j in self.active if j.cancelled]:
             self._guarded(job, self.ex.stop, Cancelled("cancelled"))
         batch = sorted((j for j in self.active if j.batchable()), key=lambda j: j.slot)
+        # a chunk unit next to decoding slots is short: their next token waits for it
+        budget = self.shared_chunk if batch else self.chunk
         if len(batch) < 2 or not self._batch(batch):
             batch = []
         for job in [j for j in self.active if j not in batch]:
-            self._guarded(job, self.ex.unit)
+            self._guarded(job, self.ex.unit, budget)
 
     def stop_all(self, err: ServiceError) -> None:
         for job in list(self.active):

@@ -52,6 +52,7 @@ class FakeJob(Job):
 class FakeExecutor:
     def __init__(self) -> None:
         self.log: list[tuple] = []
+        self.budgets: list[tuple[str, int]] = []  # (job, token budget) of each unit
         self.tokens: dict[int, list[int]] = {}
         self.batch_ok = True
         self.raise_on: str | None = None
@@ -71,9 +72,10 @@ class FakeExecutor:
         assert isinstance(job, FakeJob)
         self.log.append(("begin", job.name, job.slot))
 
-    def unit(self, job: Job) -> None:
+    def unit(self, job: Job, budget: int) -> None:
         assert isinstance(job, FakeJob)
         self.log.append(("unit", job.name))
+        self.budgets.append((job.name, budget))
         self._step(job)
 
     def step_batch(self, jobs: list[Job]) -> bool:
