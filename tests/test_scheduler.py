@@ -339,3 +339,68 @@ def test_released_slot_records_its_tokens_and_time(ex: FakeExecutor, clock: Cloc
     sl = s.slots[0]
     assert (sl.tokens, sl.last_used, sl.last_used_unix_ms, sl.job) == ([4, 5, 6], 1234.5,
                                                                        1234500, None)
+
+
+class ChunkJob(FakeJob):
+    """`tokens` of prompt or draft catch-up, processed `budget` tokens per unit, then
+    `decode` decode steps."""
+
+    def __init__(self, name: str, id_slot: int, sched: Scheduler, *, tokens: int,
+                 decode: int = 0) -> None:
+        super().__init__(name, id_slot, sched, prefill=1, decode=decode)
+        self.left = tokens
+        self.chunks: list[int] = []
+
+    def take(self, budget: int) -> None:
+        n = min(budget, self.left)
+        self.chunks.append(n)
+        self.left -= n
+        if self.left:
+            self.prefill += 1  # _step consumes one prefill unit per call
+
+
+class ChunkExecutor(FakeExecutor):
+    def unit(self, job: Job, budget: int) -> None:
+        if isinstance(job, ChunkJob) and job.prefill:
+            job.take(budget)
+        super().unit(job, budget)
+
+
+def make_chunked(ex: FakeExecutor, clock: Clock) -> Scheduler:
+    return Scheduler(2, 8, 5.0, ex, clock=clock, wall=clock, chunk=512, shared_chunk=64)
+
+
+def test_catch_up_next_to_a_decoding_stream_runs_in_short_chunks(clock: Clock) -> None:
+    """A 4,000-token catch-up admitted while another slot decodes: every round runs
+    one decode step and at most one 64-token chunk, alternating, until the decoding
+    stream ends; the rest goes in full 512-token chunks."""
+    ex = ChunkExecutor()
+    s = make_chunked(ex, clock)
+    dec = FakeJob("dec", 0, s, prefill=1, decode=10)
+    submit(s, dec)
+    step(s)  # dec's prompt
+    catch = ChunkJob("catch", 1, s, tokens=4000, decode=1)
+    submit(s, catch)
+    while s.active or s.waiting:
+        step(s)
+    # ten rounds with dec decoding: each holds one step and one shared chunk
+    assert ex.log[3:23] == [("unit", "dec"), ("unit", "catch")] * 10
+    assert catch.chunks == [64] * 10 + [512] * 6 + [4000 - 640 - 6 * 512]
+    assert ex.budgets[:3] == [("dec", 512), ("dec", 64), ("catch", 64)]
+    assert ex.log[-1] == ("unit", "catch")  # its own decode step, alone
+
+
+def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
+    ex = ChunkExecutor()
+    s = make_chunked(ex, clock)
+    a = ChunkJob("a", 0, s, tokens=1100, decode=2)
+    b = ChunkJob("b", 1, s, tokens=700, decode=1)
+    submit(s, a, b)
+    while s.active or s.waiting:
+        step(s)
+    # both prefill at full size until b decodes; then a's last chunk is a shared one
+    assert b.chunks == [512, 188]
+    assert a.chunks == [512, 512, 64, 12]
+    assert ex.log[2:] == [("unit", "a"), ("unit", "b"), ("unit", "a"), ("unit", "b"),
+                          ("unit", "a"), ("unit", "b"), ("unit", "a"), ("unit", "a"),
+                          ("unit", "a")]
