@@ -415,15 +415,15 @@ class Engine:
             return False
         return True
 
-    def unit(self, job: Job, budget: int) -> None:
+    def unit(self, job: Job, budget: int) -> int:
         assert isinstance(job, GenJob)
         try:
             if job.todo is not None:
-                self._prefill_unit(job, budget)
-            else:
-                self._steps([job])
+                return self._prefill_unit(job, budget)
+            self._steps([job])
         except Exception as exc:
             self._abort(job, exc)
+        return 0
 
     def _steps(self, gens: list[GenJob]) -> None:
         """A decode step of every job in one target pass (each drafting what its
@@ -439,7 +439,8 @@ class Engine:
             except Exception as exc:
                 self._abort(job, exc)
 
-    def _prefill_unit(self, job: GenJob, batch: int) -> None:
+    def _prefill_unit(self, job: GenJob, batch: int) -> int:
+        """A draft catch-up or prompt chunk of at most `batch` tokens; its tokens."""
         p, dec, slot = job.params, self.dec, job.slot
         todo = job.todo
         assert todo is not None
@@ -448,12 +449,12 @@ class Engine:
             # units of at most `batch` tokens before the prompt
             done, job.draft_lag = dec.draft_catch_up(slot, batch)
             if done:
-                return
+                return done
         if len(todo) > batch:
             # a chunk of a long prompt: into the KV without sampling
             dec.prefill_chunk(slot, todo[:batch], with_draft=p.spec is not None)
             job.todo = todo[batch:]
-            return
+            return batch
         first = dec.prefill(slot, todo, p.sampling, with_draft=p.spec is not None)
         job.todo = None
         job.t_first = time.monotonic()
@@ -463,6 +464,7 @@ class Engine:
             self._finish(job, StopReason.MAX_TOKENS)
         else:
             self._take(job, [first])
+        return len(todo)
 
     def _take(self, job: GenJob, toks: list[int]) -> None:
         """Emits new tokens up to EOS, a stop string or max_tokens."""
