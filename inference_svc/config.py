@@ -240,8 +240,9 @@ def parser() -> argparse.ArgumentParser:
     a("--draft-threads", type=int, default=d.draft_threads, help="decoding threads (draft)")
     a("--batch", type=int, default=d.batch, help="prompt tokens per decode call")
     a("--batch-shared", type=int, default=d.batch_shared,
-      help="prompt or draft catch-up tokens per decode call while other slots decode "
-           "(at most --batch): their next tokens wait for one such call at most")
+      help="at most this many prompt or draft catch-up tokens per decode call while "
+           "other slots decode (each such call is sized to about half their decode step, "
+           "and to --batch at most)")
     a("--kv-type", choices=KV_TYPES, default=d.kv_type,
       help="KV cache element type of the target and the draft: f16 (half the memory and "
            "slot-file size) or f32; a slot file restores only into the type it was saved "
