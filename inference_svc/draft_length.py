@@ -10,7 +10,8 @@ plain decoding.
 
 The acceptance estimate is a moving average over the proposals of recent steps
 (each step weighs `decay` times the one before it): a proposal accepted is a
-success, the first one rejected a failure, the ones after it are never tried.
+success, the first one rejected a failure, the ones after it are never tried; a
+step whose draft declined to propose (its confidence below p_min) is a failure.
 While the estimate says k = 0 the slot decodes target-only, its draft idle (a
 lagging draft costs nothing until it drafts again), and every `interval` steps
 one token is drafted as a probe, so a change of text that makes the draft useful
@@ -75,10 +76,11 @@ class DraftLength:
             return
         probe = self.best() == 0
         self.idle = 0
-        if drafted > 0:
-            trials = accepted + (1 if accepted < drafted else 0)
-            self.accepted = self.decay * self.accepted + accepted
-            self.tried = self.decay * self.tried + trials
+        # a draft that declined to propose (below p_min) cost a draft decode and gained
+        # nothing: a failed trial, as a rejected first proposal
+        trials = accepted + (1 if accepted < drafted or drafted == 0 else 0)
+        self.accepted = self.decay * self.accepted + accepted
+        self.tried = self.decay * self.tried + trials
         if self.best() > 0:
             self.interval = FIRST_INTERVAL
         elif probe:

@@ -51,14 +51,13 @@ def test_a_useful_draft_grows_to_n_max_and_a_backed_off_one_comes_back() -> None
     assert run(ctl, 15, accept=True) == [0] * 5 + [1, 1, 1, 2, 2, 3, 5, 7, 8, 8]
 
 
-def test_a_draft_declining_to_propose_counts_as_a_probe() -> None:
-    """A probe the draft declines (below p_min) leaves the estimate as it was and
-    spaces the next probe like a rejected one."""
-    ctl = DraftLength.start(4, 0.3, 0.5)
-    run(ctl, 2, accept=False)
-    estimate = ctl.acceptance
-    assert run(ctl, 8 + 16, accept=False, declined=True) == [0] * 7 + [1] + [0] * 15 + [1]
-    assert ctl.acceptance == estimate
+def test_a_draft_declining_to_propose_counts_as_a_rejection() -> None:
+    """A draft that declines every proposal (below p_min) backs off exactly like one
+    whose proposals are all rejected: it decoded for nothing."""
+    declined, rejected = DraftLength.start(8, 0.3, 0.5), DraftLength.start(8, 0.3, 0.5)
+    assert run(declined, 200, accept=False, declined=True) \
+        == run(rejected, 200, accept=False)
+    assert declined.acceptance == rejected.acceptance
 
 
 def test_no_drafting_without_n_max() -> None:
