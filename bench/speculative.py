@@ -1,25 +1,40 @@
 """Speculative decoding benchmark on held-out prompts, by domain.
 
-    python bench/speculative.py [--model PATH] [--draft PATH] [--n-max 2 4 8]
-                                [--domains code prose chat]
+    python bench/speculative.py [--path engine|service|core] [--model PATH] [--draft PATH]
+                                [--domains code prose chat] [--threads 2]
 
 Prompts (bench/prompts.py): code = stdlib validation files, prose = the
 language reference topics of pydoc_data, chat = hand-written questions in the
-ChatML template (models with <|im_start|> only). For each domain and
-temperature 0 and 0.8, decodes the same prompts target-only and with the
-draft proposing n_max tokens, interleaved prompt by prompt so that every
-configuration sees the same machine load; reports decode tokens/s (medians),
-the speed-up against target-only from the same run, the acceptance rate and
-the tokens produced per target pass. The last line printed is one JSON object.
+ChatML template (models with <|im_start|> only).
+
+--path engine (default) and --path service measure the product's path: requests
+to the engine in this process, or through the gRPC service (`python -m
+inference_svc` on 127.0.0.1), with the server's speculative defaults (adaptive
+draft length, n_max 8, p_min 0.75). For each domain and temperature 0 and 0.8 the
+same prompts run target-only (speculative off) and speculative, interleaved
+prompt by prompt in a rotating order so both see the same machine load: decode
+tokens/s (the server's own predicted_per_second, medians), the speed-up from the
+same run, the acceptance and the tokens per target pass. Greedy runs must give
+the same tokens both ways. Then concurrency: four requests one after the other
+against the same four at once on four slots (speculative, then target-only),
+interleaved: aggregate tokens/s over the wall time and the ratio.
+
+--path core drives the speculative decoder directly with fixed draft lengths
+(--n-max, --p-min): acceptance and tokens per target pass by draft length.
+
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +45,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from prompts import DOMAINS, domain_prompts  # noqa: E402
 
+from inference_svc.client import InferenceClient, make_request  # noqa: E402
+from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Context, CoreError, Model  # noqa: E402
 from inference_svc.core.speculative import (  # noqa: E402
     NO_SPEC,
@@ -37,6 +54,208 @@ from inference_svc.core.speculative import (  # noqa: E402
     SpecDecoder,
     SpecParams,
 )
+from inference_svc.engine import Engine  # noqa: E402
+from inference_svc.metrics import Metrics  # noqa: E402
+from inference_svc.types import Chunk, Finished, GenerateParams  # noqa: E402
+
+SLOTS = 4
+HOT = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: list[int]
+    slot: int
+    n: int
+    temperature: float
+    seed: int
+    speculative: bool
+
+
+@dataclass
+class Out:
+    tokens: list[int]
+    tps: float  # the server's decode rate
+    drafted: int
+    accepted: int
+    steps: int
+
+
+class EngineRunner:
+    """Requests to an in-process engine: the path the gRPC handlers take, minus gRPC."""
+
+    def __init__(self, args: argparse.Namespace, n_ctx: int) -> None:
+        cfg = Config(model=args.target, draft=args.draft, slots=SLOTS, ctx=n_ctx,
+                     threads=args.threads, draft_threads=args.draft_threads, seed=1,
+                     log_level="warning", log_format="text")
+        self.tm, self.dm = Model.load(args.target), Model.load(args.draft)
+        self.engine = Engine(cfg, self.tm, self.dm, Metrics())
+        sc = cfg.speculative
+        self.spec = SpecParams(sc.n_max, sc.n_min, sc.p_min)
+
+    def run(self, reqs: list[Req]) -> list[Out]:
+        jobs = []
+        for r in reqs:
+            sp = HOT if r.temperature else SamplingParams()
+            jobs.append(self.engine.generate(GenerateParams(
+                tuple(r.prompt), r.n, r.slot, False, sp, r.seed,
+                self.spec if r.speculative else None)))
+        outs = []
+        for job in jobs:
+            toks: list[int] = []
+            while True:
+                item = job.out.get(timeout=900)
+                if isinstance(item, BaseException):
+                    raise item
+                chunk = item.last if isinstance(item, Finished) else item
+                if isinstance(chunk, Chunk):
+                    toks += chunk.tokens
+                if isinstance(item, Finished):
+                    t = item.timings
+                    outs.append(Out(toks, t.predicted_per_second, t.draft_n,
+                                    t.draft_n_accepted, t.n_steps))
+                    break
+        return outs
+
+    def close(self) -> None:
+        self.engine.close()
+        self.tm.close()
+        self.dm.close()
+
+
+class ServiceRunner:
+    """Requests through the gRPC service, one client thread per request."""
+
+    def __init__(self, args: argparse.Namespace, n_ctx: int) -> None:
+        from service import Service
+
+        self.svc = Service(argparse.Namespace(ctx=n_ctx, threads=args.threads, n_max=8),
+                           args.target, args.draft)
+        self.tm = Model.load(args.target)
+
+    def run(self, reqs: list[Req]) -> list[Out]:
+        outs: list[Out | None] = [None] * len(reqs)
+        errors: list[BaseException] = []
+
+        def one(i: int, r: Req) -> None:
+            try:
+                with InferenceClient(f"127.0.0.1:{self.svc.port}", timeout=900) as c:
+                    kw: dict[str, Any] = dict(temperature=r.temperature, seed=r.seed)
+                    if r.temperature:
+                        kw.update(top_k=HOT.top_k, top_p=HOT.top_p, min_p=HOT.min_p)
+                    req = make_request(r.prompt, max_tokens=r.n, id_slot=r.slot,
+                                       cache_prompt=False, speculative=r.speculative, **kw)
+                    toks: list[int] = []
+                    last = None
+                    for resp in c.generate_stream(req):
+                        toks += resp.tokens
+                        last = resp
+                    assert last is not None and last.done
+                    t = last.timings
+                    outs[i] = Out(toks, t.predicted_per_second, t.draft_n, t.draft_n_accepted,
+                                  t.n_steps)
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i, r)) for i, r in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return [o for o in outs if o is not None]
+
+    def close(self) -> None:
+        self.svc.stop()
+        self.tm.close()
+
+
+def product_path(args: argparse.Namespace) -> dict[str, Any]:
+    n_ctx = args.prompt_tokens + args.new_tokens + 64
+    runner: EngineRunner | ServiceRunner = (EngineRunner(args, n_ctx) if args.path == "engine"
+                                            else ServiceRunner(args, n_ctx))
+    try:
+        tok = runner.tm.tokenizer
+        single: dict[str, Any] = {}
+        for domain in args.domains:
+            ps = domain_prompts(tok, domain, args.prompts, args.prompt_tokens)
+            single[domain] = {f"t{t}": single_streams(runner, ps, t, args)
+                              for t in args.temperatures}
+        ps = domain_prompts(tok, args.domains[0], SLOTS, args.prompt_tokens)
+        concurrent = {mode: concurrency(runner, ps, mode == "speculative", args)
+                      for mode in ("speculative", "target_only")}
+    finally:
+        runner.close()
+    return {"benchmark": "speculative", "path": args.path, "target": str(args.target),
+            "draft": str(args.draft), "threads": args.threads,
+            "draft_threads": args.draft_threads, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "reps": args.reps, "prompts": args.prompts,
+            "single": single, "concurrent": concurrent,
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def single_streams(runner: EngineRunner | ServiceRunner, ps: list[list[int]], temp: float,
+                   args: argparse.Namespace) -> dict[str, Any]:
+    """One stream at a time: target-only against speculative, interleaved."""
+    runs: dict[str, list[Out]] = {"target_only": [], "speculative": []}
+    runner.run([Req(ps[0], 0, 16, temp, 0, True)])  # warm-up
+    k = 0
+    for rep in range(args.reps):
+        for i, p in enumerate(ps):
+            order = ["target_only", "speculative"]
+            if k % 2:
+                order.reverse()
+            k += 1
+            got = {}
+            for mode in order:
+                out = runner.run([Req(p, 0, args.new_tokens, temp, 1000 * rep + i,
+                                      mode == "speculative")])[0]
+                runs[mode].append(out)
+                got[mode] = out.tokens
+            if temp == 0 and got["target_only"] != got["speculative"]:
+                raise SystemExit("greedy speculative output differs from target-only")
+    res: dict[str, Any] = {}
+    for mode, outs in runs.items():
+        drafted = sum(o.drafted for o in outs)
+        res[mode] = {"decode_tps": round(statistics.median(o.tps for o in outs), 2),
+                     "acceptance": round(sum(o.accepted for o in outs) / drafted, 3)
+                     if drafted else None,
+                     "drafted_per_step": round(drafted / sum(o.steps for o in outs), 3),
+                     "tokens_per_pass": round(sum(len(o.tokens) - 1 for o in outs)
+                                              / sum(o.steps for o in outs), 3)}
+    ratios = [s.tps / t.tps for s, t in zip(runs["speculative"], runs["target_only"],
+                                            strict=True)]
+    res["speedup_median_of_pairs"] = round(statistics.median(ratios), 3)
+    res["speedup_of_medians"] = round(res["speculative"]["decode_tps"]
+                                      / res["target_only"]["decode_tps"], 3)
+    print(f"single t{temp}: {res}", file=sys.stderr, flush=True)
+    return res
+
+
+def concurrency(runner: EngineRunner | ServiceRunner, ps: list[list[int]], spec: bool,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """The same four greedy requests one after the other, then on four slots at once,
+    interleaved: aggregate tokens per second of wall time."""
+    rates: dict[str, list[float]] = {"one_stream": [], "four_streams": []}
+    for rep in range(args.reps):
+        order = ["one_stream", "four_streams"]
+        if rep % 2:
+            order.reverse()
+        for mode in order:
+            reqs = [Req(p, i, args.new_tokens, 0.0, 0, spec) for i, p in enumerate(ps)]
+            t0 = time.perf_counter()
+            if mode == "one_stream":
+                outs = [runner.run([r])[0] for r in reqs]
+            else:
+                outs = runner.run(reqs)
+            rates[mode].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t0))
+    res = {m: round(statistics.median(v), 2) for m, v in rates.items()}
+    ratio = statistics.median(f / o for f, o in zip(rates["four_streams"],
+                                                   rates["one_stream"], strict=True))
+    out = {"tokens_per_s": res, "four_over_one": round(ratio, 3)}
+    print(f"concurrent speculative={spec}: {out}", file=sys.stderr, flush=True)
+    return out
 
 
 def decode_run(dec: SpecDecoder, prompt: list[int], n_new: int, sp: SamplingParams,
@@ -76,7 +295,7 @@ def draft_cost(tm: Model, dm: Model, args: argparse.Namespace,
             "draft_over_target": round(draft / target, 3)}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def core_path(args: argparse.Namespace) -> dict[str, Any]:
     tm, dm = Model.load(args.target), Model.load(args.draft)
     cost = draft_cost(tm, dm, args)
     n_ctx = args.prompt_tokens + args.new_tokens + 32
@@ -97,6 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         obj.close()
     return {
         "benchmark": "speculative",
+        "path": "core",
         "target": str(args.target),
         "draft": str(args.draft),
         "threads": args.threads,
@@ -144,13 +364,14 @@ def run_domain(dec: SpecDecoder, prompts: list[list[int]],
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--path", choices=("engine", "service", "core"), default="engine")
     p.add_argument("--model", "--target", dest="target", type=Path,
                    default=ROOT / "models" / "target.gguf")
     p.add_argument("--draft", type=Path, default=ROOT / "models" / "draft.gguf")
     p.add_argument("--domains", nargs="+", choices=DOMAINS, default=["code"])
-    p.add_argument("--n-max", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--n-max", type=int, nargs="+", default=[2, 4, 8], help="--path core")
     p.add_argument("--p-min", type=float, nargs="+", default=[0.0, 0.75],
-                   help="draft confidence thresholds (each with every n_max)")
+                   help="--path core: draft confidence thresholds (each with every n_max)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     p.add_argument("--threads", type=int, default=2, help="target threads")
     p.add_argument("--draft-threads", type=int, default=1, help="draft threads")
@@ -160,15 +381,19 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     try:
-        result = run(args)
+        if args.path == "core":
+            result = core_path(args)
+        else:
+            result = product_path(args)
     except (CoreError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"draft cost: {result['draft_cost']}", file=sys.stderr)
-    for domain, temps in result["results"].items():
-        for t, per in temps.items():
-            for name, r in per.items():
-                print(f"{domain} {t} {name}: {r}", file=sys.stderr)
+    if args.path == "core":
+        print(f"draft cost: {result['draft_cost']}", file=sys.stderr)
+        for domain, temps in result["results"].items():
+            for t, per in temps.items():
+                for name, r in per.items():
+                    print(f"{domain} {t} {name}: {r}", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

@@ -41,15 +41,19 @@ class Sampling:
 class Speculative:
     """Request defaults for speculative decoding.
 
-    Off unless a request asks for it (or --speculative): with the bundled pair the
-    draft's proposals are accepted too rarely for speculation to pay on this CPU
-    (bench/speculative.py; docs/benchmarks.md). When on, the draft stops proposing once its top
-    probability falls below p_min, which wastes the fewest verification slots."""
+    On when a draft model is loaded (a request's SpeculativeParams override). n_max
+    caps the tokens drafted per step; with `adaptive` each slot drafts the length its
+    measured acceptance pays for (inference_svc.draft_length), down to none where the
+    draft is useless, `draft_cost` being one drafted token's price in target decode
+    steps. The draft stops proposing once its top probability falls below p_min,
+    which wastes the fewest verification slots."""
 
-    enabled: bool = False
+    enabled: bool = True
     n_max: int = 8
     n_min: int = 0
     p_min: float = 0.75
+    adaptive: bool = True
+    draft_cost: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class Config:
     # do not fight over the same cores
     draft_threads: int = 1
     batch: int = 512  # prompt tokens per decode call (one engine step)
+    # prompt or draft catch-up tokens per engine step while other slots decode, so that
+    # their next tokens wait for a short unit only
+    batch_shared: int = 64
     # element type of the target's and the draft's KV caches; a slot file restores only
     # into the type it was saved from
     kv_type: str = "f16"
@@ -145,6 +152,11 @@ class Config:
             problems.append(f"--draft-threads {self.draft_threads} must be >= 1")
         if self.batch < 1:
             problems.append(f"--batch {self.batch} must be >= 1")
+        if self.batch_shared < 1:
+            problems.append(f"--batch-shared {self.batch_shared} must be >= 1")
+        if not 0 < self.speculative.draft_cost <= 10:
+            problems.append(f"--spec-draft-cost {self.speculative.draft_cost} must be in "
+                            "(0, 10]")
         if self.kv_type not in KV_TYPES:
             problems.append(f"--kv-type {self.kv_type!r} is not one of {', '.join(KV_TYPES)}")
         if self.draft_restore_policy not in DRAFT_POLICIES:
@@ -227,6 +239,10 @@ def parser() -> argparse.ArgumentParser:
     a("--threads", type=int, default=d.threads, help="decoding threads (target)")
     a("--draft-threads", type=int, default=d.draft_threads, help="decoding threads (draft)")
     a("--batch", type=int, default=d.batch, help="prompt tokens per decode call")
+    a("--batch-shared", type=int, default=d.batch_shared,
+      help="at most this many prompt or draft catch-up tokens per decode call while "
+           "other slots decode (each such call is sized to about half their decode step, "
+           "and to --batch at most)")
     a("--kv-type", choices=KV_TYPES, default=d.kv_type,
       help="KV cache element type of the target and the draft: f16 (half the memory and "
            "slot-file size) or f32; a slot file restores only into the type it was saved "
@@ -279,6 +295,12 @@ def parser() -> argparse.ArgumentParser:
     a("--spec-n-min", type=int, default=d.speculative.n_min, help="default minimum draft")
     a("--spec-p-min", type=float, default=d.speculative.p_min,
       help="default draft confidence below which drafting stops")
+    a("--spec-adaptive", action=argparse.BooleanOptionalAction, default=d.speculative.adaptive,
+      help="each slot drafts the length (0..n_max) its measured acceptance pays for, none "
+           "where the draft is useless (--no-spec-adaptive: always n_max)")
+    a("--spec-draft-cost", type=float, default=d.speculative.draft_cost,
+      help="the price of one drafted token in target decode steps (draft decode plus its "
+           "place in the verification pass), for --spec-adaptive")
     a("--default-max-tokens", type=int, default=d.default_max_tokens,
       help="max_tokens of a request that sets none")
     a("--max-queue-wait", type=float, default=d.max_queue_wait,
@@ -335,7 +357,8 @@ def from_args(argv: Sequence[str] | None = None,
         return Config(
             model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,
             draft_threads=ns.draft_threads, kv_type=ns.kv_type,
-            batch=ns.batch, host=ns.host, port=ns.port, slot_save_path=ns.slot_save_path,
+            batch=ns.batch, batch_shared=ns.batch_shared, host=ns.host, port=ns.port,
+            slot_save_path=ns.slot_save_path,
             snapshot_addr=ns.snapshot_addr, snapshot_timeout=ns.snapshot_timeout,
             snapshot_client_max_protocol=ns.snapshot_client_max_protocol,
             auto_save=ns.auto_save, instance_id=ns.instance_id,
@@ -345,7 +368,7 @@ def from_args(argv: Sequence[str] | None = None,
             metrics_host=ns.metrics_host,
             sampling=Sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p),
             speculative=Speculative(ns.speculative, ns.spec_n_max, ns.spec_n_min,
-                                    ns.spec_p_min),
+                                    ns.spec_p_min, ns.spec_adaptive, ns.spec_draft_cost),
             default_max_tokens=ns.default_max_tokens, max_queue_wait=ns.max_queue_wait,
             max_queue=ns.max_queue, seed=ns.seed, shutdown_grace=ns.shutdown_grace,
             workers=ns.workers, stream_interval_ms=ns.stream_interval_ms,

@@ -3,8 +3,10 @@
 Handlers submit *jobs*: a generation, or a slot operation (save, restore,
 erase) that runs once the slot is idle. The scheduler (inference_svc.scheduler)
 decides which job gets which slot and when; the engine is its executor: each
-round it runs one *unit* of every active generation, a prompt chunk of at most
-`batch` tokens or one speculative step, so concurrent requests progress
+round it runs one *unit* of every active generation, a prompt or draft catch-up
+chunk (at most `batch` tokens, `batch_shared` while other slots decode) or one
+decode step, the decode steps of all slots (speculative or not) in one target
+pass, so concurrent requests progress
 interleaved and a cancelled request stops within one unit, leaving in its slot
 what it processed. `call` runs a function on the engine thread between units.
 """
@@ -22,13 +24,17 @@ from typing import Any, Generic, TypeVar
 from inference_svc import log
 from inference_svc.config import Config
 from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
-from inference_svc.core.speculative import NO_SPEC, Counters, SpecDecoder
+from inference_svc.core.speculative import NO_SPEC, Counters, SpecDecoder, SpecParams
+from inference_svc.draft_length import DraftLength
 from inference_svc.errors import ServiceError, Unavailable
 from inference_svc.metrics import Metrics
 from inference_svc.scheduler import Job, Scheduler, common_prefix
 from inference_svc.types import Chunk, Finished, GenerateParams, SlotInfo, StopReason, Timings
 
 T = TypeVar("T")
+
+# the acceptance a request's draft-length controller assumes before its first step
+START_ACCEPTANCE = 0.5
 
 
 class StopText:
@@ -80,6 +86,7 @@ class GenJob(Job):
         self.text = text  # None: no stop strings, the reader decodes the tokens
         self.todo: list[int] | None = None  # prompt tokens left to process; None: decoding
         self.draft_lag = 0  # the draft's lag behind the target's KV still to catch up
+        self.draft_len: DraftLength | None = None  # None: every step drafts spec.n_max
         self.emitted = 0
         self.timings = Timings(n_truncated=params.n_truncated)
         self.counters0 = Counters()
@@ -94,8 +101,18 @@ class GenJob(Job):
         return self.params.prompt if self.params.cache_prompt else ()
 
     def batchable(self) -> bool:
-        # target-only decode steps share a forward pass (step_multi)
-        return self.todo is None and self.params.spec is None and not self.cancelled
+        # decode steps, speculative or not, share a target pass (step_batch)
+        return self.todo is None and not self.cancelled
+
+    def step_spec(self) -> SpecParams:
+        """The speculative parameters of the next step."""
+        spec = self.params.spec
+        if spec is None:
+            return NO_SPEC
+        if self.draft_len is None:
+            return spec
+        n = self.draft_len.next()
+        return SpecParams(n_max=n, n_min=min(spec.n_min, n), p_min=spec.p_min)
 
 
 class SlotOp(Job, Generic[T]):
@@ -192,7 +209,8 @@ class Engine:
         for i in range(self.n_slots):
             self.dec.seed(i, rng.getrandbits(64))
         self.sched = Scheduler(cfg.slots, cfg.max_queue, cfg.max_queue_wait, self,
-                               on_error=self._log_failure)
+                               on_error=self._log_failure, chunk=cfg.batch,
+                               shared_chunk=cfg.batch_shared)
         self._cond = threading.Condition()
         self._calls: list[_Call] = []
         self._closed = False
@@ -377,6 +395,11 @@ class Engine:
             job.timings.cache_n = keep
             job.timings.prompt_n = len(p.prompt) - keep
             job.counters0 = dec.counters(slot)
+            sc = self.cfg.speculative
+            if p.spec is not None and self.has_draft and sc.adaptive:
+                # every request starts from the same estimate, whatever the slot did
+                # before: a seeded request draws the same tokens in any slot, restored or not
+                job.draft_len = DraftLength.start(p.spec.n_max, sc.draft_cost, START_ACCEPTANCE)
             job.todo = list(p.prompt[keep:])
             # -1: unknown, the first prefill unit of a speculative request catches up
             job.draft_lag = -1 if p.spec is not None and self.has_draft else 0
@@ -384,50 +407,54 @@ class Engine:
             self._abort(job, exc)
 
     def step_batch(self, jobs: list[Job]) -> bool:
-        """One forward pass for the target-only decode steps of the jobs (a step each,
-        as `unit` would take them one by one)."""
-        gens = [j for j in jobs if isinstance(j, GenJob)]
+        """One decode step for each job, in one target pass (as `unit` would take them
+        one by one)."""
         try:
-            toks = self.dec.step_multi([j.slot for j in gens],
-                                       [j.params.sampling for j in gens])
+            self._steps([j for j in jobs if isinstance(j, GenJob)])
         except Exception:  # noqa: BLE001 - e.g. a full slot: each job steps on its own
             return False
-        for job, tok in zip(gens, toks, strict=True):
-            try:
-                self._take(job, [tok])
-            except Exception as exc:
-                self._abort(job, exc)
         return True
 
-    def unit(self, job: Job) -> None:
+    def unit(self, job: Job, budget: int) -> int:
         assert isinstance(job, GenJob)
         try:
             if job.todo is not None:
-                self._prefill_unit(job)
-            else:
-                p = job.params
-                toks = self.dec.step(job.slot, p.sampling, p.spec or NO_SPEC,
-                                     max_new=p.max_tokens - job.emitted)
-                self._take(job, toks)
+                return self._prefill_unit(job, budget)
+            self._steps([job])
         except Exception as exc:
             self._abort(job, exc)
+        return 0
 
-    def _prefill_unit(self, job: GenJob) -> None:
+    def _steps(self, gens: list[GenJob]) -> None:
+        """A decode step of every job in one target pass (each drafting what its
+        controller asks); raises, with nothing decoded, when the core refuses it."""
+        specs = [j.step_spec() for j in gens]
+        res = self.dec.step_batch([j.slot for j in gens], [j.params.sampling for j in gens],
+                                  specs, [j.params.max_tokens - j.emitted for j in gens])
+        for job, spec, r in zip(gens, specs, res, strict=True):
+            if job.draft_len is not None:
+                job.draft_len.observe(spec.n_max, r.drafted, len(r.tokens) - 1)
+            try:
+                self._take(job, r.tokens)
+            except Exception as exc:
+                self._abort(job, exc)
+
+    def _prefill_unit(self, job: GenJob, batch: int) -> int:
+        """A draft catch-up or prompt chunk of at most `batch` tokens; its tokens."""
         p, dec, slot = job.params, self.dec, job.slot
         todo = job.todo
         assert todo is not None
-        batch = self.cfg.batch
         if p.spec is not None and job.draft_lag:
             # a draft behind its target (a restored slot to re-prefill) catches up in
             # units of at most `batch` tokens before the prompt
             done, job.draft_lag = dec.draft_catch_up(slot, batch)
             if done:
-                return
+                return done
         if len(todo) > batch:
             # a chunk of a long prompt: into the KV without sampling
             dec.prefill_chunk(slot, todo[:batch], with_draft=p.spec is not None)
             job.todo = todo[batch:]
-            return
+            return batch
         first = dec.prefill(slot, todo, p.sampling, with_draft=p.spec is not None)
         job.todo = None
         job.t_first = time.monotonic()
@@ -437,6 +464,7 @@ class Engine:
             self._finish(job, StopReason.MAX_TOKENS)
         else:
             self._take(job, [first])
+        return len(todo)
 
     def _take(self, job: GenJob, toks: list[int]) -> None:
         """Emits new tokens up to EOS, a stop string or max_tokens."""

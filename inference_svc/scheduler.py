@@ -3,9 +3,14 @@
 Jobs wait in one FIFO queue; an idle slot goes to the first job that can take it
 (a job for slot -1 takes the idle slot whose tokens share the longest prefix with
 its prompt, then the least recently used). Each round runs one unit of every
-running job through the executor: the decode steps that can share a forward pass
-go together, the others one by one. A cancelled job stops at the next unit
-boundary; a draining scheduler cuts the running jobs once its grace has passed.
+running job through the executor: the decode steps (target-only and speculative)
+share one forward pass, the others run one by one. A prompt or draft catch-up unit
+takes at most `chunk` tokens; while other slots decode, it is sized from its own
+measured speed to last about CHUNK_SHARE of their decode step (at most
+`shared_chunk` tokens), so a decoding stream's next token waits for one short
+unit at most, whatever the models and the context length. A cancelled
+job stops at the next unit boundary; a draining scheduler cuts the running jobs
+once its grace has passed.
 
 The scheduler decides; the executor (the engine's model side) runs. Time comes
 from an injected clock, so every decision can be tested without sleeping. It is
@@ -33,6 +38,11 @@ from inference_svc.errors import (
 
 Clock = Callable[[], float]
 
+# a chunk unit next to decoding slots aims at this fraction of their decode step
+CHUNK_SHARE = 0.5
+# tokens of a job's first chunk next to decoding slots, before its speed is known
+FIRST_SHARED_CHUNK = 8
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
@@ -58,6 +68,7 @@ class Job:
         self.running = False
         self._cancelled = threading.Event()
         self.on_cancel: Callable[[], None] | None = None  # wakes the engine up
+        self.chunk_rate: float | None = None  # tokens per second of its last chunk unit
 
     @property
     def cancelled(self) -> bool:
@@ -97,8 +108,9 @@ class Executor(Protocol):
     def begin(self, job: Job) -> None:
         """Starts a job on its slot (a slot operation runs to completion here)."""
 
-    def unit(self, job: Job) -> None:
-        """One unit of a running job: a prompt chunk or one decode step."""
+    def unit(self, job: Job, budget: int) -> int:
+        """One unit of a running job: a prompt or draft catch-up chunk of at most
+        `budget` tokens, or one decode step; the chunk's tokens (0: a decode step)."""
 
     def step_batch(self, jobs: list[Job]) -> bool:
         """One decode step for each job in one forward pass; False if it could not
@@ -126,8 +138,11 @@ class _Slot:
 class Scheduler:
     def __init__(self, n_slots: int, max_queue: int, max_queue_wait: float, executor: Executor,
                  clock: Clock = time.monotonic, wall: Clock = time.time,
-                 on_error: Callable[[Job, BaseException], None] | None = None) -> None:
+                 on_error: Callable[[Job, BaseException], None] | None = None,
+                 chunk: int = 512, shared_chunk: int = 64) -> None:
         self.n_slots = n_slots
+        self.chunk = chunk
+        self.shared_chunk = min(shared_chunk, chunk)
         self.max_queue = max_queue
         self.max_queue_wait = max_queue_wait
         self.ex = executor
@@ -138,6 +153,7 @@ class Scheduler:
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
         self.accepting = True
+        self.step_time: float | None = None  # seconds of the decode steps of a round (average)
         self.cut_at: float | None = None  # drain: cut running jobs at this time
 
     # ------------------------------------------------------------ queue (under the lock)
@@ -238,10 +254,32 @@ class Scheduler:
         for job in [j for j in self.active if j.cancelled]:
             self._guarded(job, self.ex.stop, Cancelled("cancelled"))
         batch = sorted((j for j in self.active if j.batchable()), key=lambda j: j.slot)
-        if len(batch) < 2 or not self._batch(batch):
-            batch = []
-        for job in [j for j in self.active if j not in batch]:
-            self._guarded(job, self.ex.unit)
+        others = [j for j in self.active if j not in batch]
+        if batch:
+            t0 = self.clock()
+            if len(batch) < 2 or not self._batch(batch):
+                for job in batch:
+                    self._guarded(job, self.ex.unit, self.chunk)
+            dt = self.clock() - t0
+            self.step_time = dt if self.step_time is None else 0.5 * (self.step_time + dt)
+        for job in others:
+            self._chunk_unit(job, decoding=bool(batch))
+
+    def _chunk_unit(self, job: Job, decoding: bool) -> None:
+        """A prompt or catch-up unit; next to decoding slots, sized to last about
+        CHUNK_SHARE of their step at the job's last measured speed."""
+        budget = self.chunk
+        if decoding:
+            if job.chunk_rate is None or self.step_time is None:
+                budget = FIRST_SHARED_CHUNK
+            else:
+                budget = int(job.chunk_rate * self.step_time * CHUNK_SHARE)
+            budget = max(1, min(budget, self.shared_chunk))
+        t0 = self.clock()
+        n = self._guarded(job, self.ex.unit, budget)
+        dt = self.clock() - t0
+        if isinstance(n, int) and n > 0 and dt > 0:
+            job.chunk_rate = n / dt
 
     def stop_all(self, err: ServiceError) -> None:
         for job in list(self.active):
@@ -262,15 +300,17 @@ class Scheduler:
             self._settle(job)
         return served
 
-    def _guarded(self, job: Job, fn: Callable[..., None], *args: object) -> None:
+    def _guarded(self, job: Job, fn: Callable[..., object], *args: object) -> object:
         """Runs fn(job, *args); a failure that escaped the executor fails the job and
-        empties its slot, so the engine never dies and no caller waits forever."""
+        empties its slot, so the engine never dies and no caller waits forever.
+        fn's result, None when it failed."""
         try:
-            fn(job, *args)
+            out = fn(job, *args)
         except BaseException as exc:  # noqa: BLE001 - handed to the job
             self._failed(job, exc)
-            return
+            return None
         self._settle(job)
+        return out
 
     def _failed(self, job: Job, exc: BaseException) -> None:
         if self.on_error is not None:

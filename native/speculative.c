@@ -11,6 +11,14 @@
 #include "warmslot.h"
 #include "ws_math.h"
 
+/* one slot's part of a (batched) speculative step */
+struct step_member {
+    int32_t slot, n0;     /* the slot and its target KV length before the step           */
+    int32_t k_max, k;     /* proposals allowed, proposals made                           */
+    int drafting;         /* still proposing in the current round                        */
+    int32_t drafts[WS_SPEC_MAX_DRAFT];
+};
+
 /* one slot's speculative state; the part after `rng` is what a draft state saves */
 typedef struct {
     int32_t pending;      /* sampled, not yet decoded; -1: none                  */
@@ -25,11 +33,20 @@ struct ws_spec {
     ws_context *dft;      /* NULL: target only */
     int n_slots, n_ctx, n_vocab;
     spec_slot *slots;     /* [n_slots] */
-    float *t_logits;      /* [WS_SPEC_MAX_DRAFT + 1][n_vocab] target rows of a step    */
-    float *m_logits;      /* [n_slots][n_vocab]               rows of a multi-slot step */
-    int32_t *m_toks;      /* [n_slots]                        pending tokens of it      */
-    float *d_logits;      /* [n_vocab]                        draft logits             */
-    float *q;             /* [WS_SPEC_MAX_DRAFT][n_vocab]     draft dists of proposals */
+    float *t_logits;      /* [n_vocab] (grown: [tokens of a step][n_vocab]) target rows */
+    size_t t_cap;         /* floats in t_logits                                         */
+    float *d_logits;      /* [n_vocab] (grown: [slots of a step][n_vocab]) draft logits  */
+    size_t d_cap;
+    float *q;             /* grown: [slots][WS_SPEC_MAX_DRAFT][n_vocab] draft dists      */
+    size_t q_cap;
+    float *r_logits;      /* grown: [slots][n_vocab] rows of one batched draft decode    */
+    size_t r_cap;
+    int32_t *b_slots;     /* [n_slots]                        slots of a batched pass   */
+    int32_t *b_ntok;      /* [n_slots]                        tokens per slot of it     */
+    int32_t *b_idx;       /* [n_slots]                        step member of each slot  */
+    int32_t *b_toks;      /* [n_slots][WS_SPEC_MAX_DRAFT + 1] tokens of it              */
+    int32_t *b_out;       /* [n_slots][WS_SPEC_MAX_DRAFT + 1] output of a multi step    */
+    struct step_member *b_mem; /* [n_slots]                   per-slot plan of a step   */
     float *p;             /* [n_vocab]                        a target distribution    */
     int32_t *cand;        /* [n_vocab]                        candidate ids            */
     int32_t *toks;        /* [n_ctx + 1]                      token scratch            */
@@ -244,10 +261,15 @@ void ws_spec_free(ws_spec *s) {
     if (!s) return;
     free(s->slots);
     free(s->t_logits);
-    free(s->m_logits);
-    free(s->m_toks);
     free(s->d_logits);
     free(s->q);
+    free(s->r_logits);
+    free(s->b_slots);
+    free(s->b_ntok);
+    free(s->b_idx);
+    free(s->b_toks);
+    free(s->b_out);
+    free(s->b_mem);
     free(s->p);
     free(s->cand);
     free(s->toks);
@@ -284,16 +306,20 @@ ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {
     }
     const size_t nv = (size_t)s->n_vocab;
     s->slots = calloc((size_t)s->n_slots, sizeof(spec_slot));
-    s->t_logits = malloc(sizeof(float) * nv * (WS_SPEC_MAX_DRAFT + 1));
-    s->d_logits = malloc(sizeof(float) * nv);
-    s->q = malloc(sizeof(float) * nv * WS_SPEC_MAX_DRAFT);
+    s->t_logits = malloc(sizeof(float) * nv);
+    s->t_cap = nv;
     s->p = malloc(sizeof(float) * nv);
     s->cand = malloc(sizeof(int32_t) * nv);
     s->toks = malloc(sizeof(int32_t) * ((size_t)s->n_ctx + 1));
-    s->m_logits = malloc(sizeof(float) * nv * (size_t)s->n_slots);
-    s->m_toks = malloc(sizeof(int32_t) * (size_t)s->n_slots);
-    if (!s->slots || !s->t_logits || !s->d_logits || !s->q || !s->p || !s->cand || !s->toks ||
-        !s->m_logits || !s->m_toks)
+    const size_t ns = (size_t)s->n_slots, per = WS_SPEC_MAX_DRAFT + 1;
+    s->b_slots = malloc(sizeof(int32_t) * ns);
+    s->b_ntok = malloc(sizeof(int32_t) * ns);
+    s->b_idx = malloc(sizeof(int32_t) * ns);
+    s->b_toks = malloc(sizeof(int32_t) * ns * per);
+    s->b_out = malloc(sizeof(int32_t) * ns * per);
+    s->b_mem = malloc(sizeof(struct step_member) * ns);
+    if (!s->slots || !s->t_logits || !s->p || !s->cand || !s->toks || !s->b_slots ||
+        !s->b_ntok || !s->b_idx || !s->b_toks || !s->b_out || !s->b_mem)
         return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory allocating speculative buffers");
     for (int i = 0; i < s->n_slots; i++) {
         s->slots[i].pending = -1;
@@ -538,6 +564,215 @@ ws_status ws_spec_prefill(ws_spec *s, int32_t slot, const int32_t *tokens, int32
     return WS_OK;
 }
 
+/* a scratch buffer of at least `need` floats (grown, never shrunk) */
+static ws_status grow_floats(ws_spec *s, float **buf, size_t *cap, size_t need) {
+    if (*cap >= need) return WS_OK;
+    float *nb = realloc(*buf, sizeof(float) * need);
+    if (!nb) return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory for %zu floats of logits", need);
+    *buf = nb;
+    *cap = need;
+    return WS_OK;
+}
+
+/* the proposals allowed to a slot this step: n_max within max_new and the context */
+static int32_t step_k_max(const ws_spec *s, const ws_spec_params *pp, int32_t max_new,
+                          int32_t n0) {
+    int32_t k_max = pp ? pp->n_max : 0;
+    if (k_max > max_new - 1) k_max = max_new - 1;
+    if (k_max > s->n_ctx - n0 - 1) k_max = s->n_ctx - n0 - 1;
+    if (!s->dft) k_max = 0;
+    return k_max;
+}
+
+ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
+                             const ws_sampling_params *sps, const ws_spec_params *pps,
+                             const int32_t *max_new, int32_t *out, int32_t *n_out,
+                             int32_t *n_drafted) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    if (!slots || !sps || !out || !n_out || n <= 0 || n > s->n_slots)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "a multi-slot step takes 1..%d slots (got %d)",
+                    s->n_slots, n);
+    /* everything is checked before anything is decoded */
+    for (int32_t i = 0; i < n; i++) {
+        TRY(check_slot(s, slots[i]));
+        for (int32_t j = 0; j < i; j++)
+            if (slots[j] == slots[i])
+                return fail(s, WS_ERR_INVALID_ARGUMENT,
+                            "slot %d appears twice in a multi-slot step", slots[i]);
+        TRY(ws_spec_check_params(s, &sps[i], pps ? &pps[i] : NULL));
+        if (s->slots[slots[i]].pending < 0)
+            return fail(s, WS_ERR_BAD_STATE, "slot %d has no pending token: prefill it first",
+                        slots[i]);
+        if (max_new && max_new[i] < 1)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "max_new %d must be >= 1", max_new[i]);
+        if (kv_len(s->tgt, slots[i]) + 1 > s->n_ctx)
+            return fail(s, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slots[i],
+                        s->n_ctx);
+    }
+    const int nv = s->n_vocab;
+    const size_t per = WS_SPEC_MAX_DRAFT + 1;
+    int any_draft = 0, any_sampled_draft = 0;
+    struct step_member *mem = s->b_mem;
+    for (int32_t i = 0; i < n; i++) {
+        struct step_member *m = &mem[i];
+        m->slot = slots[i];
+        m->n0 = kv_len(s->tgt, slots[i]);
+        m->k_max = step_k_max(s, pps ? &pps[i] : NULL,
+                              max_new ? max_new[i] : WS_SPEC_MAX_DRAFT + 1, m->n0);
+        m->k = 0;
+        m->drafting = 0;
+        any_draft |= m->k_max > 0;
+        any_sampled_draft |= m->k_max > 0 && !is_greedy(&sps[i]);
+    }
+    if (any_draft) {
+        TRY(grow_floats(s, &s->d_logits, &s->d_cap, (size_t)n * nv));
+        TRY(grow_floats(s, &s->r_logits, &s->r_cap, (size_t)n * nv));
+    }
+    if (any_sampled_draft)
+        TRY(grow_floats(s, &s->q, &s->q_cap, (size_t)n * WS_SPEC_MAX_DRAFT * nv));
+
+    /* 1. each drafting slot's draft catches up with its pending token */
+    for (int32_t i = 0; i < n; i++) {
+        struct step_member *m = &mem[i];
+        spec_slot *ss = &s->slots[m->slot];
+        if (!(m->k_max > 0 && ss->d_off <= m->n0)) continue;
+        const int32_t dn = kv_len(s->dft, m->slot);
+        int32_t done = 0;
+        TRY(draft_catch_up(s, m->slot, m->n0 + 1, s->d_logits + (size_t)i * nv, &done));
+        if (done == 0) m->k_max = 0; /* cannot happen while the draft lags the pending token */
+        const int32_t behind = m->n0 - (ss->d_off + dn);
+        if (behind > ss->lag_ok) ss->c.n_draft_prefill += (uint64_t)(behind - ss->lag_ok);
+        ss->lag_ok = 0;
+        m->drafting = m->k_max > 0;
+    }
+
+    /* 2. the drafts propose, one token per drafting slot per round; the drafts of a
+          round are decoded together (one draft pass for all slots) */
+    for (int r = 0; r < WS_SPEC_MAX_DRAFT; r++) {
+        int32_t nd = 0;
+        for (int32_t i = 0; i < n; i++) {
+            struct step_member *m = &mem[i];
+            if (!m->drafting) continue;
+            const ws_sampling_params *sp = &sps[i];
+            const ws_spec_params *pp = &pps[i];
+            spec_slot *ss = &s->slots[m->slot];
+            const float *dl = s->d_logits + (size_t)i * nv;
+            int32_t x;
+            if (is_greedy(sp)) {
+                if (pp->p_min > 0.0f && r >= pp->n_min && top_prob(dl, nv) < pp->p_min) {
+                    m->drafting = 0;
+                    continue;
+                }
+                x = argmax(dl, nv);
+            } else {
+                float *q = s->q + ((size_t)i * WS_SPEC_MAX_DRAFT + (size_t)r) * nv;
+                build_dist(s, dl, sp, q);
+                if (pp->p_min > 0.0f && r >= pp->n_min && q[argmax(q, nv)] < pp->p_min) {
+                    m->drafting = 0;
+                    continue;
+                }
+                x = sample_dense(q, nv, dense_sum(q, nv), ss->rng);
+            }
+            m->drafts[m->k++] = x;
+            if (r + 1 < m->k_max) {
+                s->b_slots[nd] = m->slot;
+                s->b_toks[nd] = x;
+                s->b_idx[nd] = i;
+                nd++;
+            } else {
+                m->drafting = 0;
+            }
+        }
+        if (nd == 0) break;
+        ws_status st = ws_decode_multi(s->dft, s->b_slots, s->b_toks, nd, s->r_logits,
+                                       (size_t)nd * nv);
+        if (st != WS_OK) return fail_from(s, s->dft, st, "draft decode");
+        for (int32_t j = 0; j < nd; j++)
+            memcpy(s->d_logits + (size_t)s->b_idx[j] * nv, s->r_logits + (size_t)j * nv,
+                   sizeof(float) * (size_t)nv);
+    }
+
+    /* 3. the target verifies every slot's pending token and proposals in one batch */
+    size_t total = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const struct step_member *m = &mem[i];
+        int32_t *seg = s->b_toks + total;
+        seg[0] = s->slots[m->slot].pending;
+        memcpy(seg + 1, m->drafts, sizeof(int32_t) * (size_t)m->k);
+        s->b_slots[i] = m->slot;
+        s->b_ntok[i] = m->k + 1;
+        total += (size_t)m->k + 1;
+    }
+    TRY(grow_floats(s, &s->t_logits, &s->t_cap, total * (size_t)nv));
+    ws_status st = ws_decode_batch(s->tgt, n, s->b_slots, s->b_ntok, s->b_toks, s->t_logits,
+                                   total * (size_t)nv);
+    if (st != WS_OK) return fail_from(s, s->tgt, st, "target decode");
+
+    /* 4. per slot: accept the longest agreeing prefix, then one token of the target's */
+    const float *rows = s->t_logits;
+    for (int32_t i = 0; i < n; i++) {
+        const struct step_member *m = &mem[i];
+        const ws_sampling_params *sp = &sps[i];
+        const int32_t slot = m->slot, n0 = m->n0, k = m->k;
+        spec_slot *ss = &s->slots[slot];
+        int a = 0;
+        int32_t bonus = -1;
+        for (; a < k; a++) {
+            const float *row = rows + (size_t)a * nv;
+            if (is_greedy(sp)) {
+                const int32_t t = argmax(row, nv);
+                if (t != m->drafts[a]) {
+                    bonus = t;
+                    break;
+                }
+            } else {
+                const float *q = s->q + ((size_t)i * WS_SPEC_MAX_DRAFT + (size_t)a) * nv;
+                build_dist(s, row, sp, s->p);
+                const int32_t x = m->drafts[a];
+                const double ratio = q[x] > 0.0f ? (double)s->p[x] / (double)q[x] : 0.0;
+                if (rng_uniform(ss->rng) < ratio) continue;
+                double tot = 0.0;
+                for (int v = 0; v < nv; v++) {
+                    const float d = s->p[v] - q[v];
+                    s->p[v] = d > 0.0f ? d : 0.0f;
+                    tot += s->p[v];
+                }
+                if (tot <= 0.0) { /* p == q: the residual is empty, draw from p */
+                    build_dist(s, row, sp, s->p);
+                    tot = dense_sum(s->p, nv);
+                }
+                bonus = sample_dense(s->p, nv, tot, ss->rng);
+                break;
+            }
+        }
+        if (a == k) bonus = sample_logits(s, ss, rows + (size_t)k * nv, sp);
+        rows += (size_t)(k + 1) * nv;
+
+        /* roll both caches back to the accepted length */
+        ws_slot_truncate(s->tgt, slot, n0 + 1 + a);
+        if (s->dft && k > 0) {
+            const int32_t dlen = kv_len(s->dft, slot); /* holds up to d_off + dlen = n0 + k */
+            const int32_t keep = n0 + 1 + a - ss->d_off;
+            if (dlen > keep) ws_slot_truncate(s->dft, slot, keep);
+            ss->lag_ok = (n0 + 1 + a) - (ss->d_off + kv_len(s->dft, slot));
+        } else if (s->dft && m->k_max == 0) {
+            ss->lag_ok += 1; /* the draft sat this step out: one more generated token to see */
+        }
+        int32_t *o = out + (size_t)i * per;
+        for (int j = 0; j < a; j++) o[j] = m->drafts[j];
+        o[a] = bonus;
+        ss->pending = bonus;
+        ss->c.n_steps++;
+        ss->c.n_drafted += (uint64_t)k;
+        ss->c.n_accepted += (uint64_t)a;
+        for (int j = 0; j < k; j++) ss->c.drafted_at[j]++;
+        for (int j = 0; j < a; j++) ss->c.accepted_at[j]++;
+        n_out[i] = a + 1;
+        if (n_drafted) n_drafted[i] = k;
+    }
+    return WS_OK;
+}
+
 ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
                        const ws_spec_params *pp, int32_t max_new, int32_t *out, size_t cap,
                        int32_t *n_out) {
@@ -545,140 +780,30 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
     *n_out = 0;
     TRY(check_slot(s, slot));
     TRY(ws_spec_check_params(s, sp, pp));
-    spec_slot *ss = &s->slots[slot];
-    if (ss->pending < 0)
+    if (s->slots[slot].pending < 0)
         return fail(s, WS_ERR_BAD_STATE, "slot %d has no pending token: prefill it first", slot);
     if (max_new < 1) return fail(s, WS_ERR_INVALID_ARGUMENT, "max_new %d must be >= 1", max_new);
     const int32_t n0 = kv_len(s->tgt, slot);
     if (n0 + 1 > s->n_ctx)
         return fail(s, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slot, s->n_ctx);
-    int32_t k_max = pp->n_max;
-    if (k_max > max_new - 1) k_max = max_new - 1;
-    if (k_max > s->n_ctx - n0 - 1) k_max = s->n_ctx - n0 - 1;
-    if (!s->dft) k_max = 0;
+    const int32_t k_max = step_k_max(s, pp, max_new, n0);
     if (cap < (size_t)(k_max + 1))
         return fail(s, WS_ERR_BUFFER_TOO_SMALL, "output buffer holds %zu tokens, %d needed", cap,
                     k_max + 1);
-    const int greedy = is_greedy(sp);
-    const int nv = s->n_vocab;
-    int32_t drafts[WS_SPEC_MAX_DRAFT];
-    int k = 0;
-
-    /* 1. the draft proposes */
-    if (k_max > 0 && ss->d_off <= n0) {
-        const int32_t dn = kv_len(s->dft, slot);
-        int32_t done = 0;
-        TRY(draft_catch_up(s, slot, n0 + 1, s->d_logits, &done));
-        if (done == 0) k_max = 0; /* cannot happen while the draft lags the pending token */
-        const int32_t behind = n0 - (ss->d_off + dn);
-        if (behind > ss->lag_ok) ss->c.n_draft_prefill += (uint64_t)(behind - ss->lag_ok);
-        ss->lag_ok = 0;
-        for (int i = 0; i < k_max; i++) {
-            int32_t x;
-            if (greedy) {
-                if (pp->p_min > 0.0f && i >= pp->n_min && top_prob(s->d_logits, nv) < pp->p_min)
-                    break;
-                x = argmax(s->d_logits, nv);
-            } else {
-                float *q = s->q + (size_t)i * nv;
-                build_dist(s, s->d_logits, sp, q);
-                if (pp->p_min > 0.0f && i >= pp->n_min && q[argmax(q, nv)] < pp->p_min) break;
-                x = sample_dense(q, nv, dense_sum(q, nv), ss->rng);
-            }
-            drafts[k++] = x;
-            if (i + 1 < k_max) {
-                ws_status st = ws_decode(s->dft, slot, &x, 1, 0, s->d_logits, (size_t)nv);
-                if (st != WS_OK) return fail_from(s, s->dft, st, "draft decode");
-            }
-        }
-    }
-
-    /* 2. the target verifies the pending token and the proposals in one batch */
-    int32_t *batch = s->toks;
-    batch[0] = ss->pending;
-    for (int i = 0; i < k; i++) batch[1 + i] = drafts[i];
-    ws_status st = ws_decode(s->tgt, slot, batch, k + 1, 1, s->t_logits, (size_t)(k + 1) * nv);
-    if (st != WS_OK) return fail_from(s, s->tgt, st, "target decode");
-
-    /* 3. accept the longest agreeing prefix, then one token of the target's */
-    int a = 0;
-    int32_t bonus = -1;
-    for (; a < k; a++) {
-        const float *row = s->t_logits + (size_t)a * nv;
-        if (greedy) {
-            const int32_t t = argmax(row, nv);
-            if (t != drafts[a]) {
-                bonus = t;
-                break;
-            }
-        } else {
-            const float *q = s->q + (size_t)a * nv;
-            build_dist(s, row, sp, s->p);
-            const int32_t x = drafts[a];
-            const double ratio = q[x] > 0.0f ? (double)s->p[x] / (double)q[x] : 0.0;
-            if (rng_uniform(ss->rng) < ratio) continue;
-            double total = 0.0;
-            for (int i = 0; i < nv; i++) {
-                const float r = s->p[i] - q[i];
-                s->p[i] = r > 0.0f ? r : 0.0f;
-                total += s->p[i];
-            }
-            if (total <= 0.0) { /* p == q: the residual is empty, draw from p */
-                build_dist(s, row, sp, s->p);
-                total = dense_sum(s->p, nv);
-            }
-            bonus = sample_dense(s->p, nv, total, ss->rng);
-            break;
-        }
-    }
-    if (a == k) bonus = sample_logits(s, ss, s->t_logits + (size_t)k * nv, sp);
-
-    /* 4. roll both caches back to the accepted length */
-    ws_slot_truncate(s->tgt, slot, n0 + 1 + a);
-    if (s->dft && k > 0) {
-        const int32_t dlen = kv_len(s->dft, slot); /* holds up to d_off + dlen = n0 + k */
-        const int32_t keep = n0 + 1 + a - ss->d_off;
-        if (dlen > keep) ws_slot_truncate(s->dft, slot, keep);
-        ss->lag_ok = (n0 + 1 + a) - (ss->d_off + kv_len(s->dft, slot));
-    } else if (s->dft && k_max == 0) {
-        ss->lag_ok += 1; /* the draft sat this step out: one more generated token to see */
-    }
-    for (int i = 0; i < a; i++) out[i] = drafts[i];
-    out[a] = bonus;
-    ss->pending = bonus;
-    ss->c.n_steps++;
-    ss->c.n_drafted += (uint64_t)k;
-    ss->c.n_accepted += (uint64_t)a;
-    for (int i = 0; i < k; i++) ss->c.drafted_at[i]++;
-    for (int i = 0; i < a; i++) ss->c.accepted_at[i]++;
-    *n_out = a + 1;
+    int32_t n = 0;
+    TRY(ws_spec_step_batch(s, 1, &slot, sp, pp, &max_new, s->b_out, &n, NULL));
+    memcpy(out, s->b_out, sizeof(int32_t) * (size_t)n);
+    *n_out = n;
     return WS_OK;
 }
 
 ws_status ws_spec_step_multi(ws_spec *s, const int32_t *slots, const ws_sampling_params *sps,
                              int32_t n, int32_t *out) {
-    if (!s || !slots || !sps || !out || n <= 0 || n > s->n_slots)
-        return s ? fail(s, WS_ERR_INVALID_ARGUMENT, "a multi-slot step takes 1..%d slots (got %d)",
-                        s->n_slots, n)
-                 : WS_ERR_INVALID_ARGUMENT;
-    for (int32_t i = 0; i < n; i++) {
-        TRY(check_slot(s, slots[i]));
-        TRY(ws_spec_check_params(s, &sps[i], NULL));
-        if (s->slots[slots[i]].pending < 0)
-            return fail(s, WS_ERR_BAD_STATE, "slot %d has no pending token: prefill it first",
-                        slots[i]);
-        s->m_toks[i] = s->slots[slots[i]].pending;
-    }
-    ws_status st = ws_decode_multi(s->tgt, slots, s->m_toks, n, s->m_logits,
-                                   (size_t)n * (size_t)s->n_vocab);
-    if (st != WS_OK) return fail_from(s, s->tgt, st, "target decode");
-    for (int32_t i = 0; i < n; i++) {
-        spec_slot *ss = &s->slots[slots[i]];
-        out[i] = sample_logits(s, ss, s->m_logits + (size_t)i * s->n_vocab, &sps[i]);
-        ss->pending = out[i];
-        ss->c.n_steps++;
-        if (s->dft) ss->lag_ok += 1; /* the draft sat this step out, as with n_max 0 */
-    }
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    if (!out) return fail(s, WS_ERR_INVALID_ARGUMENT, "a multi-slot step needs an output buffer");
+    int32_t n_out[WS_MAX_SLOTS]; /* n <= n_slots <= WS_MAX_SLOTS, checked by the step */
+    TRY(ws_spec_step_batch(s, n, slots, sps, NULL, NULL, s->b_out, n_out, NULL));
+    for (int32_t i = 0; i < n; i++) out[i] = s->b_out[(size_t)i * (WS_SPEC_MAX_DRAFT + 1)];
     return WS_OK;
 }
 

@@ -461,9 +461,9 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     if (!out) return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_context_init: out is NULL");
     *out = NULL;
     if (!model) return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_context_init: model is NULL");
-    if (params.n_slots < 1 || params.n_slots > 1024)
-        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_slots %d out of range 1..1024",
-                           params.n_slots);
+    if (params.n_slots < 1 || params.n_slots > WS_MAX_SLOTS)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "n_slots %d out of range 1..%d",
+                           params.n_slots, WS_MAX_SLOTS);
     if (params.n_ctx < 1 || params.n_ctx > (1 << 20))
         return fail_global(WS_ERR_INVALID_ARGUMENT, "n_ctx %d out of range 1..1048576",
                            params.n_ctx);
@@ -1026,48 +1026,84 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
     return WS_OK;
 }
 
-ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *tokens,
-                          int32_t n, float *logits, size_t logits_cap) {
+ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
+                          const int32_t *n_tokens, const int32_t *tokens, float *logits,
+                          size_t logits_cap) {
     if (!ctx) return WS_ERR_INVALID_ARGUMENT;
     const ws_hparams *hp = &ctx->model->hp;
-    if (!slots || !tokens || n <= 0 || n > ctx->params.n_batch)
+    if (!slots || !n_tokens || !tokens || n_seq <= 0 || n_seq > ctx->params.n_slots)
         return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
-                        "a multi-slot decode takes 1..%d tokens (got %d)", ctx->params.n_batch, n);
-    for (int32_t i = 0; i < n; i++) {
+                        "a batch decode takes 1..%d slots (got %d)", ctx->params.n_slots, n_seq);
+    int64_t total = 0;
+    for (int32_t i = 0; i < n_seq; i++) {
         ws_status st = check_slot(ctx, slots[i]);
         if (st != WS_OK) return st;
         for (int32_t j = 0; j < i; j++)
             if (slots[j] == slots[i])
                 return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
                                 "slot %d appears twice in a multi-slot decode", slots[i]);
-        if (ctx->n_past[slots[i]] + 1 > ctx->params.n_ctx)
-            return fail_ctx(ctx, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slots[i],
-                            ctx->params.n_ctx);
-        if (tokens[i] < 0 || tokens[i] >= hp->n_vocab)
+        if (n_tokens[i] < 1 || n_tokens[i] > ctx->params.n_ctx)
             return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
-                            "token %d at index %d is outside the vocabulary 0..%d", tokens[i], i,
-                            hp->n_vocab - 1);
+                            "slot %d: a batch decode takes 1..%d tokens per slot (got %d)",
+                            slots[i], ctx->params.n_ctx, n_tokens[i]);
+        if ((int64_t)ctx->n_past[slots[i]] + n_tokens[i] > ctx->params.n_ctx)
+            return fail_ctx(ctx, WS_ERR_CONTEXT_FULL,
+                            "slot %d is full: it holds %d tokens, %d more exceed its context of %d",
+                            slots[i], ctx->n_past[slots[i]], n_tokens[i], ctx->params.n_ctx);
+        total += n_tokens[i];
     }
-    const size_t need = (size_t)n * (size_t)hp->n_vocab;
+    for (int64_t t = 0; t < total; t++)
+        if (tokens[t] < 0 || tokens[t] >= hp->n_vocab)
+            return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                            "token %d at index %lld is outside the vocabulary 0..%d", tokens[t],
+                            (long long)t, hp->n_vocab - 1);
+    const size_t need = (size_t)total * (size_t)hp->n_vocab;
     if (!logits || logits_cap < need)
         return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL,
                         "logits buffer holds %zu floats, %zu are needed", logits_cap, need);
+    /* chunks of at most n_batch tokens; a slot's tokens stay in order, so a token in a
+       later chunk attends to the keys and values an earlier chunk stored */
     const int E = hp->n_embd;
-    for (int32_t t = 0; t < n; t++) {
-        embed(ctx, tokens[t], ctx->x + (size_t)t * E);
-        ctx->tok_slot[t] = slots[t];
-        ctx->tok_pos[t] = ctx->n_past[slots[t]];
+    int32_t seq = 0, in_seq = 0;
+    for (int64_t done = 0; done < total;) {
+        int nt = (int)(total - done < ctx->params.n_batch ? total - done : ctx->params.n_batch);
+        for (int t = 0; t < nt; t++) {
+            while (in_seq == n_tokens[seq]) {
+                seq++;
+                in_seq = 0;
+            }
+            embed(ctx, tokens[done + t], ctx->x + (size_t)t * E);
+            ctx->tok_slot[t] = slots[seq];
+            ctx->tok_pos[t] = ctx->n_past[slots[seq]] + in_seq;
+            in_seq++;
+        }
+        ctx->job.nt = nt;
+        ctx->job.out_t0 = 0;
+        ctx->job.out_nt = nt;
+        ctx->job.logits = logits + (size_t)done * hp->n_vocab;
+        run_chunk(ctx);
+        done += nt;
     }
-    ctx->job.nt = n;
-    ctx->job.out_t0 = 0;
-    ctx->job.out_nt = n;
-    ctx->job.logits = logits;
-    run_chunk(ctx);
-    for (int32_t t = 0; t < n; t++) {
-        ctx->tokens[(size_t)slots[t] * ctx->params.n_ctx + ctx->n_past[slots[t]]] = tokens[t];
-        ctx->n_past[slots[t]]++;
+    const int32_t *tk = tokens;
+    for (int32_t i = 0; i < n_seq; i++) {
+        const int32_t sl = slots[i];
+        memcpy(ctx->tokens + (size_t)sl * ctx->params.n_ctx + ctx->n_past[sl], tk,
+               sizeof(int32_t) * (size_t)n_tokens[i]);
+        ctx->n_past[sl] += n_tokens[i];
+        tk += n_tokens[i];
     }
     return WS_OK;
+}
+
+ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *tokens,
+                          int32_t n, float *logits, size_t logits_cap) {
+    if (!ctx) return WS_ERR_INVALID_ARGUMENT;
+    if (!slots || !tokens || n <= 0 || n > ctx->params.n_slots)
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                        "a multi-slot decode takes 1..%d tokens (got %d)", ctx->params.n_slots, n);
+    int32_t ones[WS_MAX_SLOTS]; /* n <= n_slots <= WS_MAX_SLOTS */
+    for (int32_t i = 0; i < n; i++) ones[i] = 1;
+    return ws_decode_batch(ctx, n, slots, ones, tokens, logits, logits_cap);
 }
 
 ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n) {

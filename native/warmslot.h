@@ -29,6 +29,7 @@ extern "C" {
 #define WS_STATE_VERSION 2u  /* 2: dtype f16 allowed; version 1 (f32 only) is still read */
 #define WS_MAX_LAYERS    256
 #define WS_MAX_THREADS   64
+#define WS_MAX_SLOTS     1024
 
 typedef enum {
     WS_OK = 0,
@@ -205,6 +206,17 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
 ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *tokens,
                           int32_t n, float *logits, size_t logits_cap);
 
+/*
+ * Decodes n_seq segments in one forward pass: n_tokens[i] tokens (1 or more) for slot
+ * slots[i] (distinct slots), the segments back to back in `tokens`, each appended to
+ * its slot; writes the logits of every token ([sum of n_tokens][n_vocab]). Batches
+ * longer than n_batch are split, a slot's tokens staying in order. The logits are
+ * bit-identical to decoding each segment alone. On any error no slot changes.
+ */
+ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
+                          const int32_t *n_tokens, const int32_t *tokens, float *logits,
+                          size_t logits_cap);
+
 /* Keeps the first n positions of a slot (n <= current count). */
 ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n);
 ws_status ws_slot_clear(ws_context *ctx, int32_t slot);
@@ -305,6 +317,21 @@ ws_status ws_spec_prefill(ws_spec *spec, int32_t slot, const int32_t *tokens, in
 ws_status ws_spec_step(ws_spec *spec, int32_t slot, const ws_sampling_params *sp,
                        const ws_spec_params *pp, int32_t max_new, int32_t *out, size_t cap,
                        int32_t *n_out);
+/*
+ * One speculative step for each of n distinct slots with one target pass for all of
+ * them: each slot's draft catches up and proposes up to pps[i].n_max tokens (the
+ * drafts of all slots decode together, one round per proposal), then the target
+ * decodes every slot's pending token and proposals in one batch, and each slot
+ * accepts as ws_spec_step does. pps NULL: target only for every slot; max_new NULL:
+ * no bound. out: [n][WS_SPEC_MAX_DRAFT + 1] tokens, n_out[i] of them for slot i;
+ * n_drafted (may be NULL): proposals per slot. The tokens, RNG draws, counters and
+ * both caches of every slot are those of ws_spec_step on that slot alone. Every
+ * argument is checked before anything is decoded.
+ */
+ws_status ws_spec_step_batch(ws_spec *spec, int32_t n, const int32_t *slots,
+                             const ws_sampling_params *sps, const ws_spec_params *pps,
+                             const int32_t *max_new, int32_t *out, int32_t *n_out,
+                             int32_t *n_drafted);
 /*
  * One target-only step for each of n distinct slots in one forward pass: decodes
  * each slot's pending token, samples the next one with that slot's parameters

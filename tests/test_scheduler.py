@@ -52,6 +52,7 @@ class FakeJob(Job):
 class FakeExecutor:
     def __init__(self) -> None:
         self.log: list[tuple] = []
+        self.budgets: list[tuple[str, int]] = []  # (job, token budget) of each unit
         self.tokens: dict[int, list[int]] = {}
         self.batch_ok = True
         self.raise_on: str | None = None
@@ -71,9 +72,10 @@ class FakeExecutor:
         assert isinstance(job, FakeJob)
         self.log.append(("begin", job.name, job.slot))
 
-    def unit(self, job: Job) -> None:
+    def unit(self, job: Job, budget: int) -> None:
         assert isinstance(job, FakeJob)
         self.log.append(("unit", job.name))
+        self.budgets.append((job.name, budget))
         self._step(job)
 
     def step_batch(self, jobs: list[Job]) -> bool:
@@ -337,3 +339,117 @@ def test_released_slot_records_its_tokens_and_time(ex: FakeExecutor, clock: Cloc
     sl = s.slots[0]
     assert (sl.tokens, sl.last_used, sl.last_used_unix_ms, sl.job) == ([4, 5, 6], 1234.5,
                                                                        1234500, None)
+
+
+class ChunkJob(FakeJob):
+    """`tokens` of prompt or draft catch-up, processed `budget` tokens per unit, then
+    `decode` decode steps."""
+
+    def __init__(self, name: str, id_slot: int, sched: Scheduler, *, tokens: int,
+                 decode: int = 0) -> None:
+        super().__init__(name, id_slot, sched, prefill=1, decode=decode)
+        self.left = tokens
+        self.chunks: list[int] = []
+
+    def take(self, budget: int) -> int:
+        n = min(budget, self.left)
+        self.chunks.append(n)
+        self.left -= n
+        if self.left:
+            self.prefill += 1  # _step consumes one prefill unit per call
+        return n
+
+
+STEP = 1 / 64  # seconds of a decode round (binary fractions: the clock sums are exact)
+TOKEN = 1 / 2048  # seconds per chunk token
+
+
+class ChunkExecutor(FakeExecutor):
+    """Advances the fake clock by what the work would take: STEP per decode round,
+    TOKEN per chunk token; records the time of every decode step of each job."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.token_cost = TOKEN
+        self.steps: dict[str, list[float]] = {}
+
+    def unit(self, job: Job, budget: int) -> int:
+        assert isinstance(job, FakeJob)
+        if isinstance(job, ChunkJob) and job.prefill:
+            n = job.take(budget)
+            self.clock.t += n * self.token_cost
+            super().unit(job, budget)
+            return n
+        if not job.prefill:
+            self.clock.t += STEP
+            self.steps.setdefault(job.name, []).append(self.clock.t)
+        super().unit(job, budget)
+        return 0
+
+    def step_batch(self, jobs: list[Job]) -> bool:
+        self.clock.t += STEP
+        for j in jobs:
+            self.steps.setdefault(j.name, []).append(self.clock.t)  # type: ignore[attr-defined]
+        return super().step_batch(jobs)
+
+
+def make_chunked(ex: FakeExecutor, clock: Clock) -> Scheduler:
+    return Scheduler(2, 8, 5.0, ex, clock=clock, wall=clock, chunk=512, shared_chunk=64)
+
+
+def test_catch_up_next_to_a_decoding_stream_runs_in_short_chunks(clock: Clock) -> None:
+    """A 4,000-token catch-up admitted while another slot decodes: every round runs one
+    decode step and one chunk sized to half a step at the catch-up's measured speed (8
+    tokens first, then 2048 tokens/s x 1/64 s / 2 = 16), until the decoding stream
+    ends; the rest goes in full 512-token chunks."""
+    ex = ChunkExecutor(clock)
+    s = make_chunked(ex, clock)
+    dec = FakeJob("dec", 0, s, prefill=1, decode=10)
+    submit(s, dec)
+    step(s)  # dec's prompt
+    catch = ChunkJob("catch", 1, s, tokens=4000, decode=1)
+    submit(s, catch)
+    while s.active or s.waiting:
+        step(s)
+    assert ex.log[3:23] == [("unit", "dec"), ("unit", "catch")] * 10
+    assert catch.chunks == [8] + [16] * 9 + [512] * 7 + [4000 - 152 - 7 * 512]
+    gaps = [b - a for a, b in zip(ex.steps["dec"], ex.steps["dec"][1:], strict=False)]
+    assert max(gaps) == STEP + 16 * TOKEN == 1.5 * STEP  # one step and half a step of chunk
+    assert ex.log[-1] == ("unit", "catch")  # its own decode step, alone
+
+
+def test_shared_chunks_follow_the_chunk_speed_and_stay_bounded(clock: Clock) -> None:
+    """Chunks that get slower (a longer context to attend to) shrink with their
+    measured speed; faster ones grow up to shared_chunk."""
+    ex = ChunkExecutor(clock)
+    s = make_chunked(ex, clock)
+    submit(s, FakeJob("dec", 0, s, prefill=0, decode=6))
+    catch = ChunkJob("catch", 1, s, tokens=4000)
+    submit(s, catch)
+    step(s)
+    step(s)
+    ex.token_cost = 2 * TOKEN
+    step(s)
+    step(s)
+    ex.token_cost = TOKEN / 16
+    step(s)
+    step(s)
+    assert catch.chunks == [8, 16, 16, 8, 8, 64]
+
+
+def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
+    ex = ChunkExecutor(clock)
+    s = make_chunked(ex, clock)
+    a = ChunkJob("a", 0, s, tokens=1100, decode=2)
+    b = ChunkJob("b", 1, s, tokens=700, decode=1)
+    submit(s, a, b)
+    while s.active or s.waiting:
+        step(s)
+    # both prefill at full size until b decodes; next to b's step a's chunk is sized
+    # from its measured speed (2048 tokens/s x 1/64 s / 2); alone again, a full chunk
+    assert b.chunks == [512, 188]
+    assert a.chunks == [512, 512, 16, 60]
+    assert ex.log[2:] == [("unit", "a"), ("unit", "b"), ("unit", "a"), ("unit", "b"),
+                          ("unit", "b"), ("unit", "a"), ("unit", "a"), ("unit", "a"),
+                          ("unit", "a")]

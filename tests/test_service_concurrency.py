@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from inference_svc.client import InferenceClient, make_request
-from inference_svc.core.speculative import SamplingParams
+from inference_svc.core.speculative import SamplingParams, SpecParams, StepResult
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
 from tests.fixtures.servicekit import (
@@ -283,13 +283,14 @@ def test_batched_sampled_steps_match_single_runs(client: InferenceClient, server
     engine = server._engine
     assert engine is not None and engine.dec is not None
     batched: list[list[int]] = []
-    step_multi = engine.dec.step_multi
+    step_batch = engine.dec.step_batch
 
-    def counted(slots: list[int], samplings: list[SamplingParams]) -> list[int]:
+    def counted(slots: list[int], samplings: list[SamplingParams], specs: list[SpecParams],
+                max_new: list[int]) -> list[StepResult]:
         batched.append(list(slots))
-        return step_multi(slots, samplings)
+        return step_batch(slots, samplings, specs, max_new)
 
-    monkeypatch.setattr(engine.dec, "step_multi", counted)
+    monkeypatch.setattr(engine.dec, "step_batch", counted)
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:

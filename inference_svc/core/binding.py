@@ -207,6 +207,12 @@ def spec_step(spec: Any, slot: int, sp: Any, pp: Any, max_new: int, out: Any, ca
     return int(n[0])
 
 
+def spec_step_batch(spec: Any, n: int, slots: Any, sps: Any, pps: Any, max_new: Any, out: Any,
+                    n_out: Any, n_drafted: Any) -> None:
+    _check_spec(lib.ws_spec_step_batch(spec, n, slots, sps, pps, max_new, out, n_out, n_drafted),
+                spec)
+
+
 def spec_step_multi(spec: Any, slots: Any, sps: Any, n: int, out: Any) -> None:
     _check_spec(lib.ws_spec_step_multi(spec, slots, sps, n, out), spec)
 

@@ -56,6 +56,22 @@ class SpecParams:
 NO_SPEC = SpecParams(n_max=0)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """One slot's part of a batched step: the new tokens and how many were drafted."""
+
+    tokens: list[int]
+    drafted: int
+
+
+def _c_samplings(samplings: list[SamplingParams]) -> Any:
+    c = ffi.new("ws_sampling_params[]", len(samplings))
+    for i, sp in enumerate(samplings):
+        c[i].temperature, c[i].top_k, c[i].top_p, c[i].min_p = (
+            sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+    return c
+
+
 @dataclass
 class Counters:
     n_steps: int = 0
@@ -167,14 +183,33 @@ class SpecDecoder(NativeHandle):
         n = len(slots)
         if n == 0 or len(samplings) != n:
             raise InvalidArgumentError("step_multi needs one sampling per slot (>= 1 slot)")
-        c_slots = ffi.new("int32_t[]", slots)
-        c_sps = ffi.new("ws_sampling_params[]", n)
-        for i, sp in enumerate(samplings):
-            c_sps[i].temperature, c_sps[i].top_k = sp.temperature, sp.top_k
-            c_sps[i].top_p, c_sps[i].min_p = sp.top_p, sp.min_p
         out = ffi.new("int32_t[]", n)
-        binding.spec_step_multi(self.handle, c_slots, c_sps, n, out)
+        binding.spec_step_multi(self.handle, ffi.new("int32_t[]", slots),
+                                _c_samplings(samplings), n, out)
         return list(out)
+
+    def step_batch(self, slots: list[int], samplings: list[SamplingParams],
+                   specs: list[SpecParams], max_new: list[int]) -> list[StepResult]:
+        """One speculative step for each of several distinct slots with one target pass
+        for all of them (the drafts propose together, one round per proposal): for
+        each slot the same tokens, RNG draws and state as `step` on it alone."""
+        n = len(slots)
+        if n == 0 or not len(samplings) == len(specs) == len(max_new) == n:
+            raise InvalidArgumentError("step_batch needs one sampling, spec and max_new per slot")
+        c_pps = ffi.new("ws_spec_params[]", n)
+        for i, pp in enumerate(specs):
+            c_pps[i].n_max, c_pps[i].n_min, c_pps[i].p_min = pp.n_max, pp.n_min, pp.p_min
+        per = MAX_DRAFT + 1
+        out = np.empty(n * per, dtype=np.int32)
+        n_out = np.empty(n, dtype=np.int32)
+        drafted = np.empty(n, dtype=np.int32)
+        binding.spec_step_batch(self.handle, n, ffi.new("int32_t[]", slots),
+                                _c_samplings(samplings), c_pps, ffi.new("int32_t[]", max_new),
+                                ffi.from_buffer("int32_t[]", out),
+                                ffi.from_buffer("int32_t[]", n_out),
+                                ffi.from_buffer("int32_t[]", drafted))
+        return [StepResult(out[i * per:i * per + int(n_out[i])].tolist(), int(drafted[i]))
+                for i in range(n)]
 
     def commit(self, slot: int) -> None:
         binding.spec_commit(self.handle, slot)

@@ -1,0 +1,87 @@
+"""The draft length of each speculative step, chosen from the measured acceptance.
+
+A draft that proposes k tokens costs its own k decodes plus k more tokens in the
+target's verification pass; it pays only when enough of them are accepted. With a
+per-token acceptance probability a, a step that drafts k tokens yields on average
+E(k) = 1 + a + ... + a^k tokens for a cost of 1 + k * cost target steps (`cost`:
+one drafted token's price in target decode steps). Each step drafts the k in
+0..n_max that maximises E(k) / (1 + k * cost); k = 0 when no draft length beats
+plain decoding.
+
+The acceptance estimate is a moving average over the proposals of recent steps
+(each step weighs `decay` times the one before it): a proposal accepted is a
+success, the first one rejected a failure, the ones after it are never tried; a
+step whose draft declined to propose (its confidence below p_min) is a failure.
+While the estimate says k = 0 the slot decodes target-only, its draft idle (a
+lagging draft costs nothing until it drafts again), and every `interval` steps
+one token is drafted as a probe, so a change of text that makes the draft useful
+again is noticed; each probe that leaves the estimate at k = 0 doubles the
+interval up to `max_interval`. Only the outcomes of steps drive the choice (no
+clock), so a seeded request samples the same tokens every time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_TRIALS = 4.0  # weight of the starting estimate, in proposals
+FIRST_INTERVAL = 8  # target-only steps before the first probe
+MAX_INTERVAL = 64
+
+
+@dataclass
+class DraftLength:
+    n_max: int
+    cost: float = 0.3
+    decay: float = 0.8
+    accepted: float = 0.0  # moving sums of proposals accepted and tried
+    tried: float = 0.0
+    idle: int = 0  # target-only steps since the last drafted one
+    interval: int = FIRST_INTERVAL
+
+    @classmethod
+    def start(cls, n_max: int, cost: float, prior: float) -> DraftLength:
+        """A controller whose estimate starts at `prior` acceptance."""
+        return cls(n_max, cost, accepted=prior * PRIOR_TRIALS, tried=PRIOR_TRIALS)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tried if self.tried > 0 else 0.0
+
+    def best(self) -> int:
+        """The draft length with the highest expected tokens per unit of cost."""
+        a = self.acceptance
+        best_k, best_rate = 0, 1.0
+        expected, power = 1.0, 1.0
+        for k in range(1, self.n_max + 1):
+            power *= a
+            expected += power
+            rate = expected / (1.0 + k * self.cost)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def next(self) -> int:
+        """The next step's draft length (no state changes: `observe` moves on)."""
+        k = self.best()
+        if k == 0 and self.n_max > 0 and self.idle + 1 >= self.interval:
+            return 1  # a probe
+        return k
+
+    def observe(self, asked: int, drafted: int, accepted: int) -> None:
+        """A step asked for `asked` proposals (`next`), the draft made `drafted` (fewer
+        when its confidence fell below p_min) and the target accepted `accepted`."""
+        if asked == 0:
+            self.idle += 1
+            return
+        probe = self.best() == 0
+        self.idle = 0
+        # a draft that declined to propose (below p_min) cost a draft decode and gained
+        # nothing: a failed trial, as a rejected first proposal
+        trials = accepted + (1 if accepted < drafted or drafted == 0 else 0)
+        self.accepted = self.decay * self.accepted + accepted
+        self.tried = self.decay * self.tried + trials
+        if self.best() > 0:
+            self.interval = FIRST_INTERVAL
+        elif probe:
+            self.interval = min(2 * self.interval, MAX_INTERVAL)

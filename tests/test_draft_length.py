@@ -1,0 +1,64 @@
+"""The draft-length controller: the length each step drafts from the acceptance
+measured so far, backing off to target-only decoding with spaced probes where the
+draft is useless and coming back when it is right again. Exact sequences."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_svc.draft_length import DraftLength
+
+
+def run(ctl: DraftLength, steps: int, accept: bool, declined: bool = False) -> list[int]:
+    """The lengths asked for over `steps` steps whose proposals are all accepted or all
+    rejected (declined: the draft, under its confidence threshold, proposes nothing)."""
+    asked = []
+    for _ in range(steps):
+        n = ctl.next()
+        asked.append(n)
+        drafted = 0 if declined else n
+        ctl.observe(n, drafted, drafted if accept else 0)
+    return asked
+
+
+@pytest.mark.parametrize(("acceptance", "n_max", "best"), [
+    (0.0, 8, 0), (0.2, 8, 0), (0.5, 8, 1), (0.8, 8, 3), (0.8, 2, 2), (0.95, 8, 8),
+    (0.95, 0, 0)])
+def test_best_length_maximises_tokens_per_cost(acceptance: float, n_max: int,
+                                               best: int) -> None:
+    # E(k) / (1 + 0.3 k) with E(k) = 1 + a + ... + a^k; at a = 0.8: k = 1..4 give
+    # 1.385, 1.525, 1.554, 1.528
+    assert DraftLength.start(n_max, 0.3, acceptance).best() == best
+
+
+def test_a_useless_draft_backs_off_to_spaced_probes() -> None:
+    ctl = DraftLength.start(8, 0.3, 0.5)
+    # two rejected single proposals bring the estimate below what one proposal costs;
+    # then probes after 8, 16, 32, 64, 64 target-only steps
+    expected = [1, 1]
+    for gap in (8, 16, 32, 64, 64):
+        expected += [0] * (gap - 1) + [1]
+    assert run(ctl, len(expected), accept=False) == expected
+    assert ctl.acceptance < 0.1  # the starting estimate has faded
+
+
+def test_a_useful_draft_grows_to_n_max_and_a_backed_off_one_comes_back() -> None:
+    ctl = DraftLength.start(8, 0.3, 0.5)
+    assert run(ctl, 8, accept=True) == [1, 2, 3, 4, 6, 8, 8, 8]
+    ctl = DraftLength.start(8, 0.3, 0.5)
+    run(ctl, 20, accept=False)  # backed off: next probe at the 8th idle step
+    assert ctl.best() == 0
+    assert run(ctl, 15, accept=True) == [0] * 5 + [1, 1, 1, 2, 2, 3, 5, 7, 8, 8]
+
+
+def test_a_draft_declining_to_propose_counts_as_a_rejection() -> None:
+    """A draft that declines every proposal (below p_min) backs off exactly like one
+    whose proposals are all rejected: it decoded for nothing."""
+    declined, rejected = DraftLength.start(8, 0.3, 0.5), DraftLength.start(8, 0.3, 0.5)
+    assert run(declined, 200, accept=False, declined=True) \
+        == run(rejected, 200, accept=False)
+    assert declined.acceptance == rejected.acceptance
+
+
+def test_no_drafting_without_n_max() -> None:
+    assert run(DraftLength.start(0, 0.3, 0.9), 100, accept=True) == [0] * 100
