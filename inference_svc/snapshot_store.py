@@ -33,7 +33,7 @@ import grpc
 
 from inference_svc import errors, log, slotfile
 from inference_svc.names import validate_name
-from inference_svc.store import StoredSlot
+from inference_svc.store import Buffer, StoredSlot
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
 from snapshot_svc import errors as snap_errors
 from snapshot_svc.client import SnapshotClient
@@ -129,7 +129,7 @@ class SnapshotStore:
         the first one; never calls the service (for GetInfo)."""
         return self._protocol
 
-    def save(self, name: str, target: bytes, draft: bytes | None, *,
+    def save(self, name: str, target: Buffer, draft: Buffer | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
         """Stores both files as one save; returns the bytes stored (the target's alone
         when a protocol-1 peer left the draft out). Without a draft, any draft of an

@@ -19,6 +19,7 @@ from typing import Protocol
 from inference_svc.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inference_svc.names import DRAFT_SUFFIX, validate_name
 
+Buffer = bytes | memoryview  # a slot file's bytes, whoever holds them
 LOCAL_MAX_NAME_BYTES = 255 - len(DRAFT_SUFFIX)  # `<name>.drft` must be a valid file name
 
 
@@ -26,8 +27,8 @@ LOCAL_MAX_NAME_BYTES = 255 - len(DRAFT_SUFFIX)  # `<name>.drft` must be a valid 
 class StoredSlot:
     """The bytes of one saved slot. draft is None when there is no usable sidecar."""
 
-    target: bytes
-    draft: bytes | None
+    target: Buffer
+    draft: Buffer | None
     draft_note: str = ""  # why draft is None
     # hex SHA-256 of `target` when the store has already verified it (saves a rehash)
     target_sha256: str | None = field(default=None, compare=False)
@@ -43,7 +44,7 @@ class SlotStore(Protocol):
         """What GetInfo reports, e.g. "local:/var/slots"."""
         ...
 
-    def save(self, name: str, target: bytes, draft: bytes | None, *,
+    def save(self, name: str, target: Buffer, draft: Buffer | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
         """Stores both files as one save; returns the bytes written: the target's alone
         when the store kept no draft. Without a draft, any sidecar of an earlier save
@@ -166,7 +167,7 @@ class LocalStore:
                 os.replace(p, path.with_name(name + DRAFT_SUFFIX))
         _fsync_dir(self.dir)
 
-    def _write_temp(self, data: bytes) -> Path:
+    def _write_temp(self, data: Buffer) -> Path:
         tmp = self.dir / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
         try:
             with open(tmp, "xb") as f:
@@ -178,7 +179,7 @@ class LocalStore:
             raise
         return tmp
 
-    def save(self, name: str, target: bytes, draft: bytes | None, *,
+    def save(self, name: str, target: Buffer, draft: Buffer | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
         """`target_sha256`: the target's hex SHA-256 when the caller has it (saves
         hashing it again); `deadline`: nothing to wait for locally."""

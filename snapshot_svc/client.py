@@ -87,7 +87,7 @@ CHANNEL_OPTIONS = (
 )
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -310,7 +310,7 @@ class SnapshotClient:
 
     # --- put --------------------------------------------------------------------------
 
-    def put(self, name: str, target: bytes, draft: bytes | None = None,
+    def put(self, name: str, target: bytes | memoryview, draft: bytes | memoryview | None = None,
             target_meta: PartMeta | None = None, draft_meta: PartMeta | None = None, *,
             target_sha256: str | None = None, draft_sha256: str | None = None,
             deadline: float | None = None) -> PutResult:
@@ -328,7 +328,7 @@ class SnapshotClient:
         target_meta = target_meta or PartMeta()
         trailer = "sha256-trailer" in info.features
 
-        def digest_of(data: bytes, given: str | None) -> str | None:
+        def digest_of(data: bytes | memoryview, given: str | None) -> str | None:
             return given.lower() if given else (None if trailer else _sha256(data))
 
         t_sha = digest_of(target, target_sha256)
@@ -355,7 +355,8 @@ class SnapshotClient:
         d_info = PartInfo(Part.DRAFT, r.bytes, r.sha256, draft_meta, target_sha256=t_sha)
         return PutResult(name, r.commit_id, info.protocol, t_info, d_info)
 
-    def _put_part(self, name: str, part: Part, data: bytes, sha: str | None, meta: PartMeta,
+    def _put_part(self, name: str, part: Part, data: bytes | memoryview, sha: str | None,
+                  meta: PartMeta,
                   *, draft_follows: bool = False, target_sha256: str = "",
                   deadline: float | None = None) -> pb.PutResponse:
         """One part. `sha` None: hashed while sent, the digest goes in the trailer
