@@ -63,6 +63,12 @@ CORE_SPEC_MAGIC = int(_core.WS_SPEC_STATE_MAGIC)  # "WSSP"
 CORE_SPEC_VERSION = int(_core.WS_SPEC_STATE_VERSION)
 SPEC_MAX_DRAFT = int(_core.WS_SPEC_MAX_DRAFT)  # drafted_at / accepted_at entries
 _CORE_SPEC_HEAD = struct.Struct(f"<4I4Q{4 + 2 * SPEC_MAX_DRAFT}Q")
+# the header sizes are the core's (a core whose layout changed refuses to import)
+for _what, _head, _size in (("slot state", _CORE_KV_HEAD, _core.WS_STATE_HEADER_BYTES),
+                            ("draft state", _CORE_SPEC_HEAD, _core.WS_SPEC_STATE_HEADER_BYTES)):
+    if _head.size != _size:
+        raise ImportError(f"the core's {_what} header is {_size} bytes, the fields read "
+                          f"here {_head.size}")
 # largest counter a restored draft state may hold: centuries of steps at any speed, and far
 # enough below 2^64 that no later step of the core can overflow it
 MAX_COUNTER = 2**53 - 1

@@ -748,8 +748,9 @@ ws_status ws_spec_clear(ws_spec *s, int32_t slot) {
 /* ------------------------------------------------------------------------- */
 /* draft state: spec header then the draft context's slot state                */
 
-/* magic, version, d_off, lag_ok, rng[4], then counters (4 + 2*16 u64) */
-#define SPEC_HEADER_BYTES (4u * 4u + 8u * 4u + 8u * (4u + 2u * WS_SPEC_MAX_DRAFT))
+#define SPEC_HEADER_BYTES WS_SPEC_STATE_HEADER_BYTES
+_Static_assert(SPEC_HEADER_BYTES == 4u * 4u + 8u * 4u + 8u * (4u + 2u * WS_SPEC_MAX_DRAFT),
+               "WS_SPEC_STATE_HEADER_BYTES is the size of the fields ws_spec_state_get writes");
 
 static void put32(uint8_t **p, uint32_t v) {
     for (int i = 0; i < 4; i++) (*p)[i] = (uint8_t)(v >> (8 * i));

@@ -1086,8 +1086,6 @@ ws_status ws_slot_clear(ws_context *ctx, int32_t slot) { return ws_slot_truncate
 /* ------------------------------------------------------------------------- */
 /* slot state                                                                  */
 
-#define WS_STATE_HEADER_BYTES 32u
-
 static size_t state_bytes(const ws_context *ctx, size_t n_tokens) {
     return WS_STATE_HEADER_BYTES + sizeof(int32_t) * n_tokens +
            2 * ctx->kv_elem * (size_t)ctx->model->hp.n_layer * n_tokens * (size_t)ctx->kv_dim;

@@ -20,7 +20,7 @@ from .handle import NativeHandle, buffer_arg, state_buffer
 from .tokenizer import Tokenizer
 
 # KV cache element types (ws_kv_type): name -> (value, bytes per element)
-KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}
+KV_TYPES = {"f32": (int(binding.lib.WS_KV_F32), 4), "f16": (int(binding.lib.WS_KV_F16), 2)}
 DEFAULT_KV_TYPE = "f16"
 
 _LAYER_NORMS = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight"}

@@ -20,7 +20,7 @@ from .errors import InvalidArgumentError
 from .handle import NativeHandle, Room, buffer_arg, new_room, room_arg, state_buffer
 from .model import Context
 
-MAX_DRAFT = 16
+MAX_DRAFT = int(binding.lib.WS_SPEC_MAX_DRAFT)  # most tokens drafted in one step
 
 
 @dataclass(frozen=True)
