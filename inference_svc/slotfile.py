@@ -457,16 +457,22 @@ def _check_kv_type(kind: str, got: KVLayout, want: KVLayout) -> None:
             f"restore it on a server started with --kv-type {name}")
 
 
+def _check_model(kind: str, made_by: str, fingerprint: str, layout: KVLayout, n_vocab: int,
+                 model: ModelSpec) -> None:
+    """A file made by `model` (`made_by` names it in the message) with its KV layout."""
+    if fingerprint != model.fingerprint:
+        raise IncompatibleSlotFile(
+            f"{kind} was made by another {made_by} (fingerprint {_short(fingerprint)}...), "
+            f"this server runs {model.name!r} ({_short(model.fingerprint)}...)")
+    _check_kv_type(kind, layout, model.layout)
+    if layout != model.layout or n_vocab != model.n_vocab:
+        raise CorruptSlotFile(f"{kind} KV layout {layout} / vocabulary {n_vocab} does not "
+                              f"match its model's {model.layout} / {model.n_vocab}")
+
+
 def check_target(t: TargetFile, model: ModelSpec) -> None:
     """Raises unless the target file restores into a slot of this model and context."""
-    if t.fingerprint != model.fingerprint:
-        raise IncompatibleSlotFile(
-            f"slot file was made by another model (fingerprint {_short(t.fingerprint)}...), "
-            f"this server runs {model.name!r} ({_short(model.fingerprint)}...)")
-    _check_kv_type("slot file", t.layout, model.layout)
-    if t.layout != model.layout or t.n_vocab != model.n_vocab:
-        raise CorruptSlotFile(f"slot file KV layout {t.layout} / vocabulary {t.n_vocab} does not "
-                              f"match its model's {model.layout} / {model.n_vocab}")
+    _check_model("slot file", "model", t.fingerprint, t.layout, t.n_vocab, model)
     if t.n_tokens > model.n_ctx:
         raise IncompatibleSlotFile(f"slot file holds {t.n_tokens} tokens (made with n_ctx "
                                    f"{t.n_ctx}), the context here is {model.n_ctx}")
@@ -480,15 +486,7 @@ def check_draft(d: DraftFile, target_digest: str, target: TargetFile, draft: Mod
     """Raises unless the sidecar belongs to this target file and fits this draft model."""
     if d.target_digest != target_digest:
         raise IncompatibleSlotFile("draft sidecar belongs to another save of the target file")
-    if d.fingerprint != draft.fingerprint:
-        raise IncompatibleSlotFile(
-            f"draft sidecar was made by another draft model (fingerprint "
-            f"{_short(d.fingerprint)}...), this server runs {draft.name!r} "
-            f"({_short(draft.fingerprint)}...)")
-    _check_kv_type("draft sidecar", d.layout, draft.layout)
-    if d.layout != draft.layout or d.n_vocab != draft.n_vocab:
-        raise CorruptSlotFile(f"draft sidecar KV layout {d.layout} / vocabulary {d.n_vocab} does "
-                              f"not match its model's {draft.layout} / {draft.n_vocab}")
+    _check_model("draft sidecar", "draft model", d.fingerprint, d.layout, d.n_vocab, draft)
     if d.offset + d.n_tokens > target.n_tokens:
         raise CorruptSlotFile(f"draft sidecar holds {d.n_tokens} tokens from position "
                               f"{d.offset}, past the target's {target.n_tokens}")
