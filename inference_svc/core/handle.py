@@ -73,6 +73,14 @@ def room_arg(view: memoryview | None, size: int) -> tuple[Any, int]:
     return binding.ffi.from_buffer(view, require_writable=True), size
 
 
+def read_tokens(read: Callable[[Any, int, Any, int], int], handle: Any, slot: int,
+                n: int) -> list[int]:
+    """The first n tokens of a slot, read by `read(handle, slot, out, cap)` (it returns
+    how many it wrote)."""
+    buf = np.empty(max(n, 1), dtype=np.int32)
+    return buf[:read(handle, slot, binding.ffi.from_buffer("int32_t[]", buf), n)].tolist()
+
+
 def state_buffer(size: int, write: Callable[[Any], int]) -> memoryview:
     """Runs `write(pointer)` on a new room of `size` bytes (it returns the bytes it
     wrote) and returns a read-only view of them."""

@@ -17,7 +17,15 @@ import numpy as np
 from . import binding
 from .binding import ffi
 from .errors import InvalidArgumentError
-from .handle import NativeHandle, Room, buffer_arg, new_room, room_arg, state_buffer
+from .handle import (
+    NativeHandle,
+    Room,
+    buffer_arg,
+    new_room,
+    read_tokens,
+    room_arg,
+    state_buffer,
+)
 from .model import Context
 
 MAX_DRAFT = int(binding.lib.WS_SPEC_MAX_DRAFT)  # most tokens drafted in one step
@@ -120,10 +128,7 @@ class SpecDecoder(NativeHandle):
         return binding.spec_n_tokens(self.handle, slot)
 
     def tokens(self, slot: int) -> list[int]:
-        n = self.n_tokens(slot)
-        buf = np.empty(max(n, 1), dtype=np.int32)
-        got = binding.spec_tokens(self.handle, slot, ffi.from_buffer("int32_t[]", buf), n)
-        return buf[:got].tolist()
+        return read_tokens(binding.spec_tokens, self.handle, slot, self.n_tokens(slot))
 
     def draft_n_tokens(self, slot: int) -> int:
         return binding.spec_draft_n_tokens(self.handle, slot)
