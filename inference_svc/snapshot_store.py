@@ -26,6 +26,7 @@ It implements `inference_svc.store.SlotStore` over `snapshot_svc.client.Snapshot
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -96,27 +97,18 @@ class SnapshotStore:
         if not PROTOCOL_MIN <= max_protocol <= PROTOCOL_MAX:
             raise ValueError(f"snapshot max protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}, "
                              f"got {max_protocol}")
-        self.addr = addr
-        self.timeout = timeout
-        self.max_protocol = max_protocol
-        self.retries = retries
-        self.backoff = backoff
-        self.min_rate = min_rate
+        self.addr, self.timeout, self.max_protocol = addr, timeout, max_protocol
+        # a client on a new channel (each says Hello on its first call)
+        self._new_client = functools.partial(
+            SnapshotClient, addr, max_protocol=max_protocol, timeout=timeout, retries=retries,
+            backoff=backoff, min_rate=min_rate, credentials=credentials, api_key=api_key)
         self.log = logger or log.get()
-        self._credentials = credentials
-        self._api_key = api_key
         self._lock = threading.Lock()
         self._client = self._new_client()
         self._retired: list[SnapshotClient] = []  # replaced after a downgrade; closed last
         self._protocol: int | None = None  # as of the last call that reached the service
         self._warned = False
         self._closed = False
-
-    def _new_client(self) -> SnapshotClient:
-        return SnapshotClient(self.addr, max_protocol=self.max_protocol, timeout=self.timeout,
-                              retries=self.retries, backoff=self.backoff,
-                              min_rate=self.min_rate, credentials=self._credentials,
-                              api_key=self._api_key)
 
     # --- SlotStore --------------------------------------------------------------------
 

@@ -206,13 +206,9 @@ class SnapshotClient:
             raise ValueError(f"need {PROTOCOL_MIN} <= min_protocol <= max_protocol <= "
                              f"{PROTOCOL_MAX}")
         self.addr = addr
-        self.max_protocol = max_protocol
-        self.min_protocol = min_protocol
-        self.timeout = timeout
-        self.min_rate = min_rate
-        self.retries = retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
+        self.min_protocol, self.max_protocol = min_protocol, max_protocol
+        self.timeout, self.min_rate = timeout, min_rate
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         if channel is None:
             channel = (grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
                        if credentials is None else
