@@ -18,6 +18,7 @@ from typing import Protocol
 
 from inference_svc.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inference_svc.names import DRAFT_SUFFIX, validate_name
+from snapshot_svc.clientlib.files import fsync_dir
 
 Buffer = bytes | memoryview  # a slot file's bytes, whoever holds them
 LOCAL_MAX_NAME_BYTES = 255 - len(DRAFT_SUFFIX)  # `<name>.drft` must be a valid file name
@@ -72,14 +73,6 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 TEMP_PREFIX = ".tmp-"  # a file being written; removed at start-up
 PENDING_PREFIX = ".pending-"  # a save's sidecar (or its absence) waiting for its target
 RESERVED = (f"names starting with {TEMP_PREFIX!r} or {PENDING_PREFIX!r} or ending with "
@@ -130,7 +123,7 @@ class LocalStore:
                 self._settle(p.name)
         for p in self.dir.glob(f"{PENDING_PREFIX}*"):  # no target of that name any more
             p.unlink(missing_ok=True)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def _path(self, name: str) -> Path:
         validate_name(name)
@@ -165,7 +158,7 @@ class LocalStore:
                 p.unlink()
             else:
                 os.replace(p, path.with_name(name + DRAFT_SUFFIX))
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def _write_temp(self, data: Buffer) -> Path:
         tmp = self.dir / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
@@ -196,16 +189,16 @@ class LocalStore:
                 temps.append(self._write_temp(draft if draft is not None else b""))
                 os.replace(temps[1], pending)
                 temps[1] = pending
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 os.replace(temps[0], path)  # the commit point
                 temps.clear()  # from here on, a failure leaves the pending file to _settle
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 if draft is not None:
                     os.replace(pending, side)
                 else:
                     side.unlink(missing_ok=True)
                     pending.unlink()
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
             except OSError as exc:
                 for t in temps:  # before the commit point: the earlier save stays whole
                     t.unlink(missing_ok=True)
@@ -251,7 +244,7 @@ class LocalStore:
                     except FileNotFoundError:
                         pass
                 if removed:
-                    _fsync_dir(self.dir)
+                    fsync_dir(self.dir)
             except OSError as exc:
                 raise Unavailable(f"cannot delete {name!r} in {self.dir}: {exc}") from exc
         return removed

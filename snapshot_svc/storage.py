@@ -50,6 +50,7 @@ from snapshot_svc.backend import (
     check_trailer_sha256,
     readable_part,
 )
+from snapshot_svc.clientlib.files import fsync_dir
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
@@ -68,14 +69,6 @@ log = logging.getLogger("snapshot_svc.storage")
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _WRITEBACK_BYTES = 16 << 20  # a large upload starts writeback every this many bytes
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _io_error(what: str, exc: OSError) -> Exception:
@@ -377,7 +370,7 @@ class Store:
                 self.spares.offer(tmp, size)
                 return
             os.rename(tmp, dst)
-            _fsync_dir(self.blobs)
+            fsync_dir(self.blobs)
         except OSError as exc:
             raise _io_error(f"storing blob {sha}", exc) from exc
         self._blob_sizes[sha] = size
@@ -432,7 +425,7 @@ class Store:
             finally:
                 os.close(fd)
             os.rename(tmp, final)
-            _fsync_dir(self.manifests)
+            fsync_dir(self.manifests)
         except OSError as exc:
             try:
                 tmp.unlink()
@@ -553,7 +546,7 @@ class Store:
                 raise NotFound(f"no snapshot named {name!r}")
             try:
                 os.unlink(self.manifests / f"{manifest_key(name)}.json")
-                _fsync_dir(self.manifests)
+                fsync_dir(self.manifests)
             except OSError as exc:
                 raise _io_error(f"deleting {name!r}", exc) from exc
             del self._index[name]
