@@ -1,4 +1,4 @@
-"""The slot store over the snapshot service (`--snapshot-addr HOST:PORT`, issue 6).
+"""The slot store over the snapshot service (`--snapshot-addr HOST:PORT`).
 
     store = SnapshotStore("127.0.0.1:50052", timeout=30.0)
     n = store.save("chat-42", enc.target, enc.draft)     # bytes stored

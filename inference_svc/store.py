@@ -2,7 +2,7 @@
 
 A store keeps, per name, the bytes of a target file and optionally of its draft
 sidecar; it neither parses nor validates them (inference_svc.slotfile does).
-The snapshot service's store (issue 6) implements the same interface, so the
+The snapshot service's store (snapshot_store.py) implements the same interface, so the
 bytes of a target file are the same whichever store holds it.
 """
 

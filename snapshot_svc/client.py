@@ -144,8 +144,8 @@ class _PartSink:
     front, recycled when released) and a SHA-256 computed on a helper thread.
 
     Each chunk is hashed and copied into the buffer as it arrives, so its own memory
-    is reused for the next one (keeping all chunks and joining them at the end touched
-    twice the fresh memory; page faults dominate here)."""
+    is reused for the next one (keeping all chunks and joining them at the end would
+    touch twice as much fresh memory)."""
 
     def __init__(self, size: int, tail: int = 0) -> None:
         self.size = size
