@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "warmslot.h"
+#include "ws_error.h"
 #include "ws_math.h"
 
 /* one slot's speculative state; the part after `rng` is what a draft state saves */
@@ -36,14 +37,7 @@ struct ws_spec {
     char last_error[256];
 };
 
-static ws_status fail(const ws_spec *cs, ws_status st, const char *fmt, ...) {
-    ws_spec *s = (ws_spec *)cs;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(s->last_error, sizeof s->last_error, fmt, ap);
-    va_end(ap);
-    return st;
-}
+WS_DEFINE_FAIL(fail, ws_spec)
 
 /* a failed context call: keep its message */
 static ws_status fail_from(ws_spec *s, ws_context *ctx, ws_status st, const char *what) {
@@ -334,12 +328,6 @@ static ws_status check_slot(const ws_spec *s, int32_t slot) {
         return fail(s, WS_ERR_INVALID_ARGUMENT, "slot %d out of range 0..%d", slot, s->n_slots - 1);
     return WS_OK;
 }
-
-#define TRY(expr)                          \
-    do {                                   \
-        ws_status st_ = (expr);            \
-        if (st_ != WS_OK) return st_;      \
-    } while (0)
 
 static int32_t kv_len(const ws_context *ctx, int32_t slot) {
     int32_t n = 0;
