@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference_svc.core.speculative import SamplingParams
 from snapshot_svc.clientlib import settings, tls
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,14 +28,8 @@ def default_fallback_path() -> Path:
     return Path(state) / "warmslot" / "fallback"
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Request defaults for sampling (llama.cpp's defaults)."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
+# request defaults for sampling (llama.cpp's)
+DEFAULT_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 
 @dataclass(frozen=True)
@@ -90,7 +85,7 @@ class Config:
     draft_restore_policy: str = "reprefill"
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = DEFAULT_SAMPLING
     speculative: Speculative = Speculative()
     default_max_tokens: int = 256
     max_queue_wait: float = 60.0  # seconds a request waits for a busy slot
@@ -366,7 +361,7 @@ def from_args(argv: Sequence[str] | None = None,
             fallback_save_path=ns.fallback_save_path,
             draft_restore_policy=ns.draft_restore_policy, metrics_port=ns.metrics_port,
             metrics_host=ns.metrics_host,
-            sampling=Sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p),
+            sampling=SamplingParams(ns.temperature, ns.top_k, ns.top_p, ns.min_p),
             speculative=Speculative(ns.speculative, ns.spec_n_max, ns.spec_n_min,
                                     ns.spec_p_min, ns.spec_adaptive, ns.spec_draft_cost),
             default_max_tokens=ns.default_max_tokens, max_queue_wait=ns.max_queue_wait,

@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 from inference_svc import log
 from inference_svc.config import Config
 from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
+from inference_svc.core.handle import Room, new_room
 from inference_svc.core.speculative import NO_SPEC, Counters, SpecDecoder, SpecParams
 from inference_svc.draft_length import DraftLength
 from inference_svc.errors import ServiceError, Unavailable
@@ -343,10 +344,12 @@ class Engine:
     def n_tokens(self, slot: int) -> int:
         return self.dec.n_tokens(slot)
 
-    def capture(self, slot: int) -> SlotState:
-        """The slot's target and draft state; an idle slot's pending token is
-        committed first (a no-op when there is none)."""
-        target, draft = self.dec.slot_state(slot)
+    def capture(self, slot: int, target_room: Room = new_room,
+                draft_room: Room = new_room) -> SlotState:
+        """The slot's target and draft state, written by the core into the views
+        `target_room(size)` / `draft_room(size)` give (by default new buffers); an idle
+        slot's pending token is committed first (a no-op when there is none)."""
+        target, draft = self.dec.slot_state(slot, target_room, draft_room)
         return SlotState(target, draft, self.dec.n_tokens(slot))
 
     def apply(self, slot: int, target_parts: tuple[bytes | memoryview, ...],

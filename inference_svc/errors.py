@@ -8,27 +8,12 @@ import grpc
 
 from inference_svc import slotfile
 from inference_svc.core import errors as core_errors
+from snapshot_svc.clientlib import errors as _errors
 from snapshot_svc.clientlib import interceptor
-from snapshot_svc.clientlib.errors import (
-    Cancelled,
-    DataLoss,
-    DeadlineExceeded,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    StatusError,
-    Unauthenticated,
-    Unavailable,
-)
+from snapshot_svc.clientlib.errors import *  # noqa: F403 (this module re-exports them)
+from snapshot_svc.clientlib.errors import StatusError as ServiceError
 
-ServiceError = StatusError  # a failed request with its gRPC status code
-
-__all__ = ["Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
-           "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted",
-           "ServiceError", "Unauthenticated", "Unavailable", "status_of"]
+__all__ = [*_errors.__all__, "ServiceError", "status_of"]
 
 
 # checked in order: the first matching class wins

@@ -42,7 +42,7 @@ from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.clientlib.streams import StreamLimit
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks (issue 6)
+SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks
 FALLBACK_RETRY_S = 5.0  # pause between uploads of the fallback while the store is down
 FALLBACK_CLOSE_S = 1.0  # the stop waits this long for an upload of the fallback to end
 

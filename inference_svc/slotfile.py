@@ -63,6 +63,12 @@ CORE_SPEC_MAGIC = int(_core.WS_SPEC_STATE_MAGIC)  # "WSSP"
 CORE_SPEC_VERSION = int(_core.WS_SPEC_STATE_VERSION)
 SPEC_MAX_DRAFT = int(_core.WS_SPEC_MAX_DRAFT)  # drafted_at / accepted_at entries
 _CORE_SPEC_HEAD = struct.Struct(f"<4I4Q{4 + 2 * SPEC_MAX_DRAFT}Q")
+# the header sizes are the core's (a core whose layout changed refuses to import)
+for _what, _head, _size in (("slot state", _CORE_KV_HEAD, _core.WS_STATE_HEADER_BYTES),
+                            ("draft state", _CORE_SPEC_HEAD, _core.WS_SPEC_STATE_HEADER_BYTES)):
+    if _head.size != _size:
+        raise ImportError(f"the core's {_what} header is {_size} bytes, the fields read "
+                          f"here {_head.size}")
 # largest counter a restored draft state may hold: centuries of steps at any speed, and far
 # enough below 2^64 that no later step of the core can overflow it
 MAX_COUNTER = 2**53 - 1
@@ -166,6 +172,15 @@ def digest(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def file_digests(data: bytes | memoryview) -> tuple[str, str]:
+    """(digest(data), the hex SHA-256 of data without its trailer) in one pass."""
+    view = memoryview(data).cast("B")
+    h = hashlib.sha256(view[:-DIGEST_LEN])
+    body = h.hexdigest()
+    h.update(view[-DIGEST_LEN:])
+    return h.hexdigest(), body
+
+
 def _fp_bytes(fingerprint: str, what: str) -> bytes:
     try:
         raw = bytes.fromhex(fingerprint)
@@ -190,6 +205,23 @@ def _seal(chunks: list[bytes | memoryview]) -> bytes:
     return b"".join([*chunks, h.digest()])
 
 
+def _target_head(fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int, n_tokens: int,
+                 n_sections: int) -> bytes:
+    head = _TARGET_HEAD.pack(TARGET_MAGIC, TARGET_VERSION, HEADER_LEN, 0,
+                             _fp_bytes(fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
+                             lay.head_dim, lay.dtype, n_ctx, n_vocab, n_tokens, n_sections)
+    return head + bytes(HEADER_LEN - len(head))
+
+
+def _draft_head(target_digest: str, fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int,
+                n_tokens: int, offset: int, n_sections: int) -> bytes:
+    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, DRAFT_VERSION, HEADER_LEN, 0,
+                            _fp_bytes(target_digest, "target digest"),
+                            _fp_bytes(fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
+                            lay.head_dim, lay.dtype, n_ctx, n_vocab, n_tokens, offset, n_sections)
+    return head + bytes(HEADER_LEN - len(head))
+
+
 def encode_target(t: TargetFile) -> bytes:
     """The bytes of a target file (version TARGET_VERSION)."""
     lay = t.layout
@@ -198,26 +230,81 @@ def encode_target(t: TargetFile) -> bytes:
     sections = [(TAG_TOKENS, FLAG_REQUIRED, struct.pack(f"<{t.n_tokens}i", *t.tokens)),
                 (TAG_KV, FLAG_REQUIRED, t.kv)]
     sections += [(s.tag, s.flags, s.payload) for s in t.extra]
-    head = _TARGET_HEAD.pack(TARGET_MAGIC, TARGET_VERSION, HEADER_LEN, 0,
-                             _fp_bytes(t.fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
-                             lay.head_dim, lay.dtype, t.n_ctx, t.n_vocab, t.n_tokens,
-                             len(sections))
-    head += bytes(HEADER_LEN - len(head))
+    head = _target_head(t.fingerprint, lay, t.n_ctx, t.n_vocab, t.n_tokens, len(sections))
     return _seal([head, *_sections(sections)])
 
 
 def encode_draft(d: DraftFile) -> bytes:
     """The bytes of a draft sidecar (version DRAFT_VERSION)."""
-    lay = d.layout
     sections = [(TAG_DRAFT_STATE, FLAG_REQUIRED, d.state)]
     sections += [(s.tag, s.flags, s.payload) for s in d.extra]
-    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, DRAFT_VERSION, HEADER_LEN, 0,
-                            _fp_bytes(d.target_digest, "target digest"),
-                            _fp_bytes(d.fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
-                            lay.head_dim, lay.dtype, d.n_ctx, d.n_vocab, d.n_tokens, d.offset,
-                            len(sections))
-    head += bytes(HEADER_LEN - len(head))
+    head = _draft_head(d.target_digest, d.fingerprint, d.layout, d.n_ctx, d.n_vocab, d.n_tokens,
+                       d.offset, len(sections))
     return _seal([head, *_sections(sections)])
+
+
+# --------------------------------------------------------------------------------------
+# slot files built in place around the core's state: the core writes its state into a
+# file-sized buffer at the offset below, and only headers and the digest trailer are
+# written around it (the state is not copied again)
+
+# a target file holds the core's tokens and KV in two sections: the core's state
+# (32-byte header, tokens, KV) goes where its KV ends up in place, and the tokens
+# move SECTION_HEADER.size bytes down to make room for the KV section's header
+TARGET_STATE_AT = HEADER_LEN + 2 * SECTION_HEADER.size - _CORE_KV_HEAD.size
+# a draft sidecar holds the core's draft state verbatim in its one section
+DRAFT_STATE_AT = HEADER_LEN + SECTION_HEADER.size
+
+
+def target_file_size(state_len: int) -> int:
+    """The size of the target file of a core state of `state_len` bytes."""
+    return TARGET_STATE_AT + state_len + DIGEST_LEN
+
+
+def draft_file_size(state_len: int) -> int:
+    """The size of the draft sidecar of a core draft state of `state_len` bytes."""
+    return DRAFT_STATE_AT + state_len + DIGEST_LEN
+
+
+def _trailer(buf: memoryview) -> str:
+    """Writes the digest trailer (the last DIGEST_LEN bytes of buf) and returns the hex
+    SHA-256 of the whole file, both from one pass over the body."""
+    h = hashlib.sha256(buf[:-DIGEST_LEN])
+    body = h.digest()
+    buf[-DIGEST_LEN:] = body
+    h.update(body)
+    return h.hexdigest()
+
+
+def seal_target(buf: memoryview, model: ModelSpec) -> tuple[int, str]:
+    """Turns `buf` (target_file_size(n) bytes holding n bytes of core slot state at
+    TARGET_STATE_AT, the bytes target_from_core reads) into the target file that
+    encode_target(target_from_core(state, model)) writes, in place: (n_tokens, hex
+    SHA-256 of the file)."""
+    if len(buf) < target_file_size(_CORE_KV_HEAD.size):
+        raise ValueError(f"a target file buffer of {len(buf)} bytes holds no core state")
+    n = _core_kv_tokens(buf[TARGET_STATE_AT:-DIGEST_LEN], model)
+    toks = TARGET_STATE_AT + _CORE_KV_HEAD.size
+    at = toks - SECTION_HEADER.size
+    buf[at:at + 4 * n] = buf[toks:toks + 4 * n]  # an overlapping move: memmove
+    SECTION_HEADER.pack_into(buf, HEADER_LEN, TAG_TOKENS, FLAG_REQUIRED, 4 * n)
+    kv_len = len(buf) - DIGEST_LEN - (toks + 4 * n)
+    SECTION_HEADER.pack_into(buf, at + 4 * n, TAG_KV, FLAG_REQUIRED, kv_len)
+    buf[:HEADER_LEN] = _target_head(model.fingerprint, model.layout, model.n_ctx,
+                                    model.n_vocab, n, 2)
+    return n, _trailer(buf)
+
+
+def seal_draft(buf: memoryview, target_digest: str, model: ModelSpec) -> None:
+    """Turns `buf` (draft_file_size(n) bytes holding n bytes of core draft state at
+    DRAFT_STATE_AT) into the sidecar that encode_draft(draft_from_core(state,
+    target_digest, model)) writes, in place."""
+    state = buf[DRAFT_STATE_AT:-DIGEST_LEN]
+    d = draft_from_core(state, target_digest, model)
+    SECTION_HEADER.pack_into(buf, HEADER_LEN, TAG_DRAFT_STATE, FLAG_REQUIRED, len(state))
+    buf[:HEADER_LEN] = _draft_head(target_digest, d.fingerprint, d.layout, d.n_ctx, d.n_vocab,
+                                   d.n_tokens, d.offset, 1)
+    _trailer(buf)
 
 
 def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
@@ -370,16 +457,22 @@ def _check_kv_type(kind: str, got: KVLayout, want: KVLayout) -> None:
             f"restore it on a server started with --kv-type {name}")
 
 
+def _check_model(kind: str, made_by: str, fingerprint: str, layout: KVLayout, n_vocab: int,
+                 model: ModelSpec) -> None:
+    """A file made by `model` (`made_by` names it in the message) with its KV layout."""
+    if fingerprint != model.fingerprint:
+        raise IncompatibleSlotFile(
+            f"{kind} was made by another {made_by} (fingerprint {_short(fingerprint)}...), "
+            f"this server runs {model.name!r} ({_short(model.fingerprint)}...)")
+    _check_kv_type(kind, layout, model.layout)
+    if layout != model.layout or n_vocab != model.n_vocab:
+        raise CorruptSlotFile(f"{kind} KV layout {layout} / vocabulary {n_vocab} does not "
+                              f"match its model's {model.layout} / {model.n_vocab}")
+
+
 def check_target(t: TargetFile, model: ModelSpec) -> None:
     """Raises unless the target file restores into a slot of this model and context."""
-    if t.fingerprint != model.fingerprint:
-        raise IncompatibleSlotFile(
-            f"slot file was made by another model (fingerprint {_short(t.fingerprint)}...), "
-            f"this server runs {model.name!r} ({_short(model.fingerprint)}...)")
-    _check_kv_type("slot file", t.layout, model.layout)
-    if t.layout != model.layout or t.n_vocab != model.n_vocab:
-        raise CorruptSlotFile(f"slot file KV layout {t.layout} / vocabulary {t.n_vocab} does not "
-                              f"match its model's {model.layout} / {model.n_vocab}")
+    _check_model("slot file", "model", t.fingerprint, t.layout, t.n_vocab, model)
     if t.n_tokens > model.n_ctx:
         raise IncompatibleSlotFile(f"slot file holds {t.n_tokens} tokens (made with n_ctx "
                                    f"{t.n_ctx}), the context here is {model.n_ctx}")
@@ -393,15 +486,7 @@ def check_draft(d: DraftFile, target_digest: str, target: TargetFile, draft: Mod
     """Raises unless the sidecar belongs to this target file and fits this draft model."""
     if d.target_digest != target_digest:
         raise IncompatibleSlotFile("draft sidecar belongs to another save of the target file")
-    if d.fingerprint != draft.fingerprint:
-        raise IncompatibleSlotFile(
-            f"draft sidecar was made by another draft model (fingerprint "
-            f"{_short(d.fingerprint)}...), this server runs {draft.name!r} "
-            f"({_short(draft.fingerprint)}...)")
-    _check_kv_type("draft sidecar", d.layout, draft.layout)
-    if d.layout != draft.layout or d.n_vocab != draft.n_vocab:
-        raise CorruptSlotFile(f"draft sidecar KV layout {d.layout} / vocabulary {d.n_vocab} does "
-                              f"not match its model's {draft.layout} / {draft.n_vocab}")
+    _check_model("draft sidecar", "draft model", d.fingerprint, d.layout, d.n_vocab, draft)
     if d.offset + d.n_tokens > target.n_tokens:
         raise CorruptSlotFile(f"draft sidecar holds {d.n_tokens} tokens from position "
                               f"{d.offset}, past the target's {target.n_tokens}")
@@ -411,9 +496,9 @@ def check_draft(d: DraftFile, target_digest: str, target: TargetFile, draft: Mod
 # conversion from and to the decoding core's state bytes
 
 
-def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
-    """A target file from `Context.get_state(slot)` bytes (WSKV v2)."""
-    view = memoryview(state).cast("B")
+def _core_kv_tokens(view: memoryview, model: ModelSpec) -> int:
+    """The token count of core slot state (WSKV v2) of this model's layout, its length
+    checked."""
     magic, version, n_layer, n_embd_k, n_embd_v, dtype, n, _ = _CORE_KV_HEAD.unpack_from(view)
     lay = model.layout
     if magic != CORE_KV_MAGIC or version != CORE_KV_VERSION:
@@ -422,10 +507,19 @@ def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
     if (n_layer, n_embd_k, n_embd_v, dtype) != (lay.n_layer, lay.kv_dim, lay.kv_dim, lay.dtype):
         raise ValueError(f"core state layout ({n_layer}, {n_embd_k}, {n_embd_v}, {dtype}) is not "
                          f"the model's {lay}")
+    if len(view) != _CORE_KV_HEAD.size + n * (4 + lay.bytes_per_token):
+        raise ValueError(f"core state of {len(view)} bytes does not hold {n} tokens of {lay}")
+    return n
+
+
+def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
+    """A target file from `Context.get_state(slot)` bytes (WSKV v2)."""
+    view = memoryview(state).cast("B")
+    n = _core_kv_tokens(view, model)
     start = _CORE_KV_HEAD.size
     tokens = struct.unpack_from(f"<{n}i", view, start)
     kv = view[start + 4 * n:]
-    return TargetFile(model.fingerprint, lay, model.n_ctx, model.n_vocab, tokens, kv)
+    return TargetFile(model.fingerprint, model.layout, model.n_ctx, model.n_vocab, tokens, kv)
 
 
 def core_parts_from_target(t: TargetFile) -> tuple[bytes, bytes, bytes | memoryview]:

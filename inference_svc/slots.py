@@ -16,7 +16,7 @@ from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from inference_svc.metrics import Metrics
 from inference_svc.names import validate_name
 from inference_svc.slotfile import ModelSpec
-from inference_svc.snapshots import PreparedRestore, encode_slot, model_spec, prepare_restore
+from inference_svc.snapshots import PreparedRestore, SlotFileBuffers, model_spec, prepare_restore
 from inference_svc.store import SlotStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
 
@@ -56,8 +56,10 @@ class SlotManager:
         name = validate_name(filename)
         self._need_store()
         t0 = time.perf_counter()
-        state = eng.slot_op(id_slot, eng.capture, time_remaining)
-        return self._persist(id_slot, name, state, t0)
+        files = SlotFileBuffers()
+        state = eng.slot_op(id_slot, lambda slot: eng.capture(slot, files.target, files.draft),
+                            time_remaining)
+        return self._persist(id_slot, name, files, state, t0)
 
     def save_on_engine(self, id_slot: int, name: str, *, deadline: float | None = None,
                        store: SlotStore | None = None) -> SaveResult | None:
@@ -67,19 +69,22 @@ class SlotManager:
         (time.monotonic()): when a remote store gives up."""
         t0 = time.perf_counter()
         eng = self.engine
-        state = eng.call(lambda: eng.capture(id_slot) if eng.n_tokens(id_slot) else None)
+        files = SlotFileBuffers()
+        state = eng.call(lambda: eng.capture(id_slot, files.target, files.draft)
+                         if eng.n_tokens(id_slot) else None)
         if state is None:
             return None
-        return self._persist(id_slot, validate_name(name), state, t0, store=store,
+        return self._persist(id_slot, validate_name(name), files, state, t0, store=store,
                              deadline=deadline)
 
-    def _persist(self, id_slot: int, name: str, state: SlotState, t0: float, *,
-                 store: SlotStore | None = None,
+    def _persist(self, id_slot: int, name: str, files: SlotFileBuffers, state: SlotState,
+                 t0: float, *, store: SlotStore | None = None,
                  deadline: float | None = None) -> SaveResult:
-        """Encodes captured state and writes it (off the engine thread)."""
+        """Encodes the state captured into `files` in place and writes it (off the
+        engine thread)."""
         store = store or self._need_store()
         try:
-            enc = encode_slot(state.target, state.draft, self.target_spec, self.draft_spec)
+            enc = files.encode(state.target, state.draft, self.target_spec, self.draft_spec)
             n_written = store.save(name, enc.target, enc.draft, target_sha256=enc.target_sha256,
                                    deadline=deadline)
         except BaseException as exc:

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from inference_svc import errors, log
 from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.store import StoredSlot
+from inference_svc.store import Buffer, StoredSlot
 
 T = TypeVar("T")
 
@@ -76,7 +76,7 @@ class FailoverStore:
         raise errors.Unavailable(f"every snapshot replica ({', '.join(self.addrs)}) is "
                                  f"unavailable; last: {last.message}") from last
 
-    def save(self, name: str, target: bytes, draft: bytes | None, *,
+    def save(self, name: str, target: Buffer, draft: Buffer | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
         return self._failover("save", lambda s: s.save(
             name, target, draft, target_sha256=target_sha256, deadline=deadline))

@@ -1,4 +1,4 @@
-"""The slot store over the snapshot service (`--snapshot-addr HOST:PORT`, issue 6).
+"""The slot store over the snapshot service (`--snapshot-addr HOST:PORT`).
 
     store = SnapshotStore("127.0.0.1:50052", timeout=30.0)
     n = store.save("chat-42", enc.target, enc.draft)     # bytes stored
@@ -26,6 +26,7 @@ It implements `inference_svc.store.SlotStore` over `snapshot_svc.client.Snapshot
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -33,7 +34,7 @@ import grpc
 
 from inference_svc import errors, log, slotfile
 from inference_svc.names import validate_name
-from inference_svc.store import StoredSlot
+from inference_svc.store import Buffer, StoredSlot
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
 from snapshot_svc import errors as snap_errors
 from snapshot_svc.client import SnapshotClient
@@ -96,27 +97,18 @@ class SnapshotStore:
         if not PROTOCOL_MIN <= max_protocol <= PROTOCOL_MAX:
             raise ValueError(f"snapshot max protocol must be in {PROTOCOL_MIN}..{PROTOCOL_MAX}, "
                              f"got {max_protocol}")
-        self.addr = addr
-        self.timeout = timeout
-        self.max_protocol = max_protocol
-        self.retries = retries
-        self.backoff = backoff
-        self.min_rate = min_rate
+        self.addr, self.timeout, self.max_protocol = addr, timeout, max_protocol
+        # a client on a new channel (each says Hello on its first call)
+        self._new_client = functools.partial(
+            SnapshotClient, addr, max_protocol=max_protocol, timeout=timeout, retries=retries,
+            backoff=backoff, min_rate=min_rate, credentials=credentials, api_key=api_key)
         self.log = logger or log.get()
-        self._credentials = credentials
-        self._api_key = api_key
         self._lock = threading.Lock()
         self._client = self._new_client()
         self._retired: list[SnapshotClient] = []  # replaced after a downgrade; closed last
         self._protocol: int | None = None  # as of the last call that reached the service
         self._warned = False
         self._closed = False
-
-    def _new_client(self) -> SnapshotClient:
-        return SnapshotClient(self.addr, max_protocol=self.max_protocol, timeout=self.timeout,
-                              retries=self.retries, backoff=self.backoff,
-                              min_rate=self.min_rate, credentials=self._credentials,
-                              api_key=self._api_key)
 
     # --- SlotStore --------------------------------------------------------------------
 
@@ -129,7 +121,7 @@ class SnapshotStore:
         the first one; never calls the service (for GetInfo)."""
         return self._protocol
 
-    def save(self, name: str, target: bytes, draft: bytes | None, *,
+    def save(self, name: str, target: Buffer, draft: Buffer | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
         """Stores both files as one save; returns the bytes stored (the target's alone
         when a protocol-1 peer left the draft out). Without a draft, any draft of an

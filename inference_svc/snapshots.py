@@ -1,13 +1,17 @@
 """Between a slot's core state and the bytes of its slot files, both ways.
 
-`encode_slot` turns captured state bytes into the target file and sidecar;
+`SlotFileBuffers` holds a slot's files while the core captures its state into
+them and encodes them in place (`encode_slot`: the same from state read apart);
 `prepare_restore` loads and checks both files against the running models
 before anything touches a slot, so the engine only has to apply the result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from inference_svc import slotfile
 from inference_svc.core import Context, Model
@@ -30,22 +34,70 @@ def context_spec(ctx: Context) -> ModelSpec:
 
 @dataclass(frozen=True)
 class EncodedSlot:
-    target: bytes
-    draft: bytes | None
+    target: memoryview
+    draft: memoryview | None
     target_sha256: str
     n_tokens: int
 
 
-def encode_slot(target_state: bytes, draft_state: bytes | None, target: ModelSpec,
-                draft: ModelSpec | None) -> EncodedSlot:
-    """The slot files of captured core state (Context.get_state, SpecDecoder.draft_state)."""
-    t = slotfile.target_from_core(target_state, target)
-    tbytes = slotfile.encode_target(t)
-    tdigest = slotfile.digest(tbytes)
-    dbytes = None
-    if draft_state is not None and draft is not None:
-        dbytes = slotfile.encode_draft(slotfile.draft_from_core(draft_state, tdigest, draft))
-    return EncodedSlot(tbytes, dbytes, tdigest, t.n_tokens)
+class SlotFileBuffers:
+    """The two slot files' buffers for one save, handed to the core to write a slot's
+    state straight into the place the files hold it (`target` and `draft` allocate;
+    Engine.capture takes them); `encode` then writes the headers and digests around
+    it. The state is copied once, by the core, on its way to the store."""
+
+    def __init__(self) -> None:
+        self._target: memoryview | None = None
+        self._draft: memoryview | None = None
+
+    def target(self, state_len: int) -> memoryview:
+        """Room for `state_len` bytes of target state; the view the core writes."""
+        self._target = _file_buffer(slotfile.target_file_size(state_len))
+        return self._target[slotfile.TARGET_STATE_AT:][:state_len]
+
+    def draft(self, state_len: int) -> memoryview:
+        """Room for `state_len` bytes of draft state; the view the core writes."""
+        self._draft = _file_buffer(slotfile.draft_file_size(state_len))
+        return self._draft[slotfile.DRAFT_STATE_AT:][:state_len]
+
+    def encode(self, target_state: memoryview, draft_state: memoryview | None,
+               target: ModelSpec, draft: ModelSpec | None) -> EncodedSlot:
+        """The slot files of the state the core wrote (`target_state`, `draft_state`:
+        the views it returned, which must fill the rooms allocated)."""
+        tbuf = _written(self._target, target_state, slotfile.target_file_size)
+        n_tokens, tdigest = slotfile.seal_target(tbuf, target)
+        dbuf = None
+        if draft_state is not None and draft is not None:
+            dbuf = _written(self._draft, draft_state, slotfile.draft_file_size)
+            slotfile.seal_draft(dbuf, tdigest, draft)
+        return EncodedSlot(tbuf.toreadonly(), dbuf.toreadonly() if dbuf is not None else None,
+                           tdigest, n_tokens)
+
+
+def _file_buffer(size: int) -> memoryview:
+    # not zero-filled: the core and the headers write every byte
+    return memoryview(np.empty(size, dtype=np.uint8))
+
+
+def _written(buf: memoryview | None, state: memoryview, file_size: Callable[[int], int]
+             ) -> memoryview:
+    if buf is None or len(buf) != file_size(len(state)):
+        raise ValueError(f"{len(state)} bytes of core state do not fill the file buffer")
+    return buf
+
+
+def encode_slot(target_state: bytes | memoryview, draft_state: bytes | memoryview | None,
+                target: ModelSpec, draft: ModelSpec | None) -> EncodedSlot:
+    """The slot files of core state read apart (Context.get_state,
+    SpecDecoder.draft_state): copied into SlotFileBuffers and encoded there."""
+    bufs = SlotFileBuffers()
+    tview = bufs.target(len(target_state))
+    tview[:] = memoryview(target_state).cast("B")
+    dview = None
+    if draft_state is not None:
+        dview = bufs.draft(len(draft_state))
+        dview[:] = memoryview(draft_state).cast("B")
+    return bufs.encode(tview, dview, target, draft)
 
 
 @dataclass(frozen=True)
@@ -54,7 +106,7 @@ class PreparedRestore:
 
     target_parts: tuple[bytes, bytes, bytes | memoryview]  # Context.set_state_parts pieces
     n_tokens: int
-    draft_state: bytes | None  # SpecDecoder.set_draft_state bytes; None: apply the policy
+    draft_state: memoryview | None  # the sidecar's draft state; None: apply the policy
     draft_note: str  # why draft_state is None
     n_read: int
 
@@ -64,7 +116,10 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
     """Loads (by `deadline`, time.monotonic()) and checks a saved slot. Raises NotFound,
     slotfile errors for the target; a sidecar that cannot be used only sets draft_note."""
     stored = store.load(name, deadline=deadline)
-    t = slotfile.decode_target(stored.target, stored.target_body_sha256)
+    target_digest, body_digest = stored.target_sha256, stored.target_body_sha256
+    if target_digest is None:  # both from one pass over the file
+        target_digest, body_digest = slotfile.file_digests(stored.target)
+    t = slotfile.decode_target(stored.target, body_digest)
     slotfile.check_target(t, target)
     n_read = len(stored.target)
     draft_state, note = None, stored.draft_note
@@ -74,9 +129,8 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
         n_read += len(stored.draft)
         try:
             d = slotfile.decode_draft(stored.draft)
-            target_digest = stored.target_sha256 or slotfile.digest(stored.target)
             slotfile.check_draft(d, target_digest, t, draft)
-            draft_state, note = bytes(d.state), ""
+            draft_state, note = memoryview(d.state), ""
         except slotfile.SlotFileError as exc:
             note = str(exc)
     return PreparedRestore(slotfile.core_parts_from_target(t), t.n_tokens, draft_state, note,

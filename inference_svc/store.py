@@ -2,7 +2,7 @@
 
 A store keeps, per name, the bytes of a target file and optionally of its draft
 sidecar; it neither parses nor validates them (inference_svc.slotfile does).
-The snapshot service's store (issue 6) implements the same interface, so the
+The snapshot service's store (snapshot_store.py) implements the same interface, so the
 bytes of a target file are the same whichever store holds it.
 """
 
@@ -18,7 +18,9 @@ from typing import Protocol
 
 from inference_svc.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inference_svc.names import DRAFT_SUFFIX, validate_name
+from snapshot_svc.clientlib.files import fsync_dir
 
+Buffer = bytes | memoryview  # a slot file's bytes, whoever holds them
 LOCAL_MAX_NAME_BYTES = 255 - len(DRAFT_SUFFIX)  # `<name>.drft` must be a valid file name
 
 
@@ -26,8 +28,8 @@ LOCAL_MAX_NAME_BYTES = 255 - len(DRAFT_SUFFIX)  # `<name>.drft` must be a valid 
 class StoredSlot:
     """The bytes of one saved slot. draft is None when there is no usable sidecar."""
 
-    target: bytes
-    draft: bytes | None
+    target: Buffer
+    draft: Buffer | None
     draft_note: str = ""  # why draft is None
     # hex SHA-256 of `target` when the store has already verified it (saves a rehash)
     target_sha256: str | None = field(default=None, compare=False)
@@ -43,7 +45,7 @@ class SlotStore(Protocol):
         """What GetInfo reports, e.g. "local:/var/slots"."""
         ...
 
-    def save(self, name: str, target: bytes, draft: bytes | None, *,
+    def save(self, name: str, target: Buffer, draft: Buffer | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
         """Stores both files as one save; returns the bytes written: the target's alone
         when the store kept no draft. Without a draft, any sidecar of an earlier save
@@ -69,14 +71,6 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 TEMP_PREFIX = ".tmp-"  # a file being written; removed at start-up
@@ -129,7 +123,7 @@ class LocalStore:
                 self._settle(p.name)
         for p in self.dir.glob(f"{PENDING_PREFIX}*"):  # no target of that name any more
             p.unlink(missing_ok=True)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def _path(self, name: str) -> Path:
         validate_name(name)
@@ -164,9 +158,9 @@ class LocalStore:
                 p.unlink()
             else:
                 os.replace(p, path.with_name(name + DRAFT_SUFFIX))
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
-    def _write_temp(self, data: bytes) -> Path:
+    def _write_temp(self, data: Buffer) -> Path:
         tmp = self.dir / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
         try:
             with open(tmp, "xb") as f:
@@ -178,7 +172,7 @@ class LocalStore:
             raise
         return tmp
 
-    def save(self, name: str, target: bytes, draft: bytes | None, *,
+    def save(self, name: str, target: Buffer, draft: Buffer | None, *,
              target_sha256: str | None = None, deadline: float | None = None) -> int:
         """`target_sha256`: the target's hex SHA-256 when the caller has it (saves
         hashing it again); `deadline`: nothing to wait for locally."""
@@ -195,16 +189,16 @@ class LocalStore:
                 temps.append(self._write_temp(draft if draft is not None else b""))
                 os.replace(temps[1], pending)
                 temps[1] = pending
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 os.replace(temps[0], path)  # the commit point
                 temps.clear()  # from here on, a failure leaves the pending file to _settle
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
                 if draft is not None:
                     os.replace(pending, side)
                 else:
                     side.unlink(missing_ok=True)
                     pending.unlink()
-                _fsync_dir(self.dir)
+                fsync_dir(self.dir)
             except OSError as exc:
                 for t in temps:  # before the commit point: the earlier save stays whole
                     t.unlink(missing_ok=True)
@@ -250,7 +244,7 @@ class LocalStore:
                     except FileNotFoundError:
                         pass
                 if removed:
-                    _fsync_dir(self.dir)
+                    fsync_dir(self.dir)
             except OSError as exc:
                 raise Unavailable(f"cannot delete {name!r} in {self.dir}: {exc}") from exc
         return removed

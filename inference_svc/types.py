@@ -6,6 +6,7 @@ convert the result with `to_pb`. Every check of a request's content is here.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -246,10 +247,7 @@ class SaveResult:
     target_sha256: str
 
     def to_pb(self) -> pb.SaveSlotResponse:
-        return pb.SaveSlotResponse(id_slot=self.id_slot, filename=self.filename,
-                                   n_saved=self.n_saved, n_written=self.n_written,
-                                   draft_saved=self.draft_saved, save_ms=self.save_ms,
-                                   target_sha256=self.target_sha256)
+        return pb.SaveSlotResponse(**_fields(self))
 
 
 @dataclass(frozen=True)
@@ -264,8 +262,11 @@ class RestoreResult:
     draft_note: str = ""
 
     def to_pb(self) -> pb.RestoreSlotResponse:
-        return pb.RestoreSlotResponse(
-            id_slot=self.id_slot, filename=self.filename, n_restored=self.n_restored,
-            n_read=self.n_read, draft_restored=self.draft_restored,
-            draft_policy_applied=int(self.draft_policy), restore_ms=self.restore_ms,
-            draft_note=self.draft_note)
+        out = _fields(self)
+        out["draft_policy_applied"] = int(out.pop("draft_policy"))
+        return pb.RestoreSlotResponse(**out)
+
+
+def _fields(obj: object) -> dict[str, object]:
+    """A dataclass's fields by name (each result's fields are its response's)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}  # type: ignore[arg-type]

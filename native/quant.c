@@ -97,6 +97,43 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
+/* sub-block c (32 values) of a Q4_K/Q5_K row: its block b, its low and high quant bits,
+   its index s in the block (its 4-bit half: s & 1; its high bit: bit s), scale and min */
+typedef struct {
+    const uint8_t *b, *qs, *qh;
+    int k5, s, sc, mn;
+} k4_sub;
+
+static inline k4_sub k4_sub_block(int32_t type, const uint8_t *row, int c) {
+    k4_sub k;
+    k.k5 = type == WS_TYPE_Q5_K;
+    k.s = c % 8;
+    k.b = row + (size_t)(c / 8) * (k.k5 ? 176 : 144);
+    k.qh = k.b + 16;
+    k.qs = k.b + 16 + (k.k5 ? 32 : 0) + 32 * (k.s / 2);
+    scale_min_k4(k.s, k.b + 4, &k.sc, &k.mn);
+    return k;
+}
+
+/* sub-block c (32 values) of a Q6_K row: its block b, low and high quant bits, its
+   two 16-value scales, and g (low bits: the high nibble when g >= 2; high bits at 2g) */
+typedef struct {
+    const uint8_t *b, *ql, *qh;
+    const int8_t *sc;
+    int g;
+} q6_sub;
+
+static inline q6_sub q6_sub_block(const uint8_t *row, int c) {
+    const int s = c % 8, h = s / 4;
+    q6_sub q;
+    q.g = s % 4;
+    q.b = row + (size_t)(c / 8) * 210;
+    q.ql = q.b + 64 * h + 32 * (q.g & 1);
+    q.qh = q.b + 128 + 32 * h;
+    q.sc = (const int8_t *)(q.b + 192) + 8 * h + 2 * q.g;
+    return q;
+}
+
 /*
  * Elements [32c, 32c + 32) of a quantized row (c: chunk index; a 256-element block
  * holds 8 chunks, one per sub-block) into out[32]. For the plain types, 32 elements.
@@ -152,28 +189,23 @@ static void unpack32_ref(int32_t type, const uint8_t *row, int c, float *out) {
     }
     case WS_TYPE_Q4_K:
     case WS_TYPE_Q5_K: {
-        const int k5 = type == WS_TYPE_Q5_K, s = c % 8;
-        const uint8_t *b = row + (size_t)(c / 8) * (k5 ? 176 : 144);
-        const uint8_t *qh = b + 16, *qs = b + 16 + (k5 ? 32 : 0) + 32 * (s / 2);
-        int sc, mn;
-        scale_min_k4(s, b + 4, &sc, &mn);
-        const float d1 = half_to_float(b) * (float)sc, m1 = half_to_float(b + 2) * (float)mn;
+        const k4_sub k = k4_sub_block(type, row, c);
+        const float d1 = half_to_float(k.b) * (float)k.sc, m1 = half_to_float(k.b + 2) * (float)k.mn;
         for (int l = 0; l < 32; l++) {
-            int q = s & 1 ? qs[l] >> 4 : qs[l] & 0xF;
-            if (k5) q |= ((qh[l] >> s) & 1) << 4;
+            int q = k.s & 1 ? k.qs[l] >> 4 : k.qs[l] & 0xF;
+            if (k.k5) q |= ((k.qh[l] >> k.s) & 1) << 4;
             out[l] = fmaf(d1, (float)q, -m1);
         }
         return;
     }
     case WS_TYPE_Q6_K: {
-        const int s = c % 8, h = s / 4, g = s % 4;
-        const uint8_t *b = row + (size_t)(c / 8) * 210;
-        const uint8_t *ql = b + 64 * h + 32 * (g & 1), *qh = b + 128 + 32 * h;
-        const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * g;
-        const float d = half_to_float(b + 208);
+        const q6_sub k = q6_sub_block(row, c);
+        const int g = k.g;
+        const float d = half_to_float(k.b + 208);
         for (int l = 0; l < 32; l++) {
-            const int q = ((g >= 2 ? ql[l] >> 4 : ql[l] & 0xF) | ((qh[l] >> (2 * g)) & 3) << 4) - 32;
-            out[l] = (d * (float)sc[l / 16]) * (float)q;
+            const int q =
+                ((g >= 2 ? k.ql[l] >> 4 : k.ql[l] & 0xF) | ((k.qh[l] >> (2 * g)) & 3) << 4) - 32;
+            out[l] = (d * (float)k.sc[l / 16]) * (float)q;
         }
         return;
     }
@@ -273,18 +305,14 @@ static inline __attribute__((always_inline)) chunk32 unpack32(const int32_t type
     }
     case WS_TYPE_Q4_K:
     case WS_TYPE_Q5_K: {
-        const int k5 = type == WS_TYPE_Q5_K, s = c % 8;
-        const uint8_t *b = row + (size_t)(c / 8) * (k5 ? 176 : 144);
-        const uint8_t *qh = b + 16, *qs = b + 16 + (k5 ? 32 : 0) + 32 * (s / 2);
-        int sc, mn;
-        scale_min_k4(s, b + 4, &sc, &mn);
-        const __m256 d1 = _mm256_set1_ps(half_scalar(b) * (float)sc);
-        const __m256 m1 = _mm256_set1_ps(-(half_scalar(b + 2) * (float)mn));
+        const k4_sub k = k4_sub_block(type, row, c);
+        const __m256 d1 = _mm256_set1_ps(half_scalar(k.b) * (float)k.sc);
+        const __m256 m1 = _mm256_set1_ps(-(half_scalar(k.b + 2) * (float)k.mn));
         for (int g = 0; g < 4; g++) {
-            const __m256i raw = load8_u8(qs + 8 * g);
-            __m256i q = s & 1 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, m4);
-            if (k5) {
-                const __m256i h = _mm256_srli_epi32(load8_u8(qh + 8 * g), s);
+            const __m256i raw = load8_u8(k.qs + 8 * g);
+            __m256i q = k.s & 1 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, m4);
+            if (k.k5) {
+                const __m256i h = _mm256_srli_epi32(load8_u8(k.qh + 8 * g), k.s);
                 q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(1)), 4));
             }
             w.v[g] = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(q), m1);
@@ -292,17 +320,15 @@ static inline __attribute__((always_inline)) chunk32 unpack32(const int32_t type
         return w;
     }
     case WS_TYPE_Q6_K: {
-        const int s = c % 8, h = s / 4, g2 = s % 4;
-        const uint8_t *b = row + (size_t)(c / 8) * 210;
-        const uint8_t *ql = b + 64 * h + 32 * (g2 & 1), *qh = b + 128 + 32 * h;
-        const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * g2;
-        const float d = half_scalar(b + 208);
-        const __m256 ds0 = _mm256_set1_ps(d * (float)sc[0]), ds1 = _mm256_set1_ps(d * (float)sc[1]);
+        const q6_sub k = q6_sub_block(row, c);
+        const int g2 = k.g;
+        const float d = half_scalar(k.b + 208);
+        const __m256 ds0 = _mm256_set1_ps(d * (float)k.sc[0]), ds1 = _mm256_set1_ps(d * (float)k.sc[1]);
         const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
         for (int g = 0; g < 4; g++) {
-            const __m256i raw = load8_u8(ql + 8 * g);
+            const __m256i raw = load8_u8(k.ql + 8 * g);
             const __m256i lo = g2 >= 2 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(load8_u8(qh + 8 * g), 2 * g2), three);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(load8_u8(k.qh + 8 * g), 2 * g2), three);
             const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
             w.v[g] = _mm256_mul_ps(g < 2 ? ds0 : ds1, _mm256_cvtepi32_ps(q));
         }

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "warmslot.h"
+#include "ws_error.h"
 #include "ws_math.h"
 
 /* one slot's part of a (batched) speculative step */
@@ -53,14 +54,7 @@ struct ws_spec {
     char last_error[256];
 };
 
-static ws_status fail(const ws_spec *cs, ws_status st, const char *fmt, ...) {
-    ws_spec *s = (ws_spec *)cs;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(s->last_error, sizeof s->last_error, fmt, ap);
-    va_end(ap);
-    return st;
-}
+WS_DEFINE_FAIL(fail, ws_spec)
 
 /* a failed context call: keep its message */
 static ws_status fail_from(ws_spec *s, ws_context *ctx, ws_status st, const char *what) {
@@ -360,12 +354,6 @@ static ws_status check_slot(const ws_spec *s, int32_t slot) {
         return fail(s, WS_ERR_INVALID_ARGUMENT, "slot %d out of range 0..%d", slot, s->n_slots - 1);
     return WS_OK;
 }
-
-#define TRY(expr)                          \
-    do {                                   \
-        ws_status st_ = (expr);            \
-        if (st_ != WS_OK) return st_;      \
-    } while (0)
 
 static int32_t kv_len(const ws_context *ctx, int32_t slot) {
     int32_t n = 0;
@@ -873,8 +861,9 @@ ws_status ws_spec_clear(ws_spec *s, int32_t slot) {
 /* ------------------------------------------------------------------------- */
 /* draft state: spec header then the draft context's slot state                */
 
-/* magic, version, d_off, lag_ok, rng[4], then counters (4 + 2*16 u64) */
-#define SPEC_HEADER_BYTES (4u * 4u + 8u * 4u + 8u * (4u + 2u * WS_SPEC_MAX_DRAFT))
+#define SPEC_HEADER_BYTES WS_SPEC_STATE_HEADER_BYTES
+_Static_assert(SPEC_HEADER_BYTES == 4u * 4u + 8u * 4u + 8u * (4u + 2u * WS_SPEC_MAX_DRAFT),
+               "WS_SPEC_STATE_HEADER_BYTES is the size of the fields ws_spec_state_get writes");
 
 static void put32(uint8_t **p, uint32_t v) {
     for (int i = 0; i < 4; i++) (*p)[i] = (uint8_t)(v >> (8 * i));

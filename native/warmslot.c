@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE
 #include "warmslot.h"
+#include "ws_error.h"
 #include "ws_math.h"
 
 #include <math.h>
@@ -316,14 +317,7 @@ struct ws_context {
     char last_error[256];
 };
 
-static ws_status fail_ctx(const ws_context *cctx, ws_status st, const char *fmt, ...) {
-    ws_context *ctx = (ws_context *)cctx;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(ctx->last_error, sizeof ctx->last_error, fmt, ap);
-    va_end(ap);
-    return st;
-}
+WS_DEFINE_FAIL(fail_ctx, ws_context)
 
 const char *ws_context_last_error(const ws_context *ctx) { return ctx ? ctx->last_error : ""; }
 
@@ -433,28 +427,12 @@ void ws_context_free(ws_context *ctx) {
         pthread_mutex_destroy(&ctx->pool.mu);
         pthread_cond_destroy(&ctx->pool.cv);
     }
-    free(ctx->k_cache);
-    free(ctx->v_cache);
-    free(ctx->tokens);
-    free(ctx->n_past);
-    free(ctx->rope_cos);
-    free(ctx->rope_sin);
-    free(ctx->rope_cos_swa);
-    free(ctx->rope_sin_swa);
-    free(ctx->ybuf);
-    free(ctx->x);
-    free(ctx->xn);
-    free(ctx->q);
-    free(ctx->att);
-    free(ctx->hb);
-    free(ctx->hb2);
-    free(ctx->scores);
-    free(ctx->tok_slot);
-    free(ctx->tok_pos);
-    free(ctx->kbuf);
-    free(ctx->vbuf);
-    free(ctx->wbuf);
-    free(ctx);
+    void *owned[] = {ctx->k_cache, ctx->v_cache, ctx->tokens,   ctx->n_past,  ctx->rope_cos,
+                     ctx->rope_sin, ctx->rope_cos_swa, ctx->rope_sin_swa, ctx->ybuf,
+                     ctx->x,        ctx->xn,      ctx->q,        ctx->att,     ctx->hb,
+                     ctx->hb2,      ctx->scores,  ctx->tok_slot, ctx->tok_pos, ctx->kbuf,
+                     ctx->vbuf,     ctx->wbuf,    ctx};
+    for (size_t i = 0; i < sizeof owned / sizeof *owned; i++) free(owned[i]);
 }
 
 ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_context **out) {
@@ -800,6 +778,23 @@ static void add_normed(ws_context *ctx, const float *w, int ith, int nth, int nt
     }
 }
 
+/* the residual stream x += w . in for this thread's share of the rows (in: [nt][n_in]);
+   gemma3 normalises w . in by post_norm first (through ybuf, a barrier between) */
+static void add_projection(ws_context *ctx, const ws_tensor *w, const float *in, int n_in,
+                           const float *post_norm, int ith, int nth, int nt, float *wbuf) {
+    const int E = ctx->model->hp.n_embd;
+    int a, b;
+    split_range(E, ith, nth, 4, &a, &b);
+    if (post_norm) {
+        ws_matmul(ctx->ybuf, E, w, in, n_in, a, b, nt, 0, wbuf);
+        pool_barrier(&ctx->pool);
+        add_normed(ctx, post_norm, ith, nth, nt);
+    } else {
+        ws_matmul(ctx->x, E, w, in, n_in, a, b, nt, 1, wbuf);
+    }
+    pool_barrier(&ctx->pool);
+}
+
 static void forward_worker(ws_context *ctx, int ith) {
     const ws_model *m = ctx->model;
     const ws_hparams *hp = &m->hp;
@@ -867,15 +862,8 @@ static void forward_worker(ws_context *ctx, int ith) {
         pool_barrier(pool);
 
         /* output projection added to the residual stream (gemma3: its post-norm first) */
-        split_range(E, ith, nth, 4, &a, &b);
-        if (gemma) {
-            ws_matmul(ctx->ybuf, E, &L->wo, ctx->att, Q, a, b, nt, 0, wbuf);
-            pool_barrier(pool);
-            add_normed(ctx, L->post_attn_norm, ith, nth, nt);
-        } else {
-            ws_matmul(ctx->x, E, &L->wo, ctx->att, Q, a, b, nt, 1, wbuf);
-        }
-        pool_barrier(pool);
+        add_projection(ctx, &L->wo, ctx->att, Q, gemma ? L->post_attn_norm : NULL, ith, nth, nt,
+                       wbuf);
 
         rmsnorm_rows(xn, ctx->x, L->ffn_norm, E, hp->rms_eps, 0, nt);
 
@@ -892,15 +880,8 @@ static void forward_worker(ws_context *ctx, int ith) {
         }
         pool_barrier(pool);
 
-        split_range(E, ith, nth, 4, &a, &b);
-        if (gemma) {
-            ws_matmul(ctx->ybuf, E, &L->w_down, ctx->hb, F, a, b, nt, 0, wbuf);
-            pool_barrier(pool);
-            add_normed(ctx, L->post_ffn_norm, ith, nth, nt);
-        } else {
-            ws_matmul(ctx->x, E, &L->w_down, ctx->hb, F, a, b, nt, 1, wbuf);
-        }
-        pool_barrier(pool);
+        add_projection(ctx, &L->w_down, ctx->hb, F, gemma ? L->post_ffn_norm : NULL, ith, nth, nt,
+                       wbuf);
     }
 
     /* final norm and logits of the wanted tokens */
@@ -937,8 +918,7 @@ static ws_status check_slot(const ws_context *ctx, int32_t slot) {
 
 ws_status ws_slot_n_tokens(const ws_context *ctx, int32_t slot, int32_t *n_out) {
     if (!ctx || !n_out) return WS_ERR_INVALID_ARGUMENT;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
+    TRY(check_slot(ctx, slot));
     *n_out = ctx->n_past[slot];
     return WS_OK;
 }
@@ -946,8 +926,7 @@ ws_status ws_slot_n_tokens(const ws_context *ctx, int32_t slot, int32_t *n_out) 
 ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size_t cap,
                          int32_t *n_out) {
     if (!ctx || !n_out || (!out && cap > 0)) return WS_ERR_INVALID_ARGUMENT;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
+    TRY(check_slot(ctx, slot));
     const int32_t n = ctx->n_past[slot];
     *n_out = n;
     if (cap < (size_t)n)
@@ -970,8 +949,7 @@ static void embed(const ws_context *ctx, int32_t token, float *out) {
 ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_t n_tokens,
                     int logits_all, float *logits, size_t logits_cap) {
     if (!ctx) return WS_ERR_INVALID_ARGUMENT;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
+    TRY(check_slot(ctx, slot));
     const ws_hparams *hp = &ctx->model->hp;
     if (!tokens || n_tokens <= 0)
         return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT, "decode needs at least one token (got %d)",
@@ -1108,8 +1086,7 @@ ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *
 
 ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n) {
     if (!ctx) return WS_ERR_INVALID_ARGUMENT;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
+    TRY(check_slot(ctx, slot));
     if (n < 0 || n > ctx->n_past[slot])
         return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT, "cannot truncate slot %d of %d tokens to %d",
                         slot, ctx->n_past[slot], n);
@@ -1121,8 +1098,6 @@ ws_status ws_slot_clear(ws_context *ctx, int32_t slot) { return ws_slot_truncate
 
 /* ------------------------------------------------------------------------- */
 /* slot state                                                                  */
-
-#define WS_STATE_HEADER_BYTES 32u
 
 static size_t state_bytes(const ws_context *ctx, size_t n_tokens) {
     return WS_STATE_HEADER_BYTES + sizeof(int32_t) * n_tokens +
@@ -1143,8 +1118,7 @@ static uint32_t get_u32(const uint8_t *p) {
 
 ws_status ws_slot_state_size(const ws_context *ctx, int32_t slot, size_t *size_out) {
     if (!ctx || !size_out) return WS_ERR_INVALID_ARGUMENT;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
+    TRY(check_slot(ctx, slot));
     *size_out = state_bytes(ctx, (size_t)ctx->n_past[slot]);
     return WS_OK;
 }
@@ -1153,8 +1127,7 @@ ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, s
                             size_t *written_out) {
     if (!ctx || !written_out) return WS_ERR_INVALID_ARGUMENT;
     *written_out = 0;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
+    TRY(check_slot(ctx, slot));
     const size_t n = (size_t)ctx->n_past[slot];
     const size_t need = state_bytes(ctx, n);
     if (!buf || cap < need)
@@ -1265,8 +1238,7 @@ static ws_status state_set_begin(ws_context *ctx, int32_t slot, const uint8_t *h
                                  size_t header_len, size_t *read_out, uint32_t *n_out) {
     if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
     *read_out = 0;
-    ws_status st = check_slot(ctx, slot);
-    if (st != WS_OK) return st;
+    TRY(check_slot(ctx, slot));
     ctx->n_past[slot] = 0;
     return state_header_check(ctx, header, header_len, n_out);
 }

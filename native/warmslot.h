@@ -27,6 +27,7 @@ extern "C" {
 
 #define WS_STATE_MAGIC   0x564b5357u /* "WSKV" little-endian */
 #define WS_STATE_VERSION 2u  /* 2: dtype f16 allowed; version 1 (f32 only) is still read */
+#define WS_STATE_HEADER_BYTES 32u /* the slot state's header: 8 x u32 (ws_slot_state_get) */
 #define WS_MAX_LAYERS    256
 #define WS_MAX_THREADS   64
 #define WS_MAX_SLOTS     1024
@@ -274,6 +275,10 @@ ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *
 #define WS_SPEC_MAX_DRAFT 16
 #define WS_SPEC_STATE_MAGIC 0x50535357u /* "WSSP" */
 #define WS_SPEC_STATE_VERSION 1u
+/* the draft state's header: magic, version, d_off, lag_ok (u32), rng[4], then the
+   counters n_steps, n_drafted, n_accepted, n_draft_prefill, drafted_at[16],
+   accepted_at[16] (u64) */
+#define WS_SPEC_STATE_HEADER_BYTES 336u
 
 typedef struct {
     float temperature; /* <= 0: greedy                              */

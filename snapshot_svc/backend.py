@@ -127,6 +127,18 @@ def readable_part(snap: SnapshotInfo | None, name: str, part: Part,
     return info
 
 
+class HeaderChecks:
+    """`check_header` against the backend's own part size limit (every backend)."""
+
+    max_snapshot_bytes: int
+
+    def check_header(self, name: str, part: Part, size: int, sha256: str, meta: PartMeta,
+                     draft_follows: bool = False, target_sha256: str = "",
+                     trailer: bool = False) -> UploadHeader:
+        return check_header(self.max_snapshot_bytes, name, part, size, sha256, meta,
+                            draft_follows, target_sha256, trailer)
+
+
 class PartUpload(Protocol):
     """One part being received."""
 

@@ -87,7 +87,7 @@ CHANNEL_OPTIONS = (
 )
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -144,8 +144,8 @@ class _PartSink:
     front, recycled when released) and a SHA-256 computed on a helper thread.
 
     Each chunk is hashed and copied into the buffer as it arrives, so its own memory
-    is reused for the next one (keeping all chunks and joining them at the end touched
-    twice the fresh memory; page faults dominate here)."""
+    is reused for the next one (keeping all chunks and joining them at the end would
+    touch twice as much fresh memory)."""
 
     def __init__(self, size: int, tail: int = 0) -> None:
         self.size = size
@@ -206,13 +206,9 @@ class SnapshotClient:
             raise ValueError(f"need {PROTOCOL_MIN} <= min_protocol <= max_protocol <= "
                              f"{PROTOCOL_MAX}")
         self.addr = addr
-        self.max_protocol = max_protocol
-        self.min_protocol = min_protocol
-        self.timeout = timeout
-        self.min_rate = min_rate
-        self.retries = retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
+        self.min_protocol, self.max_protocol = min_protocol, max_protocol
+        self.timeout, self.min_rate = timeout, min_rate
+        self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         if channel is None:
             channel = (grpc.insecure_channel(addr, options=list(CHANNEL_OPTIONS))
                        if credentials is None else
@@ -310,7 +306,7 @@ class SnapshotClient:
 
     # --- put --------------------------------------------------------------------------
 
-    def put(self, name: str, target: bytes, draft: bytes | None = None,
+    def put(self, name: str, target: bytes | memoryview, draft: bytes | memoryview | None = None,
             target_meta: PartMeta | None = None, draft_meta: PartMeta | None = None, *,
             target_sha256: str | None = None, draft_sha256: str | None = None,
             deadline: float | None = None) -> PutResult:
@@ -328,7 +324,7 @@ class SnapshotClient:
         target_meta = target_meta or PartMeta()
         trailer = "sha256-trailer" in info.features
 
-        def digest_of(data: bytes, given: str | None) -> str | None:
+        def digest_of(data: bytes | memoryview, given: str | None) -> str | None:
             return given.lower() if given else (None if trailer else _sha256(data))
 
         t_sha = digest_of(target, target_sha256)
@@ -355,7 +351,8 @@ class SnapshotClient:
         d_info = PartInfo(Part.DRAFT, r.bytes, r.sha256, draft_meta, target_sha256=t_sha)
         return PutResult(name, r.commit_id, info.protocol, t_info, d_info)
 
-    def _put_part(self, name: str, part: Part, data: bytes, sha: str | None, meta: PartMeta,
+    def _put_part(self, name: str, part: Part, data: bytes | memoryview, sha: str | None,
+                  meta: PartMeta,
                   *, draft_follows: bool = False, target_sha256: str = "",
                   deadline: float | None = None) -> pb.PutResponse:
         """One part. `sha` None: hashed while sent, the digest goes in the trailer

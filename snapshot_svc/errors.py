@@ -4,22 +4,8 @@ call, so callers catch `NotFound`, `DataLoss`... instead of inspecting RpcErrors
 
 from __future__ import annotations
 
-from snapshot_svc.clientlib.errors import (
-    Cancelled,
-    DataLoss,
-    DeadlineExceeded,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-    from_rpc_error,
-)
+from snapshot_svc.clientlib import errors as _errors
+from snapshot_svc.clientlib.errors import *  # noqa: F403 (this module re-exports them)
 from snapshot_svc.clientlib.errors import StatusError as SnapshotError
 
-__all__ = ["Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
-           "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted",
-           "SnapshotError", "Unauthenticated", "Unavailable", "from_rpc_error"]
+__all__ = [*_errors.__all__, "SnapshotError"]

@@ -54,7 +54,7 @@ from typing import Any
 
 from botocore.exceptions import NoCredentialsError
 
-from snapshot_svc.backend import PutOutcome, UploadHeader, check_header, readable_part
+from snapshot_svc.backend import HeaderChecks, PutOutcome, UploadHeader, readable_part
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
@@ -66,7 +66,7 @@ from snapshot_svc.errors import (
 )
 from snapshot_svc.logs import log_event
 from snapshot_svc.names import validate_name
-from snapshot_svc.records import Part, PartInfo, PartMeta, SnapshotInfo
+from snapshot_svc.records import Part, PartInfo, SnapshotInfo
 from snapshot_svc.s3client import S3Location, is_missing, make_client, s3_error
 from snapshot_svc.s3parts import Leftovers, S3Reader, S3Upload
 
@@ -96,7 +96,7 @@ class _Manifest:
         return cls(snap, str(d["target_key"]), None if draft_key is None else str(draft_key))
 
 
-class S3Store:
+class S3Store(HeaderChecks):
     """The S3 backend of one replica. Thread-safe (boto3 clients are)."""
 
     spares = None
@@ -259,12 +259,6 @@ class S3Store:
         return m
 
     # --- Put --------------------------------------------------------------------------
-
-    def check_header(self, name: str, part: Part, size: int, sha256: str, meta: PartMeta,
-                     draft_follows: bool = False, target_sha256: str = "",
-                     trailer: bool = False) -> UploadHeader:
-        return check_header(self.max_snapshot_bytes, name, part, size, sha256, meta,
-                            draft_follows, target_sha256, trailer)
 
     def begin_put(self, header: UploadHeader) -> S3Upload:
         key = f"{self.loc.prefix}blobs/{self.replica_id}/{uuid.uuid4().hex}"

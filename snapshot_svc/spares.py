@@ -39,7 +39,7 @@ class SparePool:
         self.directory = directory
         self.max_bytes = max_bytes
         self.max_files = max_files
-        self.min_bytes = min_bytes  # smaller files and uploads gain nothing measurable
+        self.min_bytes = min_bytes  # smaller files are not kept, smaller uploads take none
         self._lock = threading.Lock()
         self._files: deque[tuple[Path, int]] = deque()  # oldest first
         self._bytes = 0

@@ -42,14 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapshot_svc.backend import (
+    HeaderChecks,
     PutOutcome,
     UploadHeader,
     check_complete,
-    check_header,
     check_received,
     check_trailer_sha256,
     readable_part,
 )
+from snapshot_svc.clientlib.files import fsync_dir
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
@@ -61,21 +62,13 @@ from snapshot_svc.errors import (
 )
 from snapshot_svc.logs import log_event
 from snapshot_svc.names import validate_name
-from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
+from snapshot_svc.records import SHA256_HEX, Part, PartInfo, SnapshotInfo
 from snapshot_svc.spares import SparePool
 
 log = logging.getLogger("snapshot_svc.storage")
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _WRITEBACK_BYTES = 16 << 20  # a large upload starts writeback every this many bytes
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _io_error(what: str, exc: OSError) -> Exception:
@@ -229,7 +222,7 @@ class BlobReader:
             self.fd = -1
 
 
-class Store:
+class Store(HeaderChecks):
     """The data directory of one server (the local backend). Thread-safe."""
 
     def __init__(self, root: Path, *, max_snapshot_bytes: int, stage_ttl_s: float = 300.0,
@@ -324,12 +317,6 @@ class Store:
     def describe(self) -> str:
         return str(self.root)
 
-    def check_header(self, name: str, part: Part, size: int, sha256: str, meta: PartMeta,
-                     draft_follows: bool = False, target_sha256: str = "",
-                     trailer: bool = False) -> UploadHeader:
-        return check_header(self.max_snapshot_bytes, name, part, size, sha256, meta,
-                            draft_follows, target_sha256, trailer)
-
     def begin_put(self, header: UploadHeader) -> Upload:
         """The upload's temporary file: a spare overwritten in place if there is one.
         A disk too full for the declared size first gets the spares' space back."""
@@ -377,7 +364,7 @@ class Store:
                 self.spares.offer(tmp, size)
                 return
             os.rename(tmp, dst)
-            _fsync_dir(self.blobs)
+            fsync_dir(self.blobs)
         except OSError as exc:
             raise _io_error(f"storing blob {sha}", exc) from exc
         self._blob_sizes[sha] = size
@@ -432,7 +419,7 @@ class Store:
             finally:
                 os.close(fd)
             os.rename(tmp, final)
-            _fsync_dir(self.manifests)
+            fsync_dir(self.manifests)
         except OSError as exc:
             try:
                 tmp.unlink()
@@ -531,13 +518,17 @@ class Store:
             if self._readers[sha256] <= 0:
                 del self._readers[sha256]
 
-    def stat(self, name: str) -> SnapshotInfo:
-        validate_name(name)
-        with self._lock:
-            snap = self._index.get(name)
+    def _indexed(self, name: str) -> SnapshotInfo:
+        """The snapshot of a valid name (under the lock); NotFound when there is none."""
+        snap = self._index.get(name)
         if snap is None:
             raise NotFound(f"no snapshot named {name!r}")
         return snap
+
+    def stat(self, name: str) -> SnapshotInfo:
+        validate_name(name)
+        with self._lock:
+            return self._indexed(name)
 
     def list(self, prefix: str = "") -> list[SnapshotInfo]:
         with self._lock:
@@ -548,12 +539,10 @@ class Store:
         """Removes both parts of a snapshot; returns the bytes freed on disk."""
         validate_name(name)
         with self._lock:
-            snap = self._index.get(name)
-            if snap is None:
-                raise NotFound(f"no snapshot named {name!r}")
+            snap = self._indexed(name)
             try:
                 os.unlink(self.manifests / f"{manifest_key(name)}.json")
-                _fsync_dir(self.manifests)
+                fsync_dir(self.manifests)
             except OSError as exc:
                 raise _io_error(f"deleting {name!r}", exc) from exc
             del self._index[name]

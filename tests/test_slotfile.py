@@ -16,6 +16,7 @@ import pytest
 from inference_svc import slotfile as sf
 from inference_svc.errors import InvalidArgument, NotFound
 from inference_svc.names import name_problem
+from inference_svc.snapshots import encode_slot
 from inference_svc.store import LocalStore
 
 LAYOUT = sf.KVLayout(n_layer=2, n_head_kv=1, head_dim=4)
@@ -90,6 +91,31 @@ def test_core_state_conversion_round_trip() -> None:
     assert b"".join(sf.core_parts_from_target(sf.decode_target(sf.encode_target(t)))) == state
     with pytest.raises(ValueError, match="layout"):
         sf.target_from_core(core_kv([1], sf.KVLayout(1, 1, 4)), SPEC_T)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 300])
+def test_files_built_in_place_are_the_encoded_files(n: int) -> None:
+    """encode_slot builds both files around the core's state in place: byte for byte
+    what encode_target / encode_draft write from the same state, digests included."""
+    toks = [(11 * k + 3) % 100 for k in range(n)]
+    state, dstate = core_kv(toks, LAYOUT, seed=n), core_spec(toks[n // 2:], n // 2)
+    enc = encode_slot(state, dstate, SPEC_T, SPEC_D)
+    want_t = sf.encode_target(sf.target_from_core(state, SPEC_T))
+    want_d = sf.encode_draft(sf.draft_from_core(dstate, sf.digest(want_t), SPEC_D))
+    assert (bytes(enc.target), enc.target_sha256, enc.n_tokens) == (want_t, sf.digest(want_t), n)
+    assert enc.draft is not None and bytes(enc.draft) == want_d
+    assert sf.file_digests(enc.target) == (sf.digest(want_t),
+                                           hashlib.sha256(want_t[:-sf.DIGEST_LEN]).hexdigest())
+    assert encode_slot(state, None, SPEC_T, None).draft is None
+
+
+def test_files_built_in_place_refuse_a_state_that_is_not_the_models() -> None:
+    with pytest.raises(ValueError, match="layout"):
+        encode_slot(core_kv([1], sf.KVLayout(1, 1, 4)), None, SPEC_T, None)
+    with pytest.raises(ValueError, match="does not hold 2 tokens"):
+        encode_slot(core_kv([1, 2], LAYOUT)[:-4], None, SPEC_T, None)
+    with pytest.raises(ValueError, match="WSSP"):
+        encode_slot(core_kv([1], LAYOUT), b"nope" * 20, SPEC_T, SPEC_D)
 
 
 def test_draft_round_trip() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .errors import error_for_status
@@ -46,6 +47,15 @@ def _message(ctx: Any = None) -> str:
 def _check(status: int, ctx: Any = None) -> None:
     if status != 0:
         raise error_for_status(status, _message(ctx))
+
+
+def _out(check: Callable[[int, Any], None], ctype: str, fn: Callable[..., int], handle: Any,
+         *args: Any) -> int:
+    """fn(handle, *args, out) for a C call that writes one `ctype` result to `out`;
+    check(status, handle) raises on failure."""
+    out = ffi.new(f"{ctype} *")
+    check(fn(handle, *args, out), handle)
+    return int(out[0])
 
 
 def model_init(hparams: Any, weights: Any) -> Any:
@@ -85,15 +95,11 @@ def fp32_from_fp16(src: Any, dst: Any, n: int) -> None:
 
 
 def slot_n_tokens(ctx: Any, slot: int) -> int:
-    n = ffi.new("int32_t *")
-    _check(lib.ws_slot_n_tokens(ctx, slot, n), ctx)
-    return int(n[0])
+    return _out(_check, "int32_t", lib.ws_slot_n_tokens, ctx, slot)
 
 
 def slot_tokens(ctx: Any, slot: int, out: Any, cap: int) -> int:
-    n = ffi.new("int32_t *")
-    _check(lib.ws_slot_tokens(ctx, slot, out, cap, n), ctx)
-    return int(n[0])
+    return _out(_check, "int32_t", lib.ws_slot_tokens, ctx, slot, out, cap)
 
 
 def decode(ctx: Any, slot: int, tokens: Any, n_tokens: int, logits_all: bool, logits: Any,
@@ -114,29 +120,21 @@ def slot_clear(ctx: Any, slot: int) -> None:
 
 
 def slot_state_size(ctx: Any, slot: int) -> int:
-    n = ffi.new("size_t *")
-    _check(lib.ws_slot_state_size(ctx, slot, n), ctx)
-    return int(n[0])
+    return _out(_check, "size_t", lib.ws_slot_state_size, ctx, slot)
 
 
 def slot_state_get(ctx: Any, slot: int, buf: Any, cap: int) -> int:
-    n = ffi.new("size_t *")
-    _check(lib.ws_slot_state_get(ctx, slot, buf, cap, n), ctx)
-    return int(n[0])
-
-
-def slot_state_set(ctx: Any, slot: int, buf: Any, length: int) -> int:
-    n = ffi.new("size_t *")
-    _check(lib.ws_slot_state_set(ctx, slot, buf, length, n), ctx)
-    return int(n[0])
+    return _out(_check, "size_t", lib.ws_slot_state_get, ctx, slot, buf, cap)
 
 
 def slot_state_set_parts(ctx: Any, slot: int, header: Any, header_len: int, tokens: Any,
                          tokens_len: int, kv: Any, kv_len: int) -> int:
-    n = ffi.new("size_t *")
-    _check(lib.ws_slot_state_set_parts(ctx, slot, header, header_len, tokens, tokens_len, kv,
-                                       kv_len, n), ctx)
-    return int(n[0])
+    return _out(_check, "size_t", lib.ws_slot_state_set_parts, ctx, slot, header, header_len,
+                tokens, tokens_len, kv, kv_len)
+
+
+def slot_state_set(ctx: Any, slot: int, buf: Any, length: int) -> int:
+    return _out(_check, "size_t", lib.ws_slot_state_set, ctx, slot, buf, length)
 
 
 # ---- speculative decoding (ws_spec_*) ----
@@ -172,39 +170,28 @@ def spec_seed(spec: Any, slot: int, seed: int) -> None:
 
 
 def spec_n_tokens(spec: Any, slot: int) -> int:
-    n = ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_n_tokens(spec, slot, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "int32_t", lib.ws_spec_n_tokens, spec, slot)
 
 
 def spec_tokens(spec: Any, slot: int, out: Any, cap: int) -> int:
-    n = ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_tokens(spec, slot, out, cap, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "int32_t", lib.ws_spec_tokens, spec, slot, out, cap)
 
 
 def spec_draft_n_tokens(spec: Any, slot: int) -> int:
-    n = ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_draft_n_tokens(spec, slot, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "int32_t", lib.ws_spec_draft_n_tokens, spec, slot)
 
 
 def spec_draft_offset(spec: Any, slot: int) -> int:
-    n = ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_draft_offset(spec, slot, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "int32_t", lib.ws_spec_draft_offset, spec, slot)
 
 
 def spec_prefill(spec: Any, slot: int, tokens: Any, n: int, sp: Any, with_draft: bool) -> int:
-    tok = ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_prefill(spec, slot, tokens, n, sp, int(with_draft), tok), spec)
-    return int(tok[0])
+    return _out(_check_spec, "int32_t", lib.ws_spec_prefill, spec, slot, tokens, n, sp,
+                int(with_draft))
 
 
 def spec_step(spec: Any, slot: int, sp: Any, pp: Any, max_new: int, out: Any, cap: int) -> int:
-    n = ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_step(spec, slot, sp, pp, max_new, out, cap, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "int32_t", lib.ws_spec_step, spec, slot, sp, pp, max_new, out, cap)
 
 
 def spec_step_batch(spec: Any, n: int, slots: Any, sps: Any, pps: Any, max_new: Any, out: Any,
@@ -234,9 +221,7 @@ def spec_draft_reset(spec: Any, slot: int, offset: int) -> None:
 
 
 def spec_draft_sync(spec: Any, slot: int) -> int:
-    n = ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_draft_sync(spec, slot, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "int32_t", lib.ws_spec_draft_sync, spec, slot)
 
 
 def spec_prefill_chunk(spec: Any, slot: int, tokens: Any, n: int, with_draft: bool) -> None:
@@ -254,21 +239,15 @@ def spec_counters_get(spec: Any, slot: int, out: Any) -> None:
 
 
 def spec_state_size(spec: Any, slot: int) -> int:
-    n = ffi.new("size_t *")
-    _check_spec(lib.ws_spec_state_size(spec, slot, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "size_t", lib.ws_spec_state_size, spec, slot)
 
 
 def spec_state_get(spec: Any, slot: int, buf: Any, cap: int) -> int:
-    n = ffi.new("size_t *")
-    _check_spec(lib.ws_spec_state_get(spec, slot, buf, cap, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "size_t", lib.ws_spec_state_get, spec, slot, buf, cap)
 
 
 def spec_state_set(spec: Any, slot: int, buf: Any, length: int) -> int:
-    n = ffi.new("size_t *")
-    _check_spec(lib.ws_spec_state_set(spec, slot, buf, length, n), spec)
-    return int(n[0])
+    return _out(_check_spec, "size_t", lib.ws_spec_state_set, spec, slot, buf, length)
 
 
 def spec_slot_state_prepare(spec: Any, slot: int) -> tuple[int, int]:

@@ -54,21 +54,35 @@ def buffer_arg(data: bytes | bytearray | memoryview) -> tuple[Any, int]:
     return (binding.ffi.from_buffer(view) if len(view) else binding.ffi.NULL), len(view)
 
 
-def new_buffer(size: int) -> tuple[np.ndarray, Any]:
-    """A fresh buffer of `size` bytes for the core to write into, and its pointer (NULL
-    when empty). It is not zero-filled: the core's write is the only pass over it."""
-    buf = np.empty(size, dtype=np.uint8)
-    return buf, (binding.ffi.from_buffer(buf) if size else binding.ffi.NULL)
+Room = Callable[[int], memoryview]  # size -> a writable view of that many bytes
 
 
-def written_view(buf: np.ndarray, n: int) -> memoryview:
-    """A read-only view of the first n bytes the core wrote into `buf` (no copy)."""
-    buf.flags.writeable = False
-    return memoryview(buf)[:n]
+def new_room(size: int) -> memoryview:
+    """A Room: a writable view of a new buffer (not zero-filled)."""
+    return memoryview(np.empty(size, dtype=np.uint8))
+
+
+def room_arg(view: memoryview | None, size: int) -> tuple[Any, int]:
+    """A (pointer, capacity) pair for a C call writing at most `size` bytes into `view`
+    (NULL, 0 for None or an empty view); a view shorter than `size` is refused."""
+    if view is None or size == 0:
+        return binding.ffi.NULL, 0
+    if view.readonly or view.nbytes < size or not view.c_contiguous:
+        raise InvalidArgumentError(f"a room for {size} bytes of state is "
+                                   f"{view.nbytes} bytes, read-only or not contiguous")
+    return binding.ffi.from_buffer(view, require_writable=True), size
+
+
+def read_tokens(read: Callable[[Any, int, Any, int], int], handle: Any, slot: int,
+                n: int) -> list[int]:
+    """The first n tokens of a slot, read by `read(handle, slot, out, cap)` (it returns
+    how many it wrote)."""
+    buf = np.empty(max(n, 1), dtype=np.int32)
+    return buf[:read(handle, slot, binding.ffi.from_buffer("int32_t[]", buf), n)].tolist()
 
 
 def state_buffer(size: int, write: Callable[[Any], int]) -> memoryview:
-    """Runs `write(pointer)` on a new_buffer of `size` bytes (it returns the bytes it
+    """Runs `write(pointer)` on a new room of `size` bytes (it returns the bytes it
     wrote) and returns a read-only view of them."""
-    buf, ptr = new_buffer(size)
-    return written_view(buf, write(ptr))
+    view = new_room(size)
+    return view[:write(room_arg(view, size)[0])].toreadonly()

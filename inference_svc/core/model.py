@@ -16,11 +16,11 @@ from . import binding
 from .binding import ffi
 from .errors import CoreMemoryError, InvalidArgumentError
 from .gguf_file import ARCH_IDS, GGUFModel, HParams, load_gguf
-from .handle import NativeHandle, buffer_arg, state_buffer
+from .handle import NativeHandle, buffer_arg, read_tokens, state_buffer
 from .tokenizer import Tokenizer
 
 # KV cache element types (ws_kv_type): name -> (value, bytes per element)
-KV_TYPES = {"f32": (0, 4), "f16": (1, 2)}
+KV_TYPES = {"f32": (int(binding.lib.WS_KV_F32), 4), "f16": (int(binding.lib.WS_KV_F16), 2)}
 DEFAULT_KV_TYPE = "f16"
 
 _LAYER_NORMS = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight"}
@@ -181,12 +181,9 @@ class Context(NativeHandle):
         params.n_batch = n_batch
         params.reserve_kv = int(reserve_kv)
         params.kv_type = KV_TYPES[kv_type][0]
-        self.model = model
-        self.kv_type = kv_type
-        self.n_slots = n_slots
-        self.n_ctx = n_ctx
-        self.n_threads = n_threads
-        self.n_batch = n_batch
+        self.model, self.kv_type = model, kv_type
+        self.n_slots, self.n_ctx = n_slots, n_ctx
+        self.n_threads, self.n_batch = n_threads, n_batch
         self._n_vocab = model.n_vocab
         self._handle: Any = binding.context_init(model.handle, params)
         model._contexts.add(self)
@@ -229,10 +226,7 @@ class Context(NativeHandle):
         return binding.slot_n_tokens(self.handle, slot)
 
     def tokens(self, slot: int) -> list[int]:
-        n = self.n_tokens(slot)
-        buf = np.empty(max(n, 1), dtype=np.int32)
-        got = binding.slot_tokens(self.handle, slot, ffi.from_buffer("int32_t[]", buf), n)
-        return buf[:got].tolist()
+        return read_tokens(binding.slot_tokens, self.handle, slot, self.n_tokens(slot))
 
     def truncate(self, slot: int, n: int) -> None:
         binding.slot_truncate(self.handle, slot, n)

@@ -17,10 +17,18 @@ import numpy as np
 from . import binding
 from .binding import ffi
 from .errors import InvalidArgumentError
-from .handle import NativeHandle, buffer_arg, new_buffer, state_buffer, written_view
+from .handle import (
+    NativeHandle,
+    Room,
+    buffer_arg,
+    new_room,
+    read_tokens,
+    room_arg,
+    state_buffer,
+)
 from .model import Context
 
-MAX_DRAFT = 16
+MAX_DRAFT = int(binding.lib.WS_SPEC_MAX_DRAFT)  # most tokens drafted in one step
 
 
 @dataclass(frozen=True)
@@ -136,10 +144,7 @@ class SpecDecoder(NativeHandle):
         return binding.spec_n_tokens(self.handle, slot)
 
     def tokens(self, slot: int) -> list[int]:
-        n = self.n_tokens(slot)
-        buf = np.empty(max(n, 1), dtype=np.int32)
-        got = binding.spec_tokens(self.handle, slot, ffi.from_buffer("int32_t[]", buf), n)
-        return buf[:got].tolist()
+        return read_tokens(binding.spec_tokens, self.handle, slot, self.n_tokens(slot))
 
     def draft_n_tokens(self, slot: int) -> int:
         return binding.spec_draft_n_tokens(self.handle, slot)
@@ -242,15 +247,20 @@ class SpecDecoder(NativeHandle):
     def set_draft_state(self, slot: int, data: bytes | bytearray | memoryview) -> int:
         return binding.spec_state_set(self.handle, slot, *buffer_arg(data))
 
-    def slot_state(self, slot: int) -> tuple[memoryview, memoryview | None]:
+    def slot_state(self, slot: int, target_room: Room = new_room,
+                   draft_room: Room = new_room) -> tuple[memoryview, memoryview | None]:
         """The slot's whole state after committing its pending token: the target
         context's slot state and the draft state (None without a draft model), each a
-        read-only view of the buffer the core wrote it into."""
+        read-only view of the bytes the core wrote. `target_room(size)` /
+        `draft_room(size)` give the writable views of `size` bytes the core writes
+        them into (by default new buffers; a caller may place them inside its own)."""
         tsize, dsize = binding.spec_slot_state_prepare(self.handle, slot)
-        tbuf, tptr = new_buffer(tsize)
-        dbuf, dptr = new_buffer(dsize)
-        tn, dn = binding.spec_slot_state_get(self.handle, slot, tptr, tsize, dptr, dsize)
-        return written_view(tbuf, tn), (written_view(dbuf, dn) if self.has_draft else None)
+        tview = target_room(tsize)
+        dview = draft_room(dsize) if self.has_draft else None
+        tn, dn = binding.spec_slot_state_get(self.handle, slot, *room_arg(tview, tsize),
+                                             *room_arg(dview, dsize))
+        return (tview[:tn].toreadonly(),
+                dview[:dn].toreadonly() if dview is not None else None)
 
     def set_slot_state(self, slot: int, target_parts: tuple[bytes | memoryview, ...],
                        draft: bytes | memoryview | None, draft_offset: int) -> tuple[bool, str]:

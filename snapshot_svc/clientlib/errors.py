@@ -8,6 +8,10 @@ from types import MappingProxyType
 
 import grpc
 
+__all__ = ["Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
+           "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted",
+           "StatusError", "Unauthenticated", "Unavailable", "from_rpc_error"]
+
 
 class StatusError(Exception):
     """A failed call with its gRPC status code."""
