@@ -1,16 +1,21 @@
 """Tokenization of request text, bounded: a text over --max-prompt-bytes is refused
 before it is tokenized, tokenization runs on a small pool of its own threads (not on
-the gRPC handler threads, so a flood of large prompts cannot hold up other calls), a
-bounded number of texts wait for it, and the memory a large text took is given back
-to the system afterwards."""
+the gRPC handler threads, so a flood of large prompts cannot hold up other calls; the
+tokenizer works a piece of the text at a time without holding the GIL, so its memory
+does not grow with the text and the handlers keep running), a bounded number of texts
+wait for it, and the memory a large text took is given back to the system
+afterwards."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import threading
+from array import array
 from concurrent import futures
 from typing import Any
+
+import grpc
 
 from inference_svc.core import Tokenizer
 from inference_svc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -44,14 +49,19 @@ class BoundedTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tok, name)
 
-    def _encode(self, text: str, size: int) -> list[int]:
+    def _encode(self, text: str, size: int, limit: int | None) -> array[int]:
         try:
-            return self._tok.encode(text)
+            return self._tok.encode_ids(text, limit)
         finally:
             if size >= TRIM_ABOVE_BYTES:
                 self._trim()
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_ids(text).tolist()
+
+    def encode_ids(self, text: str, limit: int | None = None) -> array[int]:
+        """The text's token ids (Tokenizer.encode_ids: with `limit`, more than `limit`
+        ids means the text has more than `limit` tokens)."""
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.max_bytes:
             raise InvalidArgument(f"the text is {size} bytes, the limit is {self.max_bytes} "
@@ -59,11 +69,17 @@ class BoundedTokenizer:
         if not self._admitted.acquire(blocking=False):
             raise ResourceExhausted("too many texts waiting to be tokenized; retry later")
         try:
-            return self._pool.submit(self._encode, text, size).result(timeout=WAIT_S)
+            return self._pool.submit(self._encode, text, size, limit).result(timeout=WAIT_S)
         except futures.TimeoutError:
             raise DeadlineExceeded(f"tokenizing took longer than {WAIT_S:g} s") from None
         finally:
             self._admitted.release()
+
+    def trim_after(self, context: grpc.ServicerContext, text: str) -> None:
+        """Gives the memory of a large text's call (its request, tokens and response)
+        back to the system once the call has ended."""
+        if len(text) >= TRIM_ABOVE_BYTES // 4:  # >= 4 UTF-8 bytes per character at most
+            context.add_callback(self._trim)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
