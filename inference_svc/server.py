@@ -248,6 +248,8 @@ class Server:
         self._keys = access.key_ring(cfg.api_keys) if cfg.api_keys is not None else None
         self._gate = (auth.gate(self._keys, access.allowed) if self._keys is not None
                       else None)
+        self.unary = StreamLimit(cfg.max_unary_per_key, "unary calls running",
+                                 "--max-unary-per-key")
 
     def reload_keys(self) -> None:
         """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
@@ -268,7 +270,7 @@ class Server:
                                                         thread_name_prefix="grpc"),
                              interceptors=[StatusInterceptor(
                                  lambda m, code: self.metrics.requests.labels(m, code).inc(),
-                                 self.log, self._gate, status_of)],
+                                 self.log, self._gate, status_of, self.unary)],
                              options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -59,6 +59,7 @@ class SnapshotConfig:
     # limits that keep one client from starving the others (limits.py)
     stream_idle_timeout_s: float = 30.0  # a Put sending nothing this long is cancelled
     max_streams_per_key: int = 8  # Put/Get streams at once per key (< workers)
+    max_unary_per_key: int = 8  # other calls at once per key (+ streams < workers)
     quota_bytes: int = 0  # stored bytes per key namespace; 0 = no quota
 
     def __post_init__(self) -> None:
@@ -80,6 +81,10 @@ class SnapshotConfig:
         if not 0 < self.max_streams_per_key < self.workers:
             raise ValueError(f"--max-streams-per-key must be in 1..{self.workers - 1} (fewer "
                              "than --workers, so that other keys always find a thread)")
+        if self.api_keys is not None and not (
+                0 < self.max_unary_per_key < self.workers - self.max_streams_per_key):
+            raise ValueError("--max-unary-per-key must be >= 1 and, with "
+                             "--max-streams-per-key, below --workers")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -142,6 +147,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
           "seconds a Put may send nothing before it is cancelled (its space freed)")
     _flag(p, env, "--max-streams-per-key", int, d.max_streams_per_key,
           "Put/Get streams one API key may have open at once (RESOURCE_EXHAUSTED beyond)")
+    _flag(p, env, "--max-unary-per-key", int, d.max_unary_per_key,
+          "with --api-keys: unary calls (Hello, List, Stat, Delete) one key may have running "
+          "at once (RESOURCE_EXHAUSTED beyond)")
     _flag(p, env, "--quota-bytes", parse_size, d.quota_bytes,
           "bytes a namespaced key's snapshots may hold (RESOURCE_EXHAUSTED beyond); 0 = off")
     settings.document_env(p, ENV_PREFIX)
@@ -170,6 +178,7 @@ def parse_config(argv: Sequence[str] | None = None,
                               tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                               stream_idle_timeout_s=a.stream_idle_timeout,
                               max_streams_per_key=a.max_streams_per_key,
+                              max_unary_per_key=a.max_unary_per_key,
                               quota_bytes=a.quota_bytes)
     except ValueError as exc:
         parser.error(str(exc))

@@ -306,13 +306,15 @@ class SnapshotServer:
                       if config.api_keys is not None else None)
         self.store = open_backend(config)
         self.metrics = Metrics(self.store.usage, self.store.spares)
+        self.unary = limits.StreamLimit(config.max_unary_per_key, "unary calls running",
+                                        "--max-unary-per-key")
         # calls beyond `workers` wait for a thread (they are not refused)
         self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
                                                     thread_name_prefix="snapshot-rpc")
         self._grpc = grpc.server(
             self._executor, interceptors=[StatusInterceptor(
                 lambda method, code: self.metrics.rpcs.labels(method, code).inc(), log,
-                self._gate)],
+                self._gate, unary_limit=self.unary)],
             options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
                      ("grpc.so_reuseport", 0)])
         add_snapshot_servicer(SnapshotServicer(config, self.store, self.metrics), self._grpc)

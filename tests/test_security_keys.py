@@ -18,7 +18,7 @@ from inference_svc.server import Server
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.clientlib.auth import bearer, parse_keys
 from snapshot_svc.config import SnapshotConfig, parse_config
-from snapshot_svc.errors import NotFound
+from snapshot_svc.errors import NotFound, ResourceExhausted
 from snapshot_svc.pb import snapshot_pb2 as spb
 from snapshot_svc.server import SnapshotServer
 from tests.fixtures.servicekit import model_pair, running, service_config
@@ -251,3 +251,74 @@ def test_inference_streams_per_key(tmp_path_factory: pytest.TempPathFactory) -> 
         finally:
             release.set()
             holder.join(30)
+
+
+def test_inference_unary_calls_per_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A key's unary calls beyond --max-unary-per-key are refused at once while its
+    first ones wait (here for the engine); another key and health checks get through."""
+    import threading
+
+    from snapshot_svc.clientlib.auth import key_id
+    from tests.test_service_concurrency import wait_for
+
+    base = tmp_path_factory.mktemp("unary-infer")
+    keys = write_keys(base / "keys", {USER: "user", ADMIN: "admin"})
+    cfg = service_config(*model_pair(tmp_path_factory.getbasetemp()), api_keys=keys,
+                         max_unary_per_key=2)
+    with running(cfg) as srv:
+        engine = srv._engine
+        assert engine is not None
+        held, release = threading.Event(), threading.Event()
+        holder = threading.Thread(target=engine.call,
+                                  args=(lambda: (held.set(), release.wait(30)),))
+        holder.start()
+        addr = f"127.0.0.1:{srv.port}"
+        try:
+            assert held.wait(10)
+            with InferenceClient(addr, api_key=USER) as user, \
+                    InferenceClient(addr, api_key=ADMIN) as admin, \
+                    grpc.insecure_channel(addr) as bare:
+                waiting = [admin.stub.EraseSlot.future(ipb.EraseSlotRequest(id_slot=i),
+                                                       timeout=30) for i in (0, 1)]
+                wait_for(lambda: srv.unary.held(key_id(ADMIN)) == 2, "never both running")
+                refused = []
+                for _ in range(5):
+                    with pytest.raises(grpc.RpcError) as err:
+                        admin.info()
+                    refused.append((err.value.code(), err.value.details()))
+                assert refused == [(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "this key has 2 unary calls running, the limit is 2 "
+                                    "(--max-unary-per-key)")] * 5
+                assert user.info().n_slots == 2  # another key
+                assert _health(bare) == health_pb2.HealthCheckResponse.SERVING
+                assert srv.unary.held(key_id(ADMIN)) == 2
+                release.set()
+                assert [w.result(30).id_slot for w in waiting] == [0, 1]
+                assert srv.unary.held(key_id(ADMIN)) == 0
+                assert admin.info().n_slots == 2  # its calls are served again
+        finally:
+            release.set()
+            holder.join(30)
+
+
+def test_snapshot_unary_calls_per_key(tmp_path: Path) -> None:
+    keys = write_keys(tmp_path / "keys", {R1: "namespace=replica-1", R2: "namespace=replica-2"})
+    cfg = SnapshotConfig(data_dir=tmp_path / "data", port=0, api_keys=keys, workers=8,
+                         max_streams_per_key=2, max_unary_per_key=3)
+    with SnapshotServer(cfg) as srv:
+        from snapshot_svc.clientlib.auth import key_id
+
+        for _ in range(3):  # as if three calls of R1 were running
+            srv.unary._open[key_id(R1)] = srv.unary._open.get(key_id(R1), 0) + 1
+        with SnapshotClient(srv.address, api_key=R1) as c1, \
+                SnapshotClient(srv.address, api_key=R2) as c2:
+            with pytest.raises(ResourceExhausted) as err:
+                c1.list()
+            assert err.value.message == ("this key has 3 unary calls running, the limit is 3 "
+                                         "(--max-unary-per-key)")
+            assert c2.list() == []
+            srv.unary._open[key_id(R1)] = 2
+            assert c1.list() == []
+    with pytest.raises(ValueError, match="--max-unary-per-key"):
+        SnapshotConfig(data_dir=tmp_path / "d", api_keys=keys, workers=8,
+                       max_streams_per_key=2, max_unary_per_key=6)
