@@ -195,6 +195,9 @@ class Config:
         if problems:
             raise ValueError("; ".join(problems))
         tls.check_exposure(self.host, self.api_keys, self.tls_cert is not None, self.insecure)
+        if self.metrics_port:
+            tls.check_exposure(self.metrics_host, self.api_keys, self.tls_cert is not None,
+                               self.insecure, risk=tls.METRICS_RISK)
 
 
 def _is_host_port(addr: str) -> bool:
@@ -269,7 +272,10 @@ def parser() -> argparse.ArgumentParser:
            "or start it empty")
     a("--metrics-port", type=int, default=d.metrics_port,
       help="Prometheus metrics HTTP port (0: none)")
-    a("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
+    a("--metrics-host", default=d.metrics_host,
+      help="address of the metrics endpoint; with TLS it speaks HTTPS (client certificates "
+           "as --tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; "
+           "a non-loopback address needs one of them or --insecure")
     a("--temperature", type=float, default=d.sampling.temperature,
       help="default sampling temperature (0: greedy)")
     a("--top-k", type=int, default=d.sampling.top_k, help="default top-k (0: off)")

@@ -289,8 +289,9 @@ class Server:
         server.start()
         self._grpc = server
         if cfg.metrics_port:
-            self.metrics_port, self._metrics_stop = self.metrics.serve(cfg.metrics_host,
-                                                                       cfg.metrics_port)
+            self.metrics_port, self._metrics_stop = self.metrics.serve(
+                cfg.metrics_host, cfg.metrics_port, cert=cfg.tls_cert, key=cfg.tls_key,
+                client_ca=cfg.tls_client_ca, keys=self._keys)
         self.log.info("listening", extra=log.fields(
             host=cfg.host, port=self.port, metrics_port=self.metrics_port or None,
             tls=cfg.tls_cert is not None, mtls=cfg.tls_client_ca is not None,

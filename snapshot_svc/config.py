@@ -40,7 +40,8 @@ class SnapshotConfig:
     max_protocol: int = PROTOCOL_MAX  # 1: behave exactly as a protocol-1 server
     max_snapshot_bytes: int = 2 << 30  # per part
     spare_bytes: int = 1 << 30  # deleted blobs' files kept for Puts to overwrite; 0 = none
-    metrics_port: int = 0  # Prometheus HTTP endpoint on host; 0: off
+    metrics_port: int = 0  # Prometheus HTTP endpoint; 0: off
+    metrics_host: str = "127.0.0.1"  # its address (metrics_http: TLS and keys as gRPC's)
     workers: int = 32  # threads serving calls (a stream holds one while it runs)
     grace_s: float = 10.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
     stage_ttl_s: float = 300.0  # how long a staged target waits for its draft
@@ -90,6 +91,9 @@ class SnapshotConfig:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         tls.check_exposure(self.host, self.api_keys, self.tls_cert is not None, self.insecure)
+        if self.metrics_port:
+            tls.check_exposure(self.metrics_host, self.api_keys, self.tls_cert is not None,
+                               self.insecure, risk=tls.METRICS_RISK)
 
 
 def _path_or_none(value: str) -> Path | None:
@@ -130,6 +134,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
           "disk space kept in files of deleted snapshots for new Puts to overwrite "
           "(faster than new files; given back when the disk is full); 0 = off")
     _flag(p, env, "--metrics-port", int, d.metrics_port, "Prometheus metrics port; 0 = off")
+    _flag(p, env, "--metrics-host", str, d.metrics_host,
+          "address of the metrics endpoint; with TLS it speaks HTTPS (client certificates as "
+          "--tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; "
+          "a non-loopback address needs one of them or --insecure")
     _flag(p, env, "--workers", int, d.workers, "threads serving calls; more calls wait")
     _flag(p, env, "--grace", float, d.grace_s, "seconds in-flight calls get on shutdown")
     _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
@@ -170,7 +178,8 @@ def parse_config(argv: Sequence[str] | None = None,
                               max_protocol=a.max_protocol,
                               max_snapshot_bytes=a.max_snapshot_bytes,
                               spare_bytes=a.spare_bytes,
-                              metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
+                              metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+                              workers=a.workers, grace_s=a.grace,
                               stage_ttl_s=a.stage_ttl, log_level=a.log_level, store=a.store,
                               s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
                               replica_id=a.replica_id, gc_grace_s=a.gc_grace,

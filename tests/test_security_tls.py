@@ -230,3 +230,91 @@ def test_client_and_server_certificate_variables_are_distinct(pki: Pki, tmp_path
     assert (snap.tls_cert, snap.tls_key, snap.tls_client_ca) == (pki.server[0], pki.server[1],
                                                                  None)
     assert from_args([], server_vars).snapshot_tls_cert is None
+
+
+def _scrape(url: str, ctx: object = None, key: str | None = None) -> tuple[int, str]:
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    assert ctx is None or isinstance(ctx, ssl.SSLContext)
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _tls_context(pki: Pki, client: tuple[Path, Path] | None) -> object:
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(pki.ca[0]))
+    if client is not None:
+        ctx.load_cert_chain(str(client[0]), str(client[1]))
+    return ctx
+
+
+def test_snapshot_metrics_need_mtls_and_an_admin_key(pki: Pki, tmp_path: Path) -> None:
+    import socket
+    import ssl
+    import urllib.error
+
+    from tests.test_service_api import _free_port
+
+    admin, tenant = "metrics-admin-key-012345", "metrics-tenant-key-01234"
+    keys = write_keys(tmp_path / "keys", {admin: "admin", tenant: "namespace=t"})
+    port = _free_port()
+    cfg = SnapshotConfig(data_dir=tmp_path / "data", port=0, api_keys=keys,
+                         tls_cert=pki.server[0], tls_key=pki.server[1], tls_client_ca=pki.ca[0],
+                         metrics_port=port)
+    with SnapshotServer(cfg) as snap:
+        assert snap.metrics_port == port
+        url = f"https://localhost:{port}/metrics"
+        ok = _tls_context(pki, pki.client)
+        status, body = _scrape(url, ok, admin)
+        assert status == 200 and "warmslot_snapshot_" in body
+        assert _scrape(url, ok) == (401, "this service needs an API key: send the metadata "
+                                         "'authorization: Bearer <key>'\n")
+        assert _scrape(url, ok, "unknown-key-0123456789")[0] == 401
+        assert _scrape(url, ok, tenant) == (403, "the metrics need an admin API key\n")
+        for ctx in (_tls_context(pki, None), _tls_context(pki, pki.stranger)):  # no/bad cert
+            with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+                _scrape(url, ctx, admin)
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plaintext to TLS
+            _scrape(f"http://localhost:{port}/metrics", None, admin)
+        with socket.create_connection(("127.0.0.1", port)):  # a silent client...
+            assert _scrape(url, ok, admin)[0] == 200  # ...holds up no one
+        assert snap.metrics_port == port
+
+
+def test_inference_metrics_over_tls_with_an_admin_key(pki: Pki, tmp_path: Path) -> None:
+    from tests.test_service_api import _free_port
+
+    admin, user = "metrics-admin-key-012345", "metrics-user-key-0123456"
+    cfg = service_config(*model_pair(tmp_path.parent), tls_cert=pki.server[0],
+                         tls_key=pki.server[1], metrics_port=_free_port(), auto_save=False,
+                         api_keys=write_keys(tmp_path / "keys", {admin: "admin", user: "user"}))
+    with running(cfg) as srv:
+        url = f"https://localhost:{srv.metrics_port}/metrics"
+        ctx = _tls_context(pki, None)
+        status, body = _scrape(url, ctx, admin)
+        assert status == 200 and "warmslot_requests" in body
+        assert _scrape(url, ctx, user) == (403, "the metrics need an admin API key\n")
+        assert _scrape(url, ctx)[0] == 401
+
+
+def test_metrics_on_a_public_address_need_keys_or_tls(tmp_path: Path) -> None:
+    from inference_svc.config import Config
+
+    refused = ("refusing to listen on 0.0.0.0 without API keys or TLS: anyone who reaches the "
+               "metrics endpoint (--metrics-host) could read them")
+    with pytest.raises(ValueError, match=refused.replace("(", r"\(").replace(")", r"\)")):
+        Config(metrics_port=9090, metrics_host="0.0.0.0")
+    with pytest.raises(ValueError, match="--metrics-host"):
+        SnapshotConfig(data_dir=tmp_path, metrics_port=9091, metrics_host="0.0.0.0")
+    assert Config(metrics_port=9090, metrics_host="0.0.0.0", insecure=True).metrics_port == 9090
+    assert SnapshotConfig(data_dir=tmp_path, metrics_port=9091, metrics_host="0.0.0.0",
+                          api_keys=tmp_path / "keys").metrics_host == "0.0.0.0"
+    assert Config(metrics_port=9090).metrics_host == "127.0.0.1"  # loopback by default
+    assert SnapshotConfig(data_dir=tmp_path, metrics_port=9091).metrics_host == "127.0.0.1"
