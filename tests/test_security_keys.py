@@ -302,23 +302,47 @@ def test_inference_unary_calls_per_key(tmp_path_factory: pytest.TempPathFactory)
 
 
 def test_snapshot_unary_calls_per_key(tmp_path: Path) -> None:
+    """Three List calls of one key wait (its store listing is held); its fourth is
+    refused at once, another key's List and health checks are served."""
+    import threading
+
+    from snapshot_svc.clientlib.auth import key_id
+    from tests.test_service_concurrency import wait_for
+
     keys = write_keys(tmp_path / "keys", {R1: "namespace=replica-1", R2: "namespace=replica-2"})
     cfg = SnapshotConfig(data_dir=tmp_path / "data", port=0, api_keys=keys, workers=8,
                          max_streams_per_key=2, max_unary_per_key=3)
+    release = threading.Event()
     with SnapshotServer(cfg) as srv:
-        from snapshot_svc.clientlib.auth import key_id
+        listing = srv.store.list
 
-        for _ in range(3):  # as if three calls of R1 were running
-            srv.unary._open[key_id(R1)] = srv.unary._open.get(key_id(R1), 0) + 1
-        with SnapshotClient(srv.address, api_key=R1) as c1, \
-                SnapshotClient(srv.address, api_key=R2) as c2:
-            with pytest.raises(ResourceExhausted) as err:
-                c1.list()
-            assert err.value.message == ("this key has 3 unary calls running, the limit is 3 "
-                                         "(--max-unary-per-key)")
-            assert c2.list() == []
-            srv.unary._open[key_id(R1)] = 2
-            assert c1.list() == []
+        def held_list(prefix: str) -> list:
+            if prefix.startswith("replica-1:"):
+                release.wait(30)
+            return listing(prefix)
+
+        srv.store.list = held_list  # type: ignore[method-assign]
+        try:
+            with SnapshotClient(srv.address, api_key=R1, retries=0) as c1, \
+                    SnapshotClient(srv.address, api_key=R2, retries=0) as c2, \
+                    grpc.insecure_channel(srv.address) as bare:
+                waiting = [threading.Thread(target=c1.list) for _ in range(3)]
+                for t in waiting:
+                    t.start()
+                wait_for(lambda: srv.unary.held(key_id(R1)) == 3, "never all three running")
+                with pytest.raises(ResourceExhausted) as err:
+                    c1.list()
+                assert err.value.message == ("this key has 3 unary calls running, the limit "
+                                             "is 3 (--max-unary-per-key)")
+                assert c2.list() == []
+                assert _health(bare) == health_pb2.HealthCheckResponse.SERVING
+                release.set()
+                for t in waiting:
+                    t.join(30)
+                assert srv.unary.held(key_id(R1)) == 0
+                assert c1.list() == []
+        finally:
+            release.set()
     with pytest.raises(ValueError, match="--max-unary-per-key"):
         SnapshotConfig(data_dir=tmp_path / "d", api_keys=keys, workers=8,
                        max_streams_per_key=2, max_unary_per_key=6)
