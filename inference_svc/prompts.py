@@ -15,8 +15,6 @@ from array import array
 from concurrent import futures
 from typing import Any
 
-import grpc
-
 from inference_svc.core import Tokenizer
 from inference_svc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 
@@ -34,8 +32,8 @@ def _malloc_trim() -> Any:
 
 
 class BoundedTokenizer:
-    """A Tokenizer whose `encode` is bounded as above; everything else is the wrapped
-    tokenizer's."""
+    """A Tokenizer whose `encode` and `encode_ids` are bounded as above; everything else
+    is the wrapped tokenizer's."""
 
     def __init__(self, tokenizer: Tokenizer, max_bytes: int, threads: int,
                  max_waiting: int) -> None:
@@ -74,12 +72,6 @@ class BoundedTokenizer:
             raise DeadlineExceeded(f"tokenizing took longer than {WAIT_S:g} s") from None
         finally:
             self._admitted.release()
-
-    def trim_after(self, context: grpc.ServicerContext, text: str) -> None:
-        """Gives the memory of a large text's call (its request, tokens and response)
-        back to the system once the call has ended."""
-        if len(text) >= TRIM_ABOVE_BYTES // 4:  # >= 4 UTF-8 bytes per character at most
-            context.add_callback(self._trim)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

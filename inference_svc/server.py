@@ -97,9 +97,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Tokenize(self, request: pb.TokenizeRequest,
                  context: grpc.ServicerContext) -> pb.TokenizeResponse:
-        tokenizer = self._rt().rc.tokenizer
-        tokenizer.trim_after(context, request.text)  # type: ignore[attr-defined]
-        return pb.TokenizeResponse(tokens=tokenizer.encode_ids(request.text))
+        return pb.TokenizeResponse(tokens=self._rt().rc.tokenizer.encode_ids(request.text))
 
     def Detokenize(self, request: pb.DetokenizeRequest,
                    context: grpc.ServicerContext) -> pb.DetokenizeResponse:
