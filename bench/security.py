@@ -15,7 +15,8 @@ what TLS costs.
    8 MiB (tokenized on the bounded pool, in pieces); then, limit raised, 4 concurrent
    Generate calls of that text with truncate_prompt (every token of the text counted,
    the last ones kept) and max_tokens 1. The server's RSS is sampled every 10 ms: peak
-   growth over the baseline, and growth 5 s after the calls end; GetInfo p99 meanwhile.
+   growth over the baseline, and growth 5 s after the calls end; GetInfo p99 meanwhile
+   (at least 200 calls, so that p99 is not the single slowest).
 3. TLS cost, plaintext and TLS servers side by side, interleaved, medians over --reps:
    Generate tokens/s (greedy, 64 tokens, the same prompt) and a 64 MiB snapshot Put.
 The last line printed is one JSON object.
@@ -163,7 +164,7 @@ def prompts(extra: list[str], rpc: str = "tokenize") -> dict[str, object]:
             for w in workers:
                 w.start()
             lat = []
-            while any(w.is_alive() for w in workers) or len(lat) < 20:
+            while any(w.is_alive() for w in workers) or len(lat) < 200:
                 t = time.perf_counter()
                 c.info()
                 lat.append(time.perf_counter() - t)
