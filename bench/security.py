@@ -12,8 +12,11 @@ what TLS costs.
 2. Prompts (inference service with the bundled models, its own process): 4 concurrent
    Tokenize calls of a ~4 MiB text (just under gRPC's 4 MiB message limit), with the
    default --max-prompt-bytes (refused before tokenizing) and with the limit raised to
-   8 MiB (tokenized on the bounded pool). The server's RSS is sampled every 10 ms: peak
-   growth over the baseline, and growth 5 s after the calls end; GetInfo p99 meanwhile.
+   8 MiB (tokenized on the bounded pool, in pieces); then, limit raised, 4 concurrent
+   Generate calls of that text with truncate_prompt (every token of the text counted,
+   the last ones kept) and max_tokens 1. The server's RSS is sampled every 10 ms: peak
+   growth over the baseline, and growth 5 s after the calls end; GetInfo p99 meanwhile
+   (at least 200 calls, so that p99 is not the single slowest).
 3. TLS cost, plaintext and TLS servers side by side, interleaved, medians over --reps:
    Generate tokens/s (greedy, 64 tokens, the same prompt) and a 64 MiB snapshot Put.
 The last line printed is one JSON object.
@@ -124,7 +127,7 @@ def rss(pid: int) -> int:
     return 0
 
 
-def prompts(extra: list[str]) -> dict[str, object]:
+def prompts(extra: list[str], rpc: str = "tokenize") -> dict[str, object]:
     text = "The quick brown fox jumps over the lazy dog. " * ((4 * MIB - 64 * 1024) // 45)
     with inference(*extra) as (pid, port):
         addr = f"127.0.0.1:{port}"
@@ -146,7 +149,11 @@ def prompts(extra: list[str]) -> dict[str, object]:
             def big() -> None:
                 with InferenceClient(addr, timeout=300) as cc:
                     try:
-                        cc.tokenize(text)
+                        if rpc == "tokenize":
+                            cc.tokenize(text)
+                        else:
+                            cc.generate(text, max_tokens=1, temperature=0.0,
+                                        truncate_prompt=True, cache_prompt=False)
                         codes.append("OK")
                     except grpc.RpcError as exc:
                         codes.append(exc.code().name)
@@ -157,7 +164,7 @@ def prompts(extra: list[str]) -> dict[str, object]:
             for w in workers:
                 w.start()
             lat = []
-            while any(w.is_alive() for w in workers) or len(lat) < 20:
+            while any(w.is_alive() for w in workers) or len(lat) < 200:
                 t = time.perf_counter()
                 c.info()
                 lat.append(time.perf_counter() - t)
@@ -167,7 +174,7 @@ def prompts(extra: list[str]) -> dict[str, object]:
             sampler.join()
             time.sleep(5.0)
             later = rss(pid)
-    return {"args": extra, "codes": sorted(codes), "rss_base_mb": round(base / MIB, 1),
+    return {"rpc": rpc, "args": extra, "codes": sorted(codes), "rss_base_mb": round(base / MIB, 1),
             "rss_peak_growth_mb": round((peak[0] - base) / MIB, 1),
             "rss_growth_5s_after_mb": round((later - base) / MIB, 1),
             "getinfo_p99_ms": round(p99(lat) * 1e3, 2), "getinfo_calls": len(lat)}
@@ -226,7 +233,8 @@ def main() -> int:
         work = Path(tmp)
         steps: dict[str, Callable[[], object]] = {
             "starvation": lambda: starvation(work, args.idle_timeout),
-            "prompts": lambda: [prompts([]), prompts(["--max-prompt-bytes", str(8 * MIB)])],
+            "prompts": lambda: [prompts([]), prompts(["--max-prompt-bytes", str(8 * MIB)]),
+                                prompts(["--max-prompt-bytes", str(8 * MIB)], "generate")],
             "tls": lambda: tls_cost(work, args.reps)}
         for name in parts:
             out[name] = steps[name]()

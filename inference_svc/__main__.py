@@ -12,6 +12,7 @@ import threading
 from types import FrameType
 
 from inference_svc import config, log
+from snapshot_svc.memory import INFERENCE_THRESHOLDS, tune_malloc
 
 
 class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
@@ -20,6 +21,7 @@ class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config.from_args(sys.argv[1:] if argv is None else argv)
+    tune_malloc(*INFERENCE_THRESHOLDS)  # large requests' memory returns when they end
     logger = log.setup(cfg.log_level, cfg.log_format)
     from inference_svc.core import CoreError
 

@@ -136,9 +136,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each call (s)")
     p.add_argument("--api-key-file", default=os.environ.get("WARMSLOT_API_KEY_FILE"),
                    help="file holding the API key to send (env WARMSLOT_API_KEY_FILE)")
-    p.add_argument("--tls-ca", default=os.environ.get("WARMSLOT_TLS_CA"),
-                   help="CA (PEM) of the server's certificate: connect with TLS "
-                        "(env WARMSLOT_TLS_CA)")
+    # CLIENT variables: WARMSLOT_TLS_CERT / _KEY are the service's own certificate
+    for name, what in (("ca", "CA (PEM) of the server's certificate: connect with TLS"),
+                       ("cert", "client certificate (PEM), for a server that requires one"),
+                       ("key", "key (PEM) of --tls-cert")):
+        var = f"WARMSLOT_CLIENT_TLS_{name.upper()}"
+        p.add_argument(f"--tls-{name}", default=os.environ.get(var), help=f"{what} (env {var})")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a completion")
     g.add_argument("prompt")
@@ -200,7 +203,11 @@ def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     key = auth.read_key_file(Path(a.api_key_file)) if a.api_key_file else None
-    creds = tls.channel_credentials(Path(a.tls_ca)) if a.tls_ca else None
+    if (a.tls_cert or a.tls_key) and not a.tls_ca:
+        print("error: --tls-cert and --tls-key need --tls-ca", file=sys.stderr)
+        return 2
+    creds = (tls.channel_credentials(Path(a.tls_ca), a.tls_cert and Path(a.tls_cert),
+                                     a.tls_key and Path(a.tls_key)) if a.tls_ca else None)
     with InferenceClient(a.addr, a.timeout, api_key=key, credentials=creds) as c:
         try:
             if a.cmd == "generate":

@@ -109,6 +109,7 @@ class Config:
     snapshot_key_file: Path | None = None  # the snapshot service's API key of this replica
     # Generate streams at once per API key (with --api-keys; below the handler threads)
     max_streams_per_key: int = 16
+    max_unary_per_key: int = 16  # unary calls at once per API key (with --api-keys)
     max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
     tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
 
@@ -183,9 +184,11 @@ class Config:
                             f"'-', '_' or '.'")
         if self.log_format not in ("json", "text"):
             problems.append(f"--log-format {self.log_format!r} is not json or text")
-        if self.api_keys is not None and not 0 < self.max_streams_per_key < self.grpc_workers:
-            problems.append(f"--max-streams-per-key must be in 1..{self.grpc_workers - 1} "
-                            "(fewer than the handler threads)")
+        if self.api_keys is not None and not (
+                self.max_streams_per_key > 0 and self.max_unary_per_key > 0
+                and self.max_streams_per_key + self.max_unary_per_key < self.grpc_workers):
+            problems.append("--max-streams-per-key and --max-unary-per-key must be >= 1 and "
+                            f"together below the handler threads ({self.grpc_workers})")
         if self.max_prompt_bytes < 1 or self.tokenize_threads < 1:
             problems.append("--max-prompt-bytes and --tokenize-threads must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -199,6 +202,9 @@ class Config:
         if problems:
             raise ValueError("; ".join(problems))
         tls.check_exposure(self.host, self.api_keys, self.tls_cert is not None, self.insecure)
+        if self.metrics_port:
+            tls.check_exposure(self.metrics_host, self.api_keys, self.tls_cert is not None,
+                               self.insecure, risk=tls.METRICS_RISK)
 
 
 def _is_host_port(addr: str) -> bool:
@@ -277,7 +283,10 @@ def parser() -> argparse.ArgumentParser:
            "or start it empty")
     a("--metrics-port", type=int, default=d.metrics_port,
       help="Prometheus metrics HTTP port (0: none)")
-    a("--metrics-host", default=d.metrics_host, help="address of the metrics endpoint")
+    a("--metrics-host", default=d.metrics_host,
+      help="address of the metrics endpoint; with TLS it speaks HTTPS (client certificates "
+           "as --tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; "
+           "a non-loopback address needs one of them or --insecure")
     a("--temperature", type=float, default=d.sampling.temperature,
       help="default sampling temperature (0: greedy)")
     a("--top-k", type=int, default=d.sampling.top_k, help="default top-k (0: off)")
@@ -317,6 +326,10 @@ def parser() -> argparse.ArgumentParser:
     a("--max-streams-per-key", type=int, default=d.max_streams_per_key,
       help="with --api-keys: Generate streams one key may have running or queued at once "
            "(RESOURCE_EXHAUSTED beyond), so that other keys always find a handler thread")
+    a("--max-unary-per-key", type=int, default=d.max_unary_per_key,
+      help="with --api-keys: unary calls (all but Generate) one key may have running at "
+           "once (RESOURCE_EXHAUSTED beyond); with --max-streams-per-key below the handler "
+           "threads, so that other keys and health checks always find one")
     a("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
       help="longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
     a("--tokenize-threads", type=int, default=d.tokenize_threads,
@@ -372,7 +385,7 @@ def from_args(argv: Sequence[str] | None = None,
             tls_client_ca=ns.tls_client_ca, snapshot_tls_ca=ns.snapshot_tls_ca,
             snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
             snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
-            max_streams_per_key=ns.max_streams_per_key,
+            max_streams_per_key=ns.max_streams_per_key, max_unary_per_key=ns.max_unary_per_key,
             tokenize_threads=ns.tokenize_threads)
     except ValueError as exc:
         p.error(str(exc))

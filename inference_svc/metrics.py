@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from snapshot_svc.clientlib import metrics_http
 
 _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RATES = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
@@ -44,13 +47,7 @@ class Metrics:
         self.restore_bytes = Counter("warmslot_slot_restore_bytes", "Bytes read by RestoreSlot",
                                      registry=r)
 
-    def serve(self, host: str, port: int) -> tuple[int, Callable[[], None]]:
-        """Starts the HTTP endpoint; returns its port and a function that stops it."""
-        httpd, thread = start_http_server(port, host, registry=self.registry)
-
-        def stop() -> None:
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=5)
-
-        return httpd.server_port, stop
+    def serve(self, host: str, port: int, **security: Any) -> tuple[int, Callable[[], None]]:
+        """Starts the HTTP endpoint (metrics_http.serve: TLS and keys as the service's);
+        returns its port and a function that stops it."""
+        return metrics_http.serve(self.registry, host, port, **security)

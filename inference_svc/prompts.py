@@ -1,14 +1,17 @@
 """Tokenization of request text, bounded: a text over --max-prompt-bytes is refused
 before it is tokenized, tokenization runs on a small pool of its own threads (not on
-the gRPC handler threads, so a flood of large prompts cannot hold up other calls), a
-bounded number of texts wait for it, and the memory a large text took is given back
-to the system afterwards."""
+the gRPC handler threads, so a flood of large prompts cannot hold up other calls; the
+tokenizer works a piece of the text at a time without holding the GIL, so its memory
+does not grow with the text and the handlers keep running), a bounded number of texts
+wait for it, and the memory a large text took is given back to the system
+afterwards."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import threading
+from array import array
 from concurrent import futures
 from typing import Any
 
@@ -29,8 +32,8 @@ def _malloc_trim() -> Any:
 
 
 class BoundedTokenizer:
-    """A Tokenizer whose `encode` is bounded as above; everything else is the wrapped
-    tokenizer's."""
+    """A Tokenizer whose `encode` and `encode_ids` are bounded as above; everything else
+    is the wrapped tokenizer's."""
 
     def __init__(self, tokenizer: Tokenizer, max_bytes: int, threads: int,
                  max_waiting: int) -> None:
@@ -44,14 +47,19 @@ class BoundedTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tok, name)
 
-    def _encode(self, text: str, size: int) -> list[int]:
+    def _encode(self, text: str, size: int, limit: int | None) -> array[int]:
         try:
-            return self._tok.encode(text)
+            return self._tok.encode_ids(text, limit)
         finally:
             if size >= TRIM_ABOVE_BYTES:
                 self._trim()
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_ids(text).tolist()
+
+    def encode_ids(self, text: str, limit: int | None = None) -> array[int]:
+        """The text's token ids (Tokenizer.encode_ids: with `limit`, more than `limit`
+        ids means the text has more than `limit` tokens)."""
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.max_bytes:
             raise InvalidArgument(f"the text is {size} bytes, the limit is {self.max_bytes} "
@@ -59,7 +67,7 @@ class BoundedTokenizer:
         if not self._admitted.acquire(blocking=False):
             raise ResourceExhausted("too many texts waiting to be tokenized; retry later")
         try:
-            return self._pool.submit(self._encode, text, size).result(timeout=WAIT_S)
+            return self._pool.submit(self._encode, text, size, limit).result(timeout=WAIT_S)
         except futures.TimeoutError:
             raise DeadlineExceeded(f"tokenizing took longer than {WAIT_S:g} s") from None
         finally:

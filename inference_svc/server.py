@@ -97,7 +97,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Tokenize(self, request: pb.TokenizeRequest,
                  context: grpc.ServicerContext) -> pb.TokenizeResponse:
-        return pb.TokenizeResponse(tokens=self._rt().rc.tokenizer.encode(request.text))
+        return pb.TokenizeResponse(tokens=self._rt().rc.tokenizer.encode_ids(request.text))
 
     def Detokenize(self, request: pb.DetokenizeRequest,
                    context: grpc.ServicerContext) -> pb.DetokenizeResponse:
@@ -246,6 +246,8 @@ class Server:
         self._keys = access.key_ring(cfg.api_keys) if cfg.api_keys is not None else None
         self._gate = (auth.gate(self._keys, access.allowed) if self._keys is not None
                       else None)
+        self.unary = StreamLimit(cfg.max_unary_per_key, "unary calls running",
+                                 "--max-unary-per-key")
 
     def reload_keys(self) -> None:
         """Rereads the API key file (SIGHUP); a wrong file keeps the old keys."""
@@ -266,7 +268,7 @@ class Server:
                                                         thread_name_prefix="grpc"),
                              interceptors=[StatusInterceptor(
                                  lambda m, code: self.metrics.requests.labels(m, code).inc(),
-                                 self.log, self._gate, status_of)],
+                                 self.log, self._gate, status_of, self.unary)],
                              options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -285,8 +287,9 @@ class Server:
         server.start()
         self._grpc = server
         if cfg.metrics_port:
-            self.metrics_port, self._metrics_stop = self.metrics.serve(cfg.metrics_host,
-                                                                       cfg.metrics_port)
+            self.metrics_port, self._metrics_stop = self.metrics.serve(
+                cfg.metrics_host, cfg.metrics_port, cert=cfg.tls_cert, key=cfg.tls_key,
+                client_ca=cfg.tls_client_ca, keys=self._keys)
         self.log.info("listening", extra=log.fields(
             host=cfg.host, port=self.port, metrics_port=self.metrics_port or None,
             tls=cfg.tls_cert is not None, mtls=cfg.tls_client_ca is not None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from inference_svc.config import Config
@@ -119,11 +120,14 @@ class GenerateParams:
         cfg = rc.config
         if req.prompt and req.prompt_tokens:
             raise InvalidArgument("set prompt or prompt_tokens, not both")
+        cut_short = False  # the text was tokenized only up to past what the context holds
         if req.prompt_tokens:
-            prompt = list(req.prompt_tokens)
+            prompt: Sequence[int] = list(req.prompt_tokens)
             check_tokens(prompt, rc.n_vocab, "prompt_tokens")
-        else:
-            prompt = rc.tokenizer.encode(req.prompt)
+        else:  # without truncate_prompt, a prompt of more than n_ctx tokens fails anyway
+            prompt = rc.tokenizer.encode_ids(req.prompt,
+                                             None if req.truncate_prompt else rc.n_ctx)
+            cut_short = len(prompt) > rc.n_ctx and not req.truncate_prompt
         if not prompt:
             raise InvalidArgument("the prompt is empty: at least one token is needed")
         id_slot = check_slot_id(req.id_slot if req.HasField("id_slot") else -1, rc.n_slots,
@@ -139,8 +143,9 @@ class GenerateParams:
         if len(prompt) + max_tokens > rc.n_ctx:
             if not req.truncate_prompt or max_tokens >= rc.n_ctx:
                 raise InvalidArgument(
-                    f"the prompt of {len(prompt)} tokens plus max_tokens {max_tokens} exceed the "
-                    f"context of {rc.n_ctx} tokens"
+                    f"the prompt of {f'more than {rc.n_ctx}' if cut_short else len(prompt)} "
+                    f"tokens plus max_tokens {max_tokens} exceed the context of {rc.n_ctx} "
+                    "tokens"
                     + ("" if req.truncate_prompt else " (set truncate_prompt to drop the oldest "
                                                       "prompt tokens)"))
             n_truncated = len(prompt) + max_tokens - rc.n_ctx

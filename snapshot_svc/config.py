@@ -40,7 +40,8 @@ class SnapshotConfig:
     max_protocol: int = PROTOCOL_MAX  # 1: behave exactly as a protocol-1 server
     max_snapshot_bytes: int = 2 << 30  # per part
     spare_bytes: int = 1 << 30  # deleted blobs' files kept for Puts to overwrite; 0 = none
-    metrics_port: int = 0  # Prometheus HTTP endpoint on host; 0: off
+    metrics_port: int = 0  # Prometheus HTTP endpoint; 0: off
+    metrics_host: str = "127.0.0.1"  # its address (metrics_http: TLS and keys as gRPC's)
     workers: int = 32  # threads serving calls (a stream holds one while it runs)
     grace_s: float = 10.0  # on SIGTERM/SIGINT, how long in-flight calls may finish
     stage_ttl_s: float = 300.0  # how long a staged target waits for its draft
@@ -59,6 +60,7 @@ class SnapshotConfig:
     # limits that keep one client from starving the others (limits.py)
     stream_idle_timeout_s: float = 30.0  # a Put sending nothing this long is cancelled
     max_streams_per_key: int = 8  # Put/Get streams at once per key (< workers)
+    max_unary_per_key: int = 8  # other calls at once per key (+ streams < workers)
     quota_bytes: int = 0  # stored bytes per key namespace; 0 = no quota
 
     def __post_init__(self) -> None:
@@ -80,11 +82,18 @@ class SnapshotConfig:
         if not 0 < self.max_streams_per_key < self.workers:
             raise ValueError(f"--max-streams-per-key must be in 1..{self.workers - 1} (fewer "
                              "than --workers, so that other keys always find a thread)")
+        if self.api_keys is not None and not (
+                0 < self.max_unary_per_key < self.workers - self.max_streams_per_key):
+            raise ValueError("--max-unary-per-key must be >= 1 and, with "
+                             "--max-streams-per-key, below --workers")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
         tls.check_exposure(self.host, self.api_keys, self.tls_cert is not None, self.insecure)
+        if self.metrics_port:
+            tls.check_exposure(self.metrics_host, self.api_keys, self.tls_cert is not None,
+                               self.insecure, risk=tls.METRICS_RISK)
 
 
 def _path_or_none(value: str) -> Path | None:
@@ -125,6 +134,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
           "disk space kept in files of deleted snapshots for new Puts to overwrite "
           "(faster than new files; given back when the disk is full); 0 = off")
     _flag(p, env, "--metrics-port", int, d.metrics_port, "Prometheus metrics port; 0 = off")
+    _flag(p, env, "--metrics-host", str, d.metrics_host,
+          "address of the metrics endpoint; with TLS it speaks HTTPS (client certificates as "
+          "--tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; "
+          "a non-loopback address needs one of them or --insecure")
     _flag(p, env, "--workers", int, d.workers, "threads serving calls; more calls wait")
     _flag(p, env, "--grace", float, d.grace_s, "seconds in-flight calls get on shutdown")
     _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
@@ -142,6 +155,9 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
           "seconds a Put may send nothing before it is cancelled (its space freed)")
     _flag(p, env, "--max-streams-per-key", int, d.max_streams_per_key,
           "Put/Get streams one API key may have open at once (RESOURCE_EXHAUSTED beyond)")
+    _flag(p, env, "--max-unary-per-key", int, d.max_unary_per_key,
+          "with --api-keys: unary calls (Hello, List, Stat, Delete) one key may have running "
+          "at once (RESOURCE_EXHAUSTED beyond)")
     _flag(p, env, "--quota-bytes", parse_size, d.quota_bytes,
           "bytes a namespaced key's snapshots may hold (RESOURCE_EXHAUSTED beyond); 0 = off")
     settings.document_env(p, ENV_PREFIX)
@@ -162,7 +178,8 @@ def parse_config(argv: Sequence[str] | None = None,
                               max_protocol=a.max_protocol,
                               max_snapshot_bytes=a.max_snapshot_bytes,
                               spare_bytes=a.spare_bytes,
-                              metrics_port=a.metrics_port, workers=a.workers, grace_s=a.grace,
+                              metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+                              workers=a.workers, grace_s=a.grace,
                               stage_ttl_s=a.stage_ttl, log_level=a.log_level, store=a.store,
                               s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
                               replica_id=a.replica_id, gc_grace_s=a.gc_grace,
@@ -170,6 +187,7 @@ def parse_config(argv: Sequence[str] | None = None,
                               tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
                               stream_idle_timeout_s=a.stream_idle_timeout,
                               max_streams_per_key=a.max_streams_per_key,
+                              max_unary_per_key=a.max_unary_per_key,
                               quota_bytes=a.quota_bytes)
     except ValueError as exc:
         parser.error(str(exc))

@@ -12,7 +12,15 @@
 `--dir` uses the layout of the inference service's local store (`--slot-save-path`):
 `<name>` is the target file, `<name>.drft` its draft sidecar, so snapshots move
 between the two stores byte for byte. Output is JSON; errors exit 1 with the
-status code. The address defaults to $WARMSLOT_SNAPSHOT_ADDR or 127.0.0.1:50052.
+status code.
+
+The connection settings read the variables the inference service's snapshot client
+reads: `--addr` $WARMSLOT_SNAPSHOT_ADDR (default 127.0.0.1:50052; a comma-separated
+list of replicas sharing one store is tried in order while a replica is unavailable),
+`--api-key-file` $WARMSLOT_SNAPSHOT_KEY_FILE (the file's first word is sent as
+`authorization: Bearer <key>`), `--tls-ca` / `--tls-cert` / `--tls-key`
+$WARMSLOT_SNAPSHOT_CLIENT_TLS_CA / _CERT / _KEY (TLS, and a client certificate for a
+service that requires one).
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.config import DEFAULT_PORT
 from snapshot_svc.errors import SnapshotError
 from snapshot_svc.names import validate_name
@@ -104,8 +115,17 @@ def run(a: argparse.Namespace, client: SnapshotClient) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m snapshot_svc.ctl",
                                 description="Talk to a Warmslot snapshot service.")
-    p.add_argument("--addr", default=os.environ.get("WARMSLOT_SNAPSHOT_ADDR",
-                                                    f"127.0.0.1:{DEFAULT_PORT}"))
+    env = os.environ.get
+    p.add_argument("--addr", default=env("WARMSLOT_SNAPSHOT_ADDR", f"127.0.0.1:{DEFAULT_PORT}"),
+                   help="HOST:PORT, or a comma-separated list tried in order "
+                        "[env WARMSLOT_SNAPSHOT_ADDR]")
+    p.add_argument("--api-key-file", type=Path, default=env("WARMSLOT_SNAPSHOT_KEY_FILE"),
+                   help="file holding the API key to send [env WARMSLOT_SNAPSHOT_KEY_FILE]")
+    for name, what in (("ca", "CA (PEM) of the service's certificate: connect with TLS"),
+                       ("cert", "client certificate (PEM), for a service that requires one"),
+                       ("key", "key (PEM) of --tls-cert")):
+        var = f"WARMSLOT_SNAPSHOT_CLIENT_TLS_{name.upper()}"
+        p.add_argument(f"--tls-{name}", type=Path, default=env(var), help=f"{what} [env {var}]")
     p.add_argument("--timeout", type=float, default=30.0, help="deadline per call, seconds")
     p.add_argument("--max-protocol", type=int, default=2, choices=(1, 2))
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -128,11 +148,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def security(a: argparse.Namespace) -> dict[str, Any]:
+    """The client's TLS credentials and API key from the flags (ValueError: unreadable
+    files, a certificate without its key)."""
+    if (a.tls_cert is not None or a.tls_key is not None) and a.tls_ca is None:
+        raise ValueError("--tls-cert and --tls-key need --tls-ca")
+    creds = (tls.channel_credentials(a.tls_ca, a.tls_cert, a.tls_key)
+             if a.tls_ca is not None else None)
+    key = auth.read_key_file(a.api_key_file) if a.api_key_file is not None else None
+    return {"credentials": creds, "api_key": key}
+
+
+def run_on_first(a: argparse.Namespace, sec: dict[str, Any]) -> Any:
+    """run() on the first address of --addr that is available."""
+    addrs = [x.strip() for x in a.addr.split(",") if x.strip()]
+    for i, addr in enumerate(addrs):
+        try:
+            with SnapshotClient(addr, timeout=a.timeout, max_protocol=a.max_protocol,
+                                **sec) as client:
+                return run(a, client)
+        except SnapshotError as exc:
+            if exc.code is not grpc.StatusCode.UNAVAILABLE or i == len(addrs) - 1:
+                raise
+    raise SystemExit("--addr names no address")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        with SnapshotClient(a.addr, timeout=a.timeout, max_protocol=a.max_protocol) as client:
-            out = run(a, client)
+        out = run_on_first(a, security(a))
+    except ValueError as exc:
+        print(json.dumps({"error": "INVALID_ARGUMENT", "message": str(exc)}), file=sys.stderr)
+        return 1
     except SnapshotError as exc:
         print(json.dumps({"error": exc.code.name, "message": exc.message}), file=sys.stderr)
         return 1

@@ -16,18 +16,16 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, limits, tenants
 from snapshot_svc.backend import Backend
-from snapshot_svc.clientlib import auth, tls
+from snapshot_svc.clientlib import auth, metrics_http, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import (
@@ -306,13 +304,15 @@ class SnapshotServer:
                       if config.api_keys is not None else None)
         self.store = open_backend(config)
         self.metrics = Metrics(self.store.usage, self.store.spares)
+        self.unary = limits.StreamLimit(config.max_unary_per_key, "unary calls running",
+                                        "--max-unary-per-key")
         # calls beyond `workers` wait for a thread (they are not refused)
         self._executor = futures.ThreadPoolExecutor(max_workers=config.workers,
                                                     thread_name_prefix="snapshot-rpc")
         self._grpc = grpc.server(
             self._executor, interceptors=[StatusInterceptor(
                 lambda method, code: self.metrics.rpcs.labels(method, code).inc(), log,
-                self._gate)],
+                self._gate, unary_limit=self.unary)],
             options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
                      ("grpc.so_reuseport", 0)])
         add_snapshot_servicer(SnapshotServicer(config, self.store, self.metrics), self._grpc)
@@ -320,7 +320,8 @@ class SnapshotServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
-        self._metrics_http: Any = None
+        self.metrics_port = 0
+        self._metrics_stop: Callable[[], None] | None = None
 
     def _gate(self, method: str, context: grpc.ServicerContext) -> auth.Principal | None:
         if self._draining.is_set():
@@ -350,16 +351,18 @@ class SnapshotServer:
             self.store.close()
             raise Unavailable(f"cannot listen on {self.config.host}:{self.config.port}: "
                               f"{exc}") from exc
-        if self.config.metrics_port:
-            self._metrics_http, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.metrics.registry)
+        c = self.config
+        if c.metrics_port:
+            self.metrics_port, self._metrics_stop = metrics_http.serve(
+                self.metrics.registry, c.metrics_host, c.metrics_port, cert=c.tls_cert,
+                key=c.tls_key, client_ca=c.tls_client_ca, keys=self._keys)
         self._grpc.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log_event(log, logging.INFO, "serving", host=self.config.host, port=self.port,
                   max_protocol=self.config.max_protocol,
                   max_snapshot_bytes=self.config.max_snapshot_bytes,
-                  store=self.store.describe(), metrics_port=self.config.metrics_port,
+                  store=self.store.describe(), metrics_port=self.metrics_port,
                   version=__version__, tls=self.config.tls_cert is not None,
                   mtls=self.config.tls_client_ca is not None,
                   api_keys=len(self._keys) if self._keys is not None else None)
@@ -379,9 +382,8 @@ class SnapshotServer:
         self.health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait()
         self._executor.shutdown(wait=True)
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+        if self._metrics_stop is not None:
+            self._metrics_stop()
         self.store.close()
         log_event(log, logging.INFO, "stopped")
 

@@ -5,6 +5,7 @@ every method of the inference service."""
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,10 +67,10 @@ class _SlowTokenizer:
         self.started = threading.Event()
         self.release = threading.Event()
 
-    def encode(self, text: str) -> list[int]:
+    def encode_ids(self, text: str, limit: int | None) -> array[int]:
         self.started.set()
         self.release.wait(30)
-        return [len(text)]
+        return array("i", [len(text)])
 
 
 def test_tokenizer_pool_is_bounded() -> None:
@@ -104,9 +105,9 @@ def test_tokenizer_thread_is_not_the_callers(tmp_path: Path) -> None:
     names: list[str] = []
 
     class Tok:
-        def encode(self, text: str) -> list[int]:
+        def encode_ids(self, text: str, limit: int | None) -> array[int]:
             names.append(threading.current_thread().name)
-            return [1]
+            return array("i", [1])
 
     tok = BoundedTokenizer(Tok(), 10, 1, 1)  # type: ignore[arg-type]
     assert tok.encode("a") == [1]

@@ -4,7 +4,9 @@ namespaces, reload, and the refusal to serve a non-loopback address open."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -16,9 +18,9 @@ from inference_svc.config import Config
 from inference_svc.pb import inference_pb2 as ipb
 from inference_svc.server import Server
 from snapshot_svc.client import SnapshotClient
-from snapshot_svc.clientlib.auth import bearer, parse_keys
+from snapshot_svc.clientlib.auth import bearer, key_id, parse_keys
 from snapshot_svc.config import SnapshotConfig, parse_config
-from snapshot_svc.errors import NotFound
+from snapshot_svc.errors import NotFound, ResourceExhausted
 from snapshot_svc.pb import snapshot_pb2 as spb
 from snapshot_svc.server import SnapshotServer
 from tests.fixtures.servicekit import model_pair, running, service_config
@@ -211,15 +213,13 @@ def test_sighup_reloads_the_snapshot_services_keys(tmp_path: Path) -> None:
         assert R1 not in "\n".join(map(str, srv.lines))  # keys are never logged
 
 
-def test_inference_streams_per_key(tmp_path_factory: pytest.TempPathFactory) -> None:
-    import threading
-
-    from tests.test_service_concurrency import sample, wait_for
-
-    base = tmp_path_factory.mktemp("streams-infer")
-    keys = write_keys(base / "keys", {USER: "user", ADMIN: "admin"})
-    cfg = service_config(*model_pair(tmp_path_factory.getbasetemp()), api_keys=keys,
-                         max_streams_per_key=1)
+@contextmanager
+def _engine_held(tmp_path_factory: pytest.TempPathFactory,
+                 **limits: int) -> Iterator[tuple[Server, threading.Event]]:
+    """An inference service with USER and ADMIN keys whose engine is busy until the
+    event is set (calls that need the engine wait)."""
+    keys = write_keys(tmp_path_factory.mktemp("held") / "keys", {USER: "user", ADMIN: "admin"})
+    cfg = service_config(*model_pair(tmp_path_factory.getbasetemp()), api_keys=keys, **limits)
     with running(cfg) as srv:
         engine = srv._engine
         assert engine is not None
@@ -227,27 +227,108 @@ def test_inference_streams_per_key(tmp_path_factory: pytest.TempPathFactory) -> 
         holder = threading.Thread(target=engine.call,
                                   args=(lambda: (held.set(), release.wait(30)),))
         holder.start()
-        addr = f"127.0.0.1:{srv.port}"
         try:
             assert held.wait(10)
-            with InferenceClient(addr, api_key=USER) as user, \
-                    InferenceClient(addr, api_key=ADMIN) as admin:
-                first = user.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
-                                                                 max_tokens=2))
-                second = admin.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
-                                                                   max_tokens=2))
-                # both wait for the engine (queued), each holding its key's one stream
-                wait_for(lambda: sample(srv, "warmslot_queue_depth") == 2, "never queued")
-                extra = user.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
-                                                                 max_tokens=2))
-                with pytest.raises(grpc.RpcError) as err:
-                    list(extra)
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert err.value.details() == ("this key has 1 streams open, the limit is 1 "
-                                               "(--max-streams-per-key)")
-                release.set()
-                assert [t for r in first for t in r.tokens]
-                assert [t for r in second for t in r.tokens]  # the other key got through
+            yield srv, release
         finally:
             release.set()
             holder.join(30)
+
+
+def test_inference_streams_per_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.test_service_concurrency import sample, wait_for
+
+    with _engine_held(tmp_path_factory, max_streams_per_key=1) as (srv, release):
+        addr = f"127.0.0.1:{srv.port}"
+        with InferenceClient(addr, api_key=USER) as user, \
+                InferenceClient(addr, api_key=ADMIN) as admin:
+            first = user.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
+                                                             max_tokens=2))
+            second = admin.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
+                                                               max_tokens=2))
+            # both wait for the engine (queued), each holding its key's one stream
+            wait_for(lambda: sample(srv, "warmslot_queue_depth") == 2, "never queued")
+            extra = user.generate_stream(ipb.GenerateRequest(prompt_tokens=[1, 2, 3],
+                                                             max_tokens=2))
+            with pytest.raises(grpc.RpcError) as err:
+                list(extra)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details() == ("this key has 1 streams open, the limit is 1 "
+                                           "(--max-streams-per-key)")
+            release.set()
+            assert [t for r in first for t in r.tokens]
+            assert [t for r in second for t in r.tokens]  # the other key got through
+
+
+def test_inference_unary_calls_per_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A key's unary calls beyond --max-unary-per-key are refused at once while its
+    first ones wait (here for the engine); another key and health checks get through."""
+    from tests.test_service_concurrency import wait_for
+
+    with _engine_held(tmp_path_factory, max_unary_per_key=2) as (srv, release):
+        addr = f"127.0.0.1:{srv.port}"
+        with InferenceClient(addr, api_key=USER) as user, \
+                InferenceClient(addr, api_key=ADMIN) as admin, \
+                grpc.insecure_channel(addr) as bare:
+            waiting = [admin.stub.EraseSlot.future(ipb.EraseSlotRequest(id_slot=i),
+                                                   timeout=30) for i in (0, 1)]
+            wait_for(lambda: srv.unary.held(key_id(ADMIN)) == 2, "never both running")
+            refused = []
+            for _ in range(5):
+                with pytest.raises(grpc.RpcError) as err:
+                    admin.info()
+                refused.append((err.value.code(), err.value.details()))
+            assert refused == [(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "this key has 2 unary calls running, the limit is 2 "
+                                "(--max-unary-per-key)")] * 5
+            assert user.info().n_slots == 2  # another key
+            assert _health(bare) == health_pb2.HealthCheckResponse.SERVING
+            assert srv.unary.held(key_id(ADMIN)) == 2
+            release.set()
+            assert [w.result(30).id_slot for w in waiting] == [0, 1]
+            assert srv.unary.held(key_id(ADMIN)) == 0
+            assert admin.info().n_slots == 2  # its calls are served again
+
+
+def test_snapshot_unary_calls_per_key(tmp_path: Path) -> None:
+    """Three List calls of one key wait (its store listing is held); its fourth is
+    refused at once, another key's List and health checks are served."""
+    from tests.test_service_concurrency import wait_for
+
+    keys = write_keys(tmp_path / "keys", {R1: "namespace=replica-1", R2: "namespace=replica-2"})
+    cfg = SnapshotConfig(data_dir=tmp_path / "data", port=0, api_keys=keys, workers=8,
+                         max_streams_per_key=2, max_unary_per_key=3)
+    release = threading.Event()
+    with SnapshotServer(cfg) as srv:
+        listing = srv.store.list
+
+        def held_list(prefix: str) -> list:
+            if prefix.startswith("replica-1:"):
+                release.wait(30)
+            return listing(prefix)
+
+        srv.store.list = held_list  # type: ignore[method-assign]
+        try:
+            with SnapshotClient(srv.address, api_key=R1, retries=0) as c1, \
+                    SnapshotClient(srv.address, api_key=R2, retries=0) as c2, \
+                    grpc.insecure_channel(srv.address) as bare:
+                waiting = [threading.Thread(target=c1.list) for _ in range(3)]
+                for t in waiting:
+                    t.start()
+                wait_for(lambda: srv.unary.held(key_id(R1)) == 3, "never all three running")
+                with pytest.raises(ResourceExhausted) as err:
+                    c1.list()
+                assert err.value.message == ("this key has 3 unary calls running, the limit "
+                                             "is 3 (--max-unary-per-key)")
+                assert c2.list() == []
+                assert _health(bare) == health_pb2.HealthCheckResponse.SERVING
+                release.set()
+                for t in waiting:
+                    t.join(30)
+                assert srv.unary.held(key_id(R1)) == 0
+                assert c1.list() == []
+        finally:
+            release.set()
+    with pytest.raises(ValueError, match="--max-unary-per-key"):
+        SnapshotConfig(data_dir=tmp_path / "d", api_keys=keys, workers=8,
+                       max_streams_per_key=2, max_unary_per_key=6)

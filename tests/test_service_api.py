@@ -119,6 +119,27 @@ def test_truncate_prompt_drops_the_oldest_tokens(client: InferenceClient,
     assert tokens == Reference(*pair).generate(prompt[4:], 10)
 
 
+LONG_TEXT = "the tea ate in the sea, 42 times! " * 4000  # 136 000 characters: 5 pieces
+
+
+def test_long_text_prompt_stops_past_the_context(client: InferenceClient) -> None:
+    code, details = _code(_gen(client, LONG_TEXT, max_tokens=4))
+    assert code == INVALID
+    assert details == ("the prompt of more than 256 tokens plus max_tokens 4 exceed the context "
+                       "of 256 tokens (set truncate_prompt to drop the oldest prompt tokens)")
+
+
+def test_long_text_prompt_truncated_keeps_its_last_tokens(client: InferenceClient,
+                                                          pair: tuple[Path, Path]) -> None:
+    toks = client.tokenize(LONG_TEXT)  # every token of the text, in pieces
+    assert len(toks) > 10_000
+    rs, last = client.generate(LONG_TEXT, max_tokens=4, temperature=0.0, truncate_prompt=True,
+                               id_slot=0, cache_prompt=False)
+    assert last.timings.n_truncated == len(toks) + 4 - 256
+    assert last.timings.prompt_n == 252
+    assert [t for r in rs for t in r.tokens] == Reference(*pair).generate(toks[-252:], 4)
+
+
 @pytest.mark.parametrize("rpc", ["save", "restore", "erase"])
 @pytest.mark.parametrize("slot", [-1, 2, 1000])
 def test_bad_slot_ids(client: InferenceClient, rpc: str, slot: int) -> None:

@@ -7,7 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inference_svc.core import ModelLoadError, StreamDecoder, Tokenizer, load_gguf
+from inference_svc.core import (
+    InvalidArgumentError,
+    ModelLoadError,
+    StreamDecoder,
+    Tokenizer,
+    load_gguf,
+)
+from inference_svc.core.chunks import CHUNK_CHARS, MAX_RUN_CHARS, pieces
 from inference_svc.core.gguf_file import TokenizerData
 
 TEXTS = [
@@ -101,3 +108,41 @@ def test_spm_merges_by_score_with_byte_fallback() -> None:
     assert tok.encode("a", add_bos=True) == [2, ids["a"]]
     assert tok.decode(tok.encode("ab a  cé")) == "ab a  cé"
     assert tok.decode([2, 1, ids["a"]]) == "a"
+
+
+# characters where the pre-tokenizer's classes meet: letters, digits, spaces of several
+# kinds (also those Python and the regex engine disagree about), apostrophes of
+# contractions, combining marks, numerals that are letters
+NASTY = [*"abcXYZ019 '\t\n\r.,;:!?-_()[]\"", "é", "日", "本", "🎉", "\u00a0", "\u2003",
+         "\x1c", "\u0301", "²", "一", "Ⅷ", "’", "\x85", "  ", "'s", "'ll", " 's"]
+
+
+def test_pieces_tokenize_as_the_whole_text(tok: Tokenizer) -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(400):
+        text = "".join(NASTY[i] for i in rng.integers(0, len(NASTY), rng.integers(1, 200)))
+        whole = tok.encode_ids(text).tolist()  # shorter than a piece: tokenized whole
+        for size in (1, 2, 3, 7):
+            parts = list(pieces(text, size, 10**9))
+            assert "".join(parts) == text
+            assert [t for p in parts for t in tok.encode_ids(p)] == whole, (text, size)
+
+
+def test_encode_ids_of_a_long_text(tok: Tokenizer) -> None:
+    unit = "Naïve café, it's 42 o'clock:\n\tdef f(x): return x ** 2  # 日本語 🎉\n"
+    text = unit * (3 * CHUNK_CHARS // len(unit) + 2)
+    assert len(list(pieces(text))) == 4
+    ids = tok.encode_ids(text)
+    assert ids.tolist() == [t for p in pieces(text, 101, 10**9) for t in tok.encode_ids(p)]
+    assert tok.decode(ids.tolist()) == text
+    assert tok.encode(text) == ids.tolist()
+    first = tok.encode_ids(text, limit=10)  # stops after the first piece
+    assert 10 < len(first) < len(ids) and first.tolist() == ids[:len(first)].tolist()
+
+
+def test_a_run_that_cannot_be_cut_is_refused(tok: Tokenizer) -> None:
+    n = MAX_RUN_CHARS  # the last piece may be up to this long
+    assert len(list(pieces("a" * n))) == 1
+    with pytest.raises(InvalidArgumentError, match=f"more than {n - CHUNK_CHARS} characters"):
+        tok.encode_ids("a" * (n + 1))
+    assert len(tok.encode_ids("a " * n)) > 0  # as long, with spaces: in pieces

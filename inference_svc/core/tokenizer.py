@@ -2,17 +2,22 @@
 SentencePiece-style BPE with byte fallback for `llama` (spm.py, as llama.cpp runs it).
 
 Byte-level BPE encoding goes through the `tokenizers` package (BPE model, GPT-2
-pre-tokenizer regex). Decoding maps every token to its bytes, so a stream of tokens can be
-turned into text incrementally and any list of ids decodes without raising.
+pre-tokenizer regex), a piece of the text at a time (chunks.py): the package's
+bookkeeping per token (strings, offsets) grows with the text it is given, and its
+batch call tokenizes without holding the GIL. Decoding maps every token to its bytes,
+so a stream of tokens can be turned into text incrementally and any list of ids
+decodes without raising.
 """
 
 from __future__ import annotations
 
+from array import array
 from functools import lru_cache
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from .chunks import pieces
 from .errors import ModelLoadError
 from .gguf_file import TokenizerData
 from .spm import SPMTokenizer
@@ -88,9 +93,23 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of text; special-token strings are encoded as plain text. add_bos:
         BOS first when the model's file asks for it (tokenizer.ggml.add_bos_token)."""
-        ids = self._spm.encode(text) if self._spm else self._hf.encode(
-            text, add_special_tokens=False).ids
-        return ([self.bos_id] if add_bos and self.add_bos else []) + list(ids)
+        ids = self.encode_ids(text)
+        return ([self.bos_id] if add_bos and self.add_bos else []) + ids.tolist()
+
+    def encode_ids(self, text: str, limit: int | None = None) -> array[int]:
+        """Token ids of text (no BOS) in a compact array. With `limit`, tokenizing
+        stops once more than `limit` ids are known: the array then holds more than
+        `limit` ids, a prefix of the text's. Raises InvalidArgumentError for a text
+        that cannot be cut into pieces (chunks.pieces). A 'llama' tokenizer takes
+        the text whole."""
+        if self._spm is not None:
+            return array("i", self._spm.encode(text))
+        out = array("i")
+        for piece in pieces(text):
+            out.extend(self._hf.encode_batch([piece], add_special_tokens=False)[0].ids)
+            if limit is not None and len(out) > limit:
+                break
+        return out
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes of one token; b'' for control tokens and ids outside the vocabulary."""

@@ -1,8 +1,10 @@
 """The one server interceptor of both services: before a handler runs, a gate (API
 keys, a draining server) may refuse the call; any exception of the handler becomes
 its status code; a request that does not parse becomes INVALID_ARGUMENT (not
-INTERNAL); every call is counted by method and status code. Health checks are left
-alone: they stay open to probes without keys."""
+INTERNAL); every call is counted by method and status code; with API keys, a key's
+unary calls running at once are limited (RESOURCE_EXHAUSTED beyond), so that one key's
+flood of slow calls cannot take every handler thread. Health checks are left alone:
+they stay open to probes without keys."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from google.protobuf.message import DecodeError
 from snapshot_svc.clientlib import auth
 from snapshot_svc.clientlib.errors import Cancelled, InvalidArgument, StatusError
 from snapshot_svc.clientlib.jsonlog import log_event
+from snapshot_svc.clientlib.streams import StreamLimit
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -64,9 +67,10 @@ def _checked(requests: Iterable[Any]) -> Iterator[Any]:
 class StatusInterceptor(grpc.ServerInterceptor):
     def __init__(self, count: Callable[[str, str], None], logger: logging.Logger,
                  gate: Gate | None = None,
-                 status: Callable[[BaseException], tuple[grpc.StatusCode, str]] = status_of
-                 ) -> None:
+                 status: Callable[[BaseException], tuple[grpc.StatusCode, str]] = status_of,
+                 unary_limit: StreamLimit | None = None) -> None:
         self._count = count
+        self._unary = unary_limit
         self._log = logger
         self._gate = gate
         self._status = status
@@ -83,7 +87,8 @@ class StatusInterceptor(grpc.ServerInterceptor):
             uu = handler.unary_unary
 
             def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                return self._call(full, method, context, lambda: uu(_check(request), context))
+                return self._call(full, method, context, lambda: uu(_check(request), context),
+                                  self._unary)
 
             return handler._replace(request_deserializer=deser, unary_unary=unary_unary)
         if handler.stream_unary:
@@ -134,10 +139,15 @@ class StatusInterceptor(grpc.ServerInterceptor):
         context.abort(code, message)
 
     def _call(self, full: str, method: str, context: grpc.ServicerContext,
-              fn: Callable[[], Any]) -> Any:
+              fn: Callable[[], Any], limit: StreamLimit | None = None) -> Any:
         try:
             self._enter(full, context)
-            response = fn()
+            caller = auth.CURRENT.get()
+            if limit is None or caller is None:  # no keys: no key to limit
+                response = fn()
+            else:
+                with limit.hold(caller):
+                    response = fn()
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._fail(method, context, exc)
             raise  # unreachable: _fail raises

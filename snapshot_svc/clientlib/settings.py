@@ -10,10 +10,20 @@ from collections.abc import Mapping, Sequence
 
 _OFF = ("0", "false", "no", "off")
 
+# The inference service's snapshot-client flags would get WARMSLOT_SNAPSHOT_TLS_CA/_CERT/
+# _KEY, and the last two are the snapshot service's own --tls-cert/--tls-key variables
+# (its prefix is WARMSLOT_SNAPSHOT_): one environment for both services would give the
+# snapshot service the client's certificate and the inference service the server's.
+# These flags read CLIENT variables instead, as the snapshot CLI (snapshot_svc.ctl) does.
+CLIENT_VARS = {"WARMSLOT_SNAPSHOT_TLS_CA": "WARMSLOT_SNAPSHOT_CLIENT_TLS_CA",
+               "WARMSLOT_SNAPSHOT_TLS_CERT": "WARMSLOT_SNAPSHOT_CLIENT_TLS_CERT",
+               "WARMSLOT_SNAPSHOT_TLS_KEY": "WARMSLOT_SNAPSHOT_CLIENT_TLS_KEY"}
+
 
 def env_var(prefix: str, flag: str) -> str:
-    """`--slot-save-path` -> `<prefix>SLOT_SAVE_PATH`."""
-    return prefix + flag.lstrip("-").replace("-", "_").upper()
+    """`--slot-save-path` -> `<prefix>SLOT_SAVE_PATH` (except CLIENT_VARS)."""
+    name = prefix + flag.lstrip("-").replace("-", "_").upper()
+    return CLIENT_VARS.get(name, name) if prefix == "WARMSLOT_" else name
 
 
 def _long_flag(action: argparse.Action) -> str | None:

@@ -40,15 +40,18 @@ def channel_credentials(ca: Path | None, cert: Path | None = None,
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+METRICS_RISK = "anyone who reaches the metrics endpoint (--metrics-host) could read them"
 
 
 def check_exposure(host: str, keys: object | None, tls: bool, insecure: bool,
-                   flag_prefix: str = "--") -> None:
+                   flag_prefix: str = "--",
+                   risk: str = "anyone who reaches it could read and change every slot"
+                   ) -> None:
     """Refuses (ValueError) to serve a non-loopback address with neither keys nor TLS
     unless the operator said --insecure."""
     if host in LOOPBACK or host.startswith("127.") or keys is not None or tls or insecure:
         return
-    raise ValueError(f"refusing to listen on {host} without API keys or TLS: anyone who "
-                     f"reaches it could read and change every slot; set {flag_prefix}api-keys "
+    raise ValueError(f"refusing to listen on {host} without API keys or TLS: {risk}; set "
+                     f"{flag_prefix}api-keys "
                      f"and/or {flag_prefix}tls-cert/{flag_prefix}tls-key, or pass "
                      f"{flag_prefix}insecure to serve it open anyway")

@@ -303,7 +303,7 @@ def test_default_compose_is_secure(engine: Any) -> None:
     for name in ("inference", "inference-1", "inference-2"):
         env = services[name]["environment"]
         for var in ("WARMSLOT_API_KEYS", "WARMSLOT_TLS_CERT", "WARMSLOT_TLS_KEY",
-                    "WARMSLOT_SNAPSHOT_TLS_CA", "WARMSLOT_SNAPSHOT_TLS_CERT"):
+                    "WARMSLOT_SNAPSHOT_CLIENT_TLS_CA", "WARMSLOT_SNAPSHOT_CLIENT_TLS_CERT"):
             assert env.get(var), (name, var)
         assert "WARMSLOT_INSECURE" not in env
         key_files.add(env["WARMSLOT_SNAPSHOT_KEY_FILE"])
