@@ -109,6 +109,7 @@ class Config:
     max_streams_per_key: int = 16
     max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
     tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
+    chat_template: Path | None = None  # Jinja chat template file; None: the model's own
 
     @property
     def grpc_workers(self) -> int:
@@ -321,6 +322,9 @@ def parser() -> argparse.ArgumentParser:
       help="key (PEM) of --snapshot-tls-cert")
     a("--snapshot-key-file", type=_path_or_none, default=d.snapshot_key_file,
       help="file holding this replica's API key of the snapshot service")
+    a("--chat-template", type=_path_or_none, default=d.chat_template,
+      help="Jinja chat template file for Chat, instead of the model's own "
+           "(tokenizer.chat_template); Chat needs one or the other")
     settings.document_env(p, ENV_PREFIX)
     return p
 
@@ -355,7 +359,7 @@ def from_args(argv: Sequence[str] | None = None,
             snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
             snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
             max_streams_per_key=ns.max_streams_per_key,
-            tokenize_threads=ns.tokenize_threads)
+            tokenize_threads=ns.tokenize_threads, chat_template=ns.chat_template)
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

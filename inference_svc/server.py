@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc import __version__, access, autosave, log, slotfile
+from inference_svc import __version__, access, autosave, chat, log, slotfile
 from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.engine import Engine, GenJob
@@ -83,10 +83,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         with self.streams.hold(caller):
             yield from self._generate(request, context)
 
+    def Chat(self, request: pb.ChatRequest,
+             context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        caller = auth.CURRENT.get()
+        if caller is None:
+            yield from self._chat(request, context)
+            return
+        with self.streams.hold(caller):
+            yield from self._chat(request, context)
+
+    def _chat(self, request: pb.ChatRequest,
+              context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        rt = self._rt()
+        yield from self._run(GenerateParams.from_chat(request, rt.rc), rt, context)
+
     def _generate(self, request: pb.GenerateRequest,
                   context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         rt = self._rt()
-        params = GenerateParams.from_pb(request, rt.rc)
+        yield from self._run(GenerateParams.from_pb(request, rt.rc), rt, context)
+
+    def _run(self, params: GenerateParams, rt: Runtime,
+             context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         job = rt.engine.generate(params, _time_remaining(context))
         context.add_callback(job.cancel)
         try:
@@ -312,7 +329,8 @@ class Server:
         tokenizer = BoundedTokenizer(engine.tokenizer, cfg.max_prompt_bytes,
                                      cfg.tokenize_threads, cfg.max_queue)
         rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,  # type: ignore[arg-type]
-                            engine.n_slots, engine.has_draft)
+                            engine.n_slots, engine.has_draft,
+                            chat.load_template(cfg.chat_template, engine.tokenizer))
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
         if store is not None and cfg.auto_save:

@@ -10,14 +10,18 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from inference_svc import chat
+from inference_svc.chat import ChatTemplate
 from inference_svc.config import Config
 from inference_svc.core import Tokenizer
 from inference_svc.core.speculative import MAX_DRAFT, Counters, SamplingParams, SpecParams
 from inference_svc.errors import InvalidArgument
+from inference_svc.names import validate_name
 from inference_svc.pb import inference_pb2 as pb
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
+MAX_LOGPROBS = 20
 
 
 class StopReason(enum.IntEnum):
@@ -47,6 +51,7 @@ class RequestContext:
     n_ctx: int
     n_slots: int
     has_draft: bool
+    chat: ChatTemplate | None = None  # None: Chat is FAILED_PRECONDITION
 
 
 def check_slot_id(id_slot: int, n_slots: int, allow_any: bool = False) -> int:
@@ -112,10 +117,11 @@ class GenerateParams:
     spec: SpecParams | None  # None: no speculative decoding
     stop: tuple[str, ...] = ()
     n_truncated: int = 0  # prompt tokens dropped to fit the context
+    logprobs: int = 0  # top alternatives reported with each token; 0: no logprobs
+    session: str | None = None
 
     @classmethod
     def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
-        cfg = rc.config
         if req.prompt and req.prompt_tokens:
             raise InvalidArgument("set prompt or prompt_tokens, not both")
         if req.prompt_tokens:
@@ -123,25 +129,48 @@ class GenerateParams:
             check_tokens(prompt, rc.n_vocab, "prompt_tokens")
         else:
             prompt = rc.tokenizer.encode(req.prompt)
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: at least one token is needed")
         id_slot = check_slot_id(req.id_slot if req.HasField("id_slot") else -1, rc.n_slots,
                                 allow_any=True)
+        return cls._build(req, rc, prompt, id_slot,
+                          req.cache_prompt if req.HasField("cache_prompt") else True,
+                          req.truncate_prompt)
+
+    @classmethod
+    def from_chat(cls, req: pb.ChatRequest, rc: RequestContext) -> GenerateParams:
+        """The Generate request of a Chat: the rendered conversation as its prompt."""
+        template = chat.require(rc.chat)
+        messages = [chat.Message(m.role, m.content) for m in req.messages]
+        size = sum(len(m.role.encode("utf-8", "surrogatepass"))
+                   + len(m.content.encode("utf-8", "surrogatepass")) for m in messages)
+        agp = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+        run = getattr(rc.tokenizer, "run", None)  # the bounded tokenizer of the server
+        prompt = (run(lambda: template.tokens(messages, agp), size) if run is not None
+                  else template.tokens(messages, agp))
+        return cls._build(req, rc, prompt, -1, True, False)
+
+    @classmethod
+    def _build(cls, req: pb.GenerateRequest | pb.ChatRequest, rc: RequestContext,
+               prompt: list[int], id_slot: int, cache_prompt: bool,
+               truncate_prompt: bool) -> GenerateParams:
+        """The options Generate and Chat share (same names in both messages)."""
+        cfg = rc.config
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: at least one token is needed")
         if req.HasField("max_tokens"):
             max_tokens = req.max_tokens
             if max_tokens < 0:
                 raise InvalidArgument(f"max_tokens {max_tokens} is negative")
         else:  # the default, capped to the room the prompt leaves
-            room = rc.n_ctx - (1 if req.truncate_prompt else len(prompt))
+            room = rc.n_ctx - (1 if truncate_prompt else len(prompt))
             max_tokens = min(cfg.default_max_tokens, max(room, 1))
         n_truncated = 0
         if len(prompt) + max_tokens > rc.n_ctx:
-            if not req.truncate_prompt or max_tokens >= rc.n_ctx:
+            if not truncate_prompt or max_tokens >= rc.n_ctx:
                 raise InvalidArgument(
                     f"the prompt of {len(prompt)} tokens plus max_tokens {max_tokens} exceed the "
                     f"context of {rc.n_ctx} tokens"
-                    + ("" if req.truncate_prompt else " (set truncate_prompt to drop the oldest "
-                                                      "prompt tokens)"))
+                    + ("" if truncate_prompt or isinstance(req, pb.ChatRequest)
+                       else " (set truncate_prompt to drop the oldest prompt tokens)"))
             n_truncated = len(prompt) + max_tokens - rc.n_ctx
             prompt = prompt[n_truncated:]
         stop = tuple(req.stop)
@@ -150,11 +179,13 @@ class GenerateParams:
         for s in stop:
             if not s or len(s.encode()) > MAX_STOP_BYTES:
                 raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
+        if not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs {req.logprobs} is outside 0..{MAX_LOGPROBS}")
+        session = validate_name(req.session) if req.HasField("session") else None
         sampling, seed = sampling_from_pb(req.sampling, cfg)
         spec = speculative_from_pb(req.speculative, cfg, rc.has_draft)
-        return cls(tuple(prompt), max_tokens, id_slot,
-                   req.cache_prompt if req.HasField("cache_prompt") else True,
-                   sampling, seed, spec, stop, n_truncated)
+        return cls(tuple(prompt), max_tokens, id_slot, cache_prompt, sampling, seed, spec,
+                   stop, n_truncated, req.logprobs, session)
 
 
 @dataclass
