@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from inference_svc import __version__, access, autosave, chat, log, slotfile
 from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
+from inference_svc.core.speculative import TokenLogprob
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import Unavailable, status_of
 from inference_svc.fallback import Fallback
@@ -36,6 +37,7 @@ from inference_svc.types import (
     GenerateParams,
     RequestContext,
     check_tokens,
+    logprobs_to_pb,
 )
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
@@ -138,8 +140,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             store_configured=rt.store is not None,
             store=rt.store.describe() if rt.store is not None else "",
             draft_restore_policy=cfg.draft_restore_policy,
-            default_sampling=pb.SamplingParams(temperature=s.temperature, top_k=s.top_k,
-                                               top_p=s.top_p, min_p=s.min_p),
+            default_sampling=pb.SamplingParams(
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
+                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty),
             default_speculative=pb.SpeculativeParams(
                 enabled=eng.has_draft and sp.enabled, n_max=sp.n_max, n_min=sp.n_min,
                 p_min=sp.p_min),
@@ -208,12 +212,14 @@ def _responses(job: GenJob, interval: float, n_streams: Callable[[], int],
                 break
         tokens: list[int] = []
         text: list[str] = []
+        lps: list[TokenLogprob] = []
         final: Finished | None = None
         error: BaseException | None = None
         for it in items:
             chunk = it.last if isinstance(it, Finished) else it
             if isinstance(chunk, Chunk):
                 tokens += chunk.tokens
+                lps += chunk.logprobs or []
                 if chunk.text is not None:
                     text.append(chunk.text)
                 else:
@@ -224,7 +230,8 @@ def _responses(job: GenJob, interval: float, n_streams: Callable[[], int],
             elif isinstance(it, BaseException):
                 error = it
         if tokens or any(text) or final is not None:
-            resp = pb.GenerateResponse(text="".join(text), tokens=tokens, id_slot=job.slot)
+            resp = pb.GenerateResponse(text="".join(text), tokens=tokens, id_slot=job.slot,
+                                       logprobs=logprobs_to_pb(lps))
             if final is not None:
                 resp.done = True
                 resp.stop_reason = int(final.reason)

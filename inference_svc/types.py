@@ -14,14 +14,21 @@ from inference_svc import chat
 from inference_svc.chat import ChatTemplate
 from inference_svc.config import Config
 from inference_svc.core import Tokenizer
-from inference_svc.core.speculative import MAX_DRAFT, Counters, SamplingParams, SpecParams
+from inference_svc.core.speculative import (
+    MAX_DRAFT,
+    MAX_LOGPROBS,
+    MAX_PENALTY_LAST_N,
+    Counters,
+    SamplingParams,
+    SpecParams,
+    TokenLogprob,
+)
 from inference_svc.errors import InvalidArgument
 from inference_svc.names import validate_name
 from inference_svc.pb import inference_pb2 as pb
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
-MAX_LOGPROBS = 20
 
 
 class StopReason(enum.IntEnum):
@@ -75,17 +82,28 @@ def _check_range(name: str, value: float, ok: bool, rule: str) -> None:
         raise InvalidArgument(f"{name} {value:g} is outside {rule}")
 
 
-def sampling_from_pb(m: pb.SamplingParams, cfg: Config) -> tuple[SamplingParams, int | None]:
+def sampling_from_pb(m: pb.SamplingParams, cfg: Config,
+                     logprobs: int = 0) -> tuple[SamplingParams, int | None]:
     d = cfg.sampling
-    t = m.temperature if m.HasField("temperature") else d.temperature
-    k = m.top_k if m.HasField("top_k") else d.top_k
-    p = m.top_p if m.HasField("top_p") else d.top_p
-    mp = m.min_p if m.HasField("min_p") else d.min_p
+
+    def get(name: str) -> float:
+        return getattr(m, name) if m.HasField(name) else getattr(d, name)
+
+    t, k, p, mp = get("temperature"), get("top_k"), get("top_p"), get("min_p")
+    rp, last_n = get("repeat_penalty"), get("repeat_last_n")
+    pres, freq = get("presence_penalty"), get("frequency_penalty")
     _check_range("temperature", t, 0.0 <= t <= 100.0, "[0, 100]")
     _check_range("top_k", k, k >= 0, "[0, inf)")
     _check_range("top_p", p, 0.0 < p <= 1.0, "(0, 1]")
     _check_range("min_p", mp, 0.0 <= mp < 1.0, "[0, 1)")
-    return SamplingParams(t, k, p, mp), (m.seed if m.HasField("seed") else None)
+    _check_range("repeat_penalty", rp, 0.0 <= rp <= 10.0, "[0, 10]")
+    _check_range("repeat_last_n", last_n, 0 <= last_n <= MAX_PENALTY_LAST_N,
+                 f"0..{MAX_PENALTY_LAST_N}")
+    _check_range("presence_penalty", pres, -2.0 <= pres <= 2.0, "[-2, 2]")
+    _check_range("frequency_penalty", freq, -2.0 <= freq <= 2.0, "[-2, 2]")
+    _check_range("logprobs", logprobs, 0 <= logprobs <= MAX_LOGPROBS, f"0..{MAX_LOGPROBS}")
+    return (SamplingParams(t, int(k), p, mp, rp, int(last_n), pres, freq, logprobs),
+            (m.seed if m.HasField("seed") else None))
 
 
 def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
@@ -117,7 +135,6 @@ class GenerateParams:
     spec: SpecParams | None  # None: no speculative decoding
     stop: tuple[str, ...] = ()
     n_truncated: int = 0  # prompt tokens dropped to fit the context
-    logprobs: int = 0  # top alternatives reported with each token; 0: no logprobs
     session: str | None = None
 
     @classmethod
@@ -179,13 +196,11 @@ class GenerateParams:
         for s in stop:
             if not s or len(s.encode()) > MAX_STOP_BYTES:
                 raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
-        if not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgument(f"logprobs {req.logprobs} is outside 0..{MAX_LOGPROBS}")
         session = validate_name(req.session) if req.HasField("session") else None
-        sampling, seed = sampling_from_pb(req.sampling, cfg)
+        sampling, seed = sampling_from_pb(req.sampling, cfg, req.logprobs)
         spec = speculative_from_pb(req.speculative, cfg, rc.has_draft)
         return cls(tuple(prompt), max_tokens, id_slot, cache_prompt, sampling, seed, spec,
-                   stop, n_truncated, req.logprobs, session)
+                   stop, n_truncated, session)
 
 
 @dataclass
@@ -235,6 +250,13 @@ class Chunk:
 
     tokens: list[int]
     text: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token when the request asked
+
+
+def logprobs_to_pb(lps: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token=lp.token, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token=t, logprob=v) for t, v in lp.top])
+            for lp in lps]
 
 
 @dataclass(frozen=True)

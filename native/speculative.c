@@ -11,6 +11,9 @@
 #include "warmslot.h"
 #include "ws_math.h"
 
+#define LP_ROW (1 + WS_SPEC_MAX_LOGPROBS)
+#define LP_SLOT ((WS_SPEC_MAX_DRAFT + 1) * LP_ROW)
+
 /* one slot's speculative state; the part after `rng` is what a draft state saves */
 typedef struct {
     int32_t pending;      /* sampled, not yet decoded; -1: none                  */
@@ -33,6 +36,15 @@ struct ws_spec {
     float *p;             /* [n_vocab]                        a target distribution    */
     int32_t *cand;        /* [n_vocab]                        candidate ids            */
     int32_t *toks;        /* [n_ctx + 1]                      token scratch            */
+    /* penalties: the sequence before the sampled positions, occurrence counts, logits */
+    int32_t *hist;        /* [n_ctx + WS_SPEC_MAX_DRAFT + 1]  S and the drafts         */
+    int32_t *cnt;         /* [n_vocab]                        zero between uses        */
+    float *pen;           /* [n_vocab]                        penalized logits         */
+    /* logprobs of each slot's last returned tokens: rows of 1 + WS_SPEC_MAX_LOGPROBS */
+    int32_t *lp_ids;      /* [n_slots][WS_SPEC_MAX_DRAFT + 1][LP_ROW]                  */
+    float *lp_vals;       /* [n_slots][WS_SPEC_MAX_DRAFT + 1][LP_ROW]                  */
+    int32_t *lp_n;        /* [n_slots]                        rows of the last call    */
+    int32_t *lp_top;      /* [n_slots]                        alternatives per row     */
     char last_error[256];
 };
 
@@ -220,12 +232,98 @@ static double dense_sum(const float *w, int n) {
     return t;
 }
 
-/* the next token from target logits: argmax when greedy, else a draw */
+static int penalties_on(const ws_sampling_params *sp) {
+    return sp->repeat_last_n > 0 && ((sp->repeat_penalty != 0.0f && sp->repeat_penalty != 1.0f) ||
+                                     sp->presence_penalty != 0.0f || sp->frequency_penalty != 0.0f);
+}
+
+/* logits with the penalties of the last repeat_last_n of the n tokens hist[0..n) applied:
+   s->pen, or logits itself when the parameters ask for none */
+static const float *penalize(ws_spec *s, const float *logits, const ws_sampling_params *sp,
+                             const int32_t *hist, int32_t n) {
+    if (!penalties_on(sp)) return logits;
+    memcpy(s->pen, logits, sizeof(float) * (size_t)s->n_vocab);
+    const int32_t from = n > sp->repeat_last_n ? n - sp->repeat_last_n : 0;
+    for (int32_t i = from; i < n; i++) s->cnt[hist[i]]++;
+    const int rp = sp->repeat_penalty != 0.0f && sp->repeat_penalty != 1.0f;
+    for (int32_t i = from; i < n; i++) {
+        const int32_t t = hist[i];
+        const int32_t c = s->cnt[t];
+        if (c == 0) continue; /* already penalized: its count was cleared */
+        float x = s->pen[t];
+        if (rp) x = x <= 0.0f ? x * sp->repeat_penalty : x / sp->repeat_penalty;
+        x -= (float)c * sp->frequency_penalty + sp->presence_penalty;
+        s->pen[t] = x;
+        s->cnt[t] = 0;
+    }
+    return s->pen;
+}
+
+/* the next token from target logits (penalized already): argmax when greedy, else a draw */
 static int32_t sample_logits(ws_spec *s, spec_slot *ss, const float *logits,
                              const ws_sampling_params *sp) {
     if (is_greedy(sp)) return argmax(logits, s->n_vocab);
     build_dist(s, logits, sp, s->p);
     return sample_dense(s->p, s->n_vocab, dense_sum(s->p, s->n_vocab), ss->rng);
+}
+
+/* the slot's target tokens then, when there is one, its pending token into s->hist,
+   when the penalties need them; the count */
+static int32_t load_hist(ws_spec *s, int32_t slot, const ws_sampling_params *sp) {
+    if (!penalties_on(sp)) return 0;
+    int32_t n = 0;
+    ws_slot_tokens(s->tgt, slot, s->hist, (size_t)s->n_ctx, &n);
+    if (s->slots[slot].pending >= 0) s->hist[n++] = s->slots[slot].pending;
+    return n;
+}
+
+/* row `row` of the slot's logprobs: the token's and the n_logprobs most likely tokens'
+   log-softmax of the raw logits (in double: max, then the sum of exp in id order) */
+static void record_logprobs(ws_spec *s, int32_t slot, int row, const float *logits,
+                            int32_t token, const ws_sampling_params *sp) {
+    const int n = s->n_vocab, k = sp->n_logprobs;
+    s->lp_top[slot] = k;
+    s->lp_n[slot] = row + 1;
+    if (k <= 0) {
+        s->lp_n[slot] = 0;
+        return;
+    }
+    double mx = logits[argmax(logits, n)];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - mx);
+    const double lse = mx + log(sum);
+    int32_t *ids = s->lp_ids + (size_t)slot * LP_SLOT + (size_t)row * LP_ROW;
+    float *vals = s->lp_vals + (size_t)slot * LP_SLOT + (size_t)row * LP_ROW;
+    ids[0] = token;
+    vals[0] = (float)((double)logits[token] - lse);
+    int32_t *cand = s->cand;
+    for (int i = 0; i < n; i++) cand[i] = i;
+    const int m = k < n ? k : n;
+    if (m < n) select_top_k(logits, cand, n, m);
+    sort_before(logits, cand, m);
+    for (int i = 0; i < m; i++) {
+        ids[1 + i] = cand[i];
+        vals[1 + i] = (float)((double)logits[cand[i]] - lse);
+    }
+}
+
+ws_status ws_spec_logprobs(const ws_spec *s, int32_t slot, int32_t *ids, float *lps,
+                           size_t cap, int32_t *n_rows, int32_t *n_top) {
+    if (!s || !n_rows || !n_top) return WS_ERR_INVALID_ARGUMENT;
+    *n_rows = *n_top = 0;
+    if (slot < 0 || slot >= s->n_slots)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "slot %d out of range 0..%d", slot, s->n_slots - 1);
+    const int32_t n = s->lp_n[slot];
+    if (n > 0 && (!ids || !lps || cap < (size_t)n))
+        return fail(s, WS_ERR_BUFFER_TOO_SMALL, "logprob buffers hold %zu rows, %d needed", cap, n);
+    const size_t len = (size_t)n * LP_ROW;
+    if (n > 0) {
+        memcpy(ids, s->lp_ids + (size_t)slot * LP_SLOT, sizeof(int32_t) * len);
+        memcpy(lps, s->lp_vals + (size_t)slot * LP_SLOT, sizeof(float) * len);
+    }
+    *n_rows = n;
+    *n_top = s->lp_top[slot];
+    return WS_OK;
 }
 
 /* top probability of a softmax at temperature 1 (greedy drafting's confidence) */
@@ -251,6 +349,13 @@ void ws_spec_free(ws_spec *s) {
     free(s->p);
     free(s->cand);
     free(s->toks);
+    free(s->hist);
+    free(s->cnt);
+    free(s->pen);
+    free(s->lp_ids);
+    free(s->lp_vals);
+    free(s->lp_n);
+    free(s->lp_top);
     free(s);
 }
 
@@ -292,8 +397,16 @@ ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {
     s->toks = malloc(sizeof(int32_t) * ((size_t)s->n_ctx + 1));
     s->m_logits = malloc(sizeof(float) * nv * (size_t)s->n_slots);
     s->m_toks = malloc(sizeof(int32_t) * (size_t)s->n_slots);
+    s->hist = malloc(sizeof(int32_t) * ((size_t)s->n_ctx + WS_SPEC_MAX_DRAFT + 1));
+    s->cnt = calloc(nv, sizeof(int32_t));
+    s->pen = malloc(sizeof(float) * nv);
+    s->lp_ids = malloc(sizeof(int32_t) * LP_SLOT * (size_t)s->n_slots);
+    s->lp_vals = malloc(sizeof(float) * LP_SLOT * (size_t)s->n_slots);
+    s->lp_n = calloc((size_t)s->n_slots, sizeof(int32_t));
+    s->lp_top = calloc((size_t)s->n_slots, sizeof(int32_t));
     if (!s->slots || !s->t_logits || !s->d_logits || !s->q || !s->p || !s->cand || !s->toks ||
-        !s->m_logits || !s->m_toks)
+        !s->m_logits || !s->m_toks || !s->hist || !s->cnt || !s->pen || !s->lp_ids ||
+        !s->lp_vals || !s->lp_n || !s->lp_top)
         return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory allocating speculative buffers");
     for (int i = 0; i < s->n_slots; i++) {
         s->slots[i].pending = -1;
@@ -315,6 +428,21 @@ ws_status ws_spec_check_params(const ws_spec *s, const ws_sampling_params *sp,
             return fail(s, WS_ERR_INVALID_ARGUMENT, "top_p %g outside (0, 1]", (double)sp->top_p);
         if (!(sp->min_p >= 0.0f && sp->min_p < 1.0f))
             return fail(s, WS_ERR_INVALID_ARGUMENT, "min_p %g outside [0, 1)", (double)sp->min_p);
+        if (!(sp->repeat_penalty >= 0.0f && sp->repeat_penalty <= 10.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "repeat_penalty %g outside [0, 10]",
+                        (double)sp->repeat_penalty);
+        if (sp->repeat_last_n < 0 || sp->repeat_last_n > WS_SPEC_MAX_PENALTY_LAST_N)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "repeat_last_n %d outside 0..%d",
+                        sp->repeat_last_n, WS_SPEC_MAX_PENALTY_LAST_N);
+        if (!(sp->presence_penalty >= -2.0f && sp->presence_penalty <= 2.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "presence_penalty %g outside [-2, 2]",
+                        (double)sp->presence_penalty);
+        if (!(sp->frequency_penalty >= -2.0f && sp->frequency_penalty <= 2.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "frequency_penalty %g outside [-2, 2]",
+                        (double)sp->frequency_penalty);
+        if (sp->n_logprobs < 0 || sp->n_logprobs > WS_SPEC_MAX_LOGPROBS)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "n_logprobs %d outside 0..%d", sp->n_logprobs,
+                        WS_SPEC_MAX_LOGPROBS);
     }
     if (pp) {
         if (pp->n_max < 0 || pp->n_max > WS_SPEC_MAX_DRAFT)
@@ -533,7 +661,9 @@ ws_status ws_spec_prefill(ws_spec *s, int32_t slot, const int32_t *tokens, int32
         ss->c.n_draft_prefill += (uint64_t)(done > ss->lag_ok ? done - ss->lag_ok : 0);
         ss->lag_ok = 0;
     }
-    ss->pending = sample_logits(s, ss, s->t_logits, sp);
+    const int32_t nh = load_hist(s, slot, sp);
+    ss->pending = sample_logits(s, ss, penalize(s, s->t_logits, sp, s->hist, nh), sp);
+    record_logprobs(s, slot, 0, s->t_logits, ss->pending, sp);
     *token_out = ss->pending;
     return WS_OK;
 }
@@ -563,6 +693,8 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
     const int nv = s->n_vocab;
     int32_t drafts[WS_SPEC_MAX_DRAFT];
     int k = 0;
+    /* the penalties' history: S, then each proposal as it is made (hist[n0 + 1 + i]) */
+    const int32_t nh = load_hist(s, slot, sp);
 
     /* 1. the draft proposes */
     if (k_max > 0 && ss->d_off <= n0) {
@@ -575,17 +707,19 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
         ss->lag_ok = 0;
         for (int i = 0; i < k_max; i++) {
             int32_t x;
+            const float *dl = penalize(s, s->d_logits, sp, s->hist, nh ? nh + i : 0);
             if (greedy) {
-                if (pp->p_min > 0.0f && i >= pp->n_min && top_prob(s->d_logits, nv) < pp->p_min)
+                if (pp->p_min > 0.0f && i >= pp->n_min && top_prob(dl, nv) < pp->p_min)
                     break;
-                x = argmax(s->d_logits, nv);
+                x = argmax(dl, nv);
             } else {
                 float *q = s->q + (size_t)i * nv;
-                build_dist(s, s->d_logits, sp, q);
+                build_dist(s, dl, sp, q);
                 if (pp->p_min > 0.0f && i >= pp->n_min && q[argmax(q, nv)] < pp->p_min) break;
                 x = sample_dense(q, nv, dense_sum(q, nv), ss->rng);
             }
             drafts[k++] = x;
+            if (nh) s->hist[nh + i] = x;
             if (i + 1 < k_max) {
                 ws_status st = ws_decode(s->dft, slot, &x, 1, 0, s->d_logits, (size_t)nv);
                 if (st != WS_OK) return fail_from(s, s->dft, st, "draft decode");
@@ -604,7 +738,7 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
     int a = 0;
     int32_t bonus = -1;
     for (; a < k; a++) {
-        const float *row = s->t_logits + (size_t)a * nv;
+        const float *row = penalize(s, s->t_logits + (size_t)a * nv, sp, s->hist, nh ? nh + a : 0);
         if (greedy) {
             const int32_t t = argmax(row, nv);
             if (t != drafts[a]) {
@@ -631,7 +765,11 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
             break;
         }
     }
-    if (a == k) bonus = sample_logits(s, ss, s->t_logits + (size_t)k * nv, sp);
+    if (a == k)
+        bonus = sample_logits(s, ss, penalize(s, s->t_logits + (size_t)k * nv, sp, s->hist,
+                                              nh ? nh + k : 0), sp);
+    for (int i = 0; i <= a; i++)
+        record_logprobs(s, slot, i, s->t_logits + (size_t)i * nv, i < a ? drafts[i] : bonus, sp);
 
     /* 4. roll both caches back to the accepted length */
     ws_slot_truncate(s->tgt, slot, n0 + 1 + a);
@@ -674,7 +812,11 @@ ws_status ws_spec_step_multi(ws_spec *s, const int32_t *slots, const ws_sampling
     if (st != WS_OK) return fail_from(s, s->tgt, st, "target decode");
     for (int32_t i = 0; i < n; i++) {
         spec_slot *ss = &s->slots[slots[i]];
-        out[i] = sample_logits(s, ss, s->m_logits + (size_t)i * s->n_vocab, &sps[i]);
+        const float *row = s->m_logits + (size_t)i * s->n_vocab;
+        ss->pending = -1; /* decoded: the history is the slot's KV tokens */
+        const int32_t nh = load_hist(s, slots[i], &sps[i]);
+        out[i] = sample_logits(s, ss, penalize(s, row, &sps[i], s->hist, nh), &sps[i]);
+        record_logprobs(s, slots[i], 0, row, out[i], &sps[i]);
         ss->pending = out[i];
         ss->c.n_steps++;
         if (s->dft) ss->lag_ok += 1; /* the draft sat this step out, as with n_max 0 */
