@@ -136,9 +136,7 @@ def _split_marked(text: str, start: str, end: str) -> list[tuple[str, bool]] | N
 
 def _special_in(text: str, tokenizer: Tokenizer) -> str | None:
     """A special-token string the text holds, or None."""
-    ids = tokenizer.encode_special(text)
-    specials = set(tokenizer.special_tokens.values())
-    hit = next((i for i in ids if i in specials), None)
+    hit = next((p for p in tokenizer.split_special(text) if isinstance(p, int)), None)
     return None if hit is None else tokenizer.data.tokens[hit]
 
 

@@ -78,34 +78,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Generate(self, request: pb.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        caller = auth.CURRENT.get()
-        if caller is None:  # no keys: the queue's limits apply (--max-queue)
-            yield from self._generate(request, context)
-            return
-        with self.streams.hold(caller):
-            yield from self._generate(request, context)
+        yield from self._stream(lambda rc: GenerateParams.from_pb(request, rc), context)
 
     def Chat(self, request: pb.ChatRequest,
              context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        yield from self._stream(lambda rc: GenerateParams.from_chat(request, rc), context)
+
+    def _stream(self, params_of: Callable[[RequestContext], GenerateParams],
+                context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        """A generation's responses; with API keys, one of the caller's streams."""
         caller = auth.CURRENT.get()
-        if caller is None:
-            yield from self._chat(request, context)
+        if caller is None:  # no keys: the queue's limits apply (--max-queue)
+            yield from self._generate(params_of, context)
             return
         with self.streams.hold(caller):
-            yield from self._chat(request, context)
+            yield from self._generate(params_of, context)
 
-    def _chat(self, request: pb.ChatRequest,
-              context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        rt = self._rt()
-        yield from self._run(GenerateParams.from_chat(request, rt.rc), rt, context)
-
-    def _generate(self, request: pb.GenerateRequest,
+    def _generate(self, params_of: Callable[[RequestContext], GenerateParams],
                   context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         rt = self._rt()
-        yield from self._run(GenerateParams.from_pb(request, rt.rc), rt, context)
-
-    def _run(self, params: GenerateParams, rt: Runtime,
-             context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        params = params_of(rt.rc)
         job = rt.engine.generate(params, _time_remaining(context))
         context.add_callback(job.cancel)
         try:

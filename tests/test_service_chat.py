@@ -15,7 +15,7 @@ import pytest
 from inference_svc.client import InferenceClient, _parser, chat_loop, make_chat_request
 from inference_svc.core import Model, Tokenizer
 from inference_svc.server import Server
-from tests.fixtures.servicekit import model_pair, running, service_config
+from tests.fixtures.servicekit import fresh_client, model_pair, running, service_config
 
 TEMPLATE = (
     "{% for m in messages %}"
@@ -50,9 +50,7 @@ def server(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture()
 def client(server: Server) -> Iterator[InferenceClient]:
-    with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
-        for i in range(server.cfg.slots):
-            c.erase(i)
+    with fresh_client(server) as c:
         yield c
 
 

@@ -14,7 +14,7 @@ from inference_svc.client import InferenceClient, make_request
 from inference_svc.core.speculative import SamplingParams, TokenLogprob
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
-from tests.fixtures.servicekit import model_pair, running, service_config
+from tests.fixtures.servicekit import fresh_client, model_pair, running, service_config
 from tests.test_penalties_logprobs import expected_logprobs, numpy_greedy, reference_logits
 
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 17, 17, 5]
@@ -38,9 +38,7 @@ def server(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture()
 def client(server: Server) -> Iterator[InferenceClient]:
-    with InferenceClient(f"127.0.0.1:{server.port}", timeout=60) as c:
-        for i in range(server.cfg.slots):
-            c.erase(i)
+    with fresh_client(server) as c:
         yield c
 
 
