@@ -1,6 +1,7 @@
-"""Chat templates (inference_svc.chat): SmolLM2-135M-Instruct's own template rendered
-and tokenized as llama.cpp does (ids in tests/fixtures/chat_oracle.json, written by
-tools/chat_oracle.py), message contents kept as text, and every refusal."""
+"""Chat templates (inference_svc.chat): SmolLM2-135M-Instruct's own template and a
+Gemma-format template file on Gemma 3 rendered and tokenized as llama.cpp does (ids in
+tests/fixtures/chat_oracle*.json, written by tools/chat_oracle.py), message contents
+kept as text, and every refusal."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from inference_svc.chat import ChatTemplate, Message, TemplateError, load_template, require
 from inference_svc.core import Model, Tokenizer
 from inference_svc.errors import FailedPrecondition, InvalidArgument
+from tests.gemma3kit import gemma_path, needs_gemma3
 from tests.test_smollm2 import PATH as SMOLLM2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,3 +135,42 @@ def test_no_template_is_failed_precondition() -> None:
         assert load_template(None, m.tokenizer) is None
     with pytest.raises(FailedPrecondition, match="--chat-template"):
         require(None)
+
+
+# --- Gemma 3 (SentencePiece tokenizer, control tokens) with a template file --------------
+
+GEMMA_ORACLE = json.loads((ROOT / "tests" / "fixtures" / "chat_oracle_gemma3.json").read_text())
+GEMMA_TEMPLATE = ROOT / "tests" / "fixtures" / "gemma_turns.jinja"
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Any:
+    path = gemma_path()
+    if path is None or not path.is_file():
+        pytest.skip("Gemma 3 270M is not present (set WARMSLOT_GEMMA3)")
+    with Model.load(path) as m:
+        yield require(load_template(GEMMA_TEMPLATE, m.tokenizer))
+
+
+@needs_gemma3
+@pytest.mark.parametrize("case", GEMMA_ORACLE["cases"],
+                         ids=[c["name"] for c in GEMMA_ORACLE["cases"]])
+def test_gemma_template_matches_llama_cpp(gemma: ChatTemplate, case: dict[str, Any]) -> None:
+    assert gemma.source == GEMMA_ORACLE["template"]
+    m = msgs(case["messages"])
+    assert gemma.render_text(m, case["add_generation_prompt"]) == case["text"]
+    assert gemma.tokens(m, case["add_generation_prompt"]) == case["ids"]
+
+
+@needs_gemma3
+def test_gemma_markup_in_folded_system_and_trimmed_content(gemma: ChatTemplate) -> None:
+    case = GEMMA_ORACLE["injection"]
+    ids = gemma.tokens(msgs(case["messages"]), True)
+    assert ids == case["ids"] != case["ids_if_parsed"]
+    assert ids.count(105) == 2 and ids.count(106) == 1  # <start_of_turn>, <end_of_turn>
+
+
+@needs_gemma3
+def test_gemma_template_rejects_order(gemma: ChatTemplate) -> None:
+    with pytest.raises(InvalidArgument, match="Conversation roles must alternate"):
+        gemma.tokens([Message("assistant", "hi")], True)
