@@ -220,6 +220,9 @@ def _option_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding")
     p.add_argument("--n-max", type=int, help="tokens drafted per step")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--logprobs", type=int, default=0,
+                   help="logprobs of each token and this many alternatives (0..20; --json "
+                        "shows those of the last response)")
 
 
 def _options(a: argparse.Namespace) -> dict[str, Any]:
@@ -227,7 +230,8 @@ def _options(a: argparse.Namespace) -> dict[str, Any]:
                 top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
                 repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
                 presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
-                speculative=False if a.no_spec else None, n_max=a.n_max, stop=a.stop)
+                speculative=False if a.no_spec else None, n_max=a.n_max, stop=a.stop,
+                logprobs=a.logprobs)
 
 
 def chat_loop(c: InferenceClient, a: argparse.Namespace, lines: Iterator[str],

@@ -327,7 +327,7 @@ class Server:
         store = self._open_store()
         tokenizer = BoundedTokenizer(engine.tokenizer, cfg.max_prompt_bytes,
                                      cfg.tokenize_threads, cfg.max_queue)
-        rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,  # type: ignore[arg-type]
+        rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,
                             engine.n_slots, engine.has_draft,
                             chat.load_template(cfg.chat_template, engine.tokenizer))
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)

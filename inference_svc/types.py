@@ -26,6 +26,7 @@ from inference_svc.core.speculative import (
 from inference_svc.errors import InvalidArgument
 from inference_svc.names import validate_name
 from inference_svc.pb import inference_pb2 as pb
+from inference_svc.prompts import BoundedTokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
@@ -53,7 +54,7 @@ class RequestContext:
     """What checking a request needs to know about the running service."""
 
     config: Config
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | BoundedTokenizer
     n_vocab: int
     n_ctx: int
     n_slots: int
@@ -160,9 +161,9 @@ class GenerateParams:
         size = sum(len(m.role.encode("utf-8", "surrogatepass"))
                    + len(m.content.encode("utf-8", "surrogatepass")) for m in messages)
         agp = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
-        run = getattr(rc.tokenizer, "run", None)  # the bounded tokenizer of the server
-        prompt = (run(lambda: template.tokens(messages, agp), size) if run is not None
-                  else template.tokens(messages, agp))
+        tok = rc.tokenizer
+        prompt = (tok.run(lambda: template.tokens(messages, agp), size)
+                  if isinstance(tok, BoundedTokenizer) else template.tokens(messages, agp))
         return cls._build(req, rc, prompt, -1, True, False)
 
     @classmethod
