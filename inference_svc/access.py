@@ -1,5 +1,5 @@
 """Who may call what on the inference service. Keys of role `user` may generate,
-tokenize, detokenize and read the service's info; `admin` keys may call every method
+chat, tokenize, detokenize and read the service's info; `admin` keys may call every method
 (the slot operations as well: list, save, restore, erase). Methods not listed here,
 now or added later, are admin-only until listed."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 from snapshot_svc.clientlib import auth
 
 SERVICE = "/warmslot.inference.v1.Inference/"
-USER_METHODS = frozenset(SERVICE + m for m in ("Generate", "Tokenize", "Detokenize",
-                                               "GetInfo"))
+USER_METHODS = frozenset(SERVICE + m for m in ("Generate", "Chat", "Tokenize",
+                                               "Detokenize", "GetInfo"))
 REFLECTION_PREFIX = "/grpc.reflection."
 ROLES = (auth.USER, auth.ADMIN)
 

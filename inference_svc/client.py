@@ -1,6 +1,7 @@
 """A small client of the inference service, as a library and a command line.
 
     python -m inference_svc.client generate "def fibonacci(n):" --max-tokens 64
+    python -m inference_svc.client chat --session alice --system "Be brief."
     python -m inference_svc.client save 0 session-a
     python -m inference_svc.client erase 0
     python -m inference_svc.client restore 1 session-a
@@ -19,7 +20,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import json_format
@@ -70,6 +71,16 @@ class InferenceClient:
         responses = list(self.generate_stream(req, timeout))
         return responses, responses[-1]
 
+    def chat_stream(self, request: pb.ChatRequest, timeout: float | None = None) -> Any:
+        """The response stream of a Chat (iterate it; .cancel() stops the generation)."""
+        return self.stub.Chat(request, timeout=timeout or self.timeout)
+
+    def chat(self, messages: list[tuple[str, str]], timeout: float | None = None,
+             **fields: Any) -> tuple[list[pb.GenerateResponse], pb.GenerateResponse]:
+        """Runs a whole Chat turn: (all responses, the last one)."""
+        responses = list(self.chat_stream(make_chat_request(messages, **fields), timeout))
+        return responses, responses[-1]
+
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).tokens)
 
@@ -95,26 +106,55 @@ class InferenceClient:
         return self.stub.EraseSlot(pb.EraseSlotRequest(id_slot=id_slot), timeout=self.timeout)
 
 
-def make_request(prompt: str | list[int], *, max_tokens: int | None = None,
-                 id_slot: int | None = None, cache_prompt: bool | None = None,
-                 temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, min_p: float | None = None,
-                 seed: int | None = None, speculative: bool | None = None,
-                 n_max: int | None = None, n_min: int | None = None,
-                 p_min: float | None = None, stop: list[str] | None = None,
-                 truncate_prompt: bool = False) -> pb.GenerateRequest:
-    """A GenerateRequest; None leaves a field unset (the server's default)."""
-    req = pb.GenerateRequest(stop=stop or [], truncate_prompt=truncate_prompt)
+def make_request(prompt: str | list[int], *, id_slot: int | None = None,
+                 cache_prompt: bool | None = None, truncate_prompt: bool = False,
+                 **options: Any) -> pb.GenerateRequest:
+    """A GenerateRequest; None leaves a field unset (the server's default). options:
+    those of `set_options`."""
+    req = pb.GenerateRequest(truncate_prompt=truncate_prompt)
     if isinstance(prompt, str):
         req.prompt = prompt
     else:
         req.prompt_tokens.extend(prompt)
-    for name, value in (("max_tokens", max_tokens), ("id_slot", id_slot),
-                        ("cache_prompt", cache_prompt)):
+    for name, value in (("id_slot", id_slot), ("cache_prompt", cache_prompt)):
+        if value is not None:
+            setattr(req, name, value)
+    return set_options(req, **options)
+
+
+def make_chat_request(messages: list[tuple[str, str]], *,
+                      add_generation_prompt: bool | None = None,
+                      **options: Any) -> pb.ChatRequest:
+    """A ChatRequest of (role, content) messages; options: those of `set_options`."""
+    req = pb.ChatRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
+    if add_generation_prompt is not None:
+        req.add_generation_prompt = add_generation_prompt
+    return set_options(req, **options)
+
+
+R = TypeVar("R", pb.GenerateRequest, pb.ChatRequest)
+
+
+def set_options(req: R, *, max_tokens: int | None = None, session: str | None = None,
+                logprobs: int = 0, stop: list[str] | None = None,
+                temperature: float | None = None, top_k: int | None = None,
+                top_p: float | None = None, min_p: float | None = None,
+                seed: int | None = None, repeat_penalty: float | None = None,
+                repeat_last_n: int | None = None, presence_penalty: float | None = None,
+                frequency_penalty: float | None = None, speculative: bool | None = None,
+                n_max: int | None = None, n_min: int | None = None,
+                p_min: float | None = None) -> R:
+    """Sets the options Generate and Chat share; None leaves a field unset."""
+    req.stop.extend(stop or [])
+    req.logprobs = logprobs
+    for name, value in (("max_tokens", max_tokens), ("session", session)):
         if value is not None:
             setattr(req, name, value)
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("min_p", min_p), ("seed", seed)):
+                        ("min_p", min_p), ("seed", seed), ("repeat_penalty", repeat_penalty),
+                        ("repeat_last_n", repeat_last_n),
+                        ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty)):
         if value is not None:
             setattr(req.sampling, name, value)
     for name, value in (("enabled", speculative), ("n_max", n_max), ("n_min", n_min),
@@ -145,19 +185,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream a completion")
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int)
     g.add_argument("--slot", type=int, help="slot id (default: any)")
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--no-spec", action="store_true", help="no speculative decoding")
-    g.add_argument("--n-max", type=int, help="tokens drafted per step")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _option_flags(g)
     g.add_argument("--no-cache", action="store_true", help="do not reuse the slot's prefix")
     g.add_argument("--truncate", action="store_true", help="drop old prompt tokens to fit")
     g.add_argument("--json", action="store_true", help="print the last response as JSON")
+    ch = sub.add_parser("chat", help="talk with the model: one line of stdin is one turn")
+    ch.add_argument("--system", help="system message first in the conversation")
+    _option_flags(ch)
     for name, hlp in (("save", "save a slot"), ("restore", "restore a slot")):
         s = sub.add_parser(name, help=hlp)
         s.add_argument("slot", type=int)
@@ -171,12 +206,61 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _option_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the options Generate and Chat share (set_options)."""
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--session", help="session name: the conversation's state stays on the "
+                                     "server between requests")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--repeat-penalty", type=float)
+    p.add_argument("--repeat-last-n", type=int)
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--no-spec", action="store_true", help="no speculative decoding")
+    p.add_argument("--n-max", type=int, help="tokens drafted per step")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--logprobs", type=int, default=0,
+                   help="logprobs of each token and this many alternatives (0..20; --json "
+                        "shows those of the last response)")
+
+
+def _options(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(max_tokens=a.max_tokens, session=a.session, temperature=a.temperature,
+                top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
+                presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                speculative=False if a.no_spec else None, n_max=a.n_max, stop=a.stop,
+                logprobs=a.logprobs)
+
+
+def chat_loop(c: InferenceClient, a: argparse.Namespace, lines: Iterator[str],
+              out: Any) -> list[tuple[str, str]]:
+    """One turn per input line: the whole conversation goes with every turn (with
+    --session the server reuses the state it kept, so only the new turn is processed);
+    the reply is streamed to `out`. Returns the conversation."""
+    messages: list[tuple[str, str]] = [("system", a.system)] if a.system else []
+    for line in lines:
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        messages.append(("user", text))
+        reply: list[str] = []
+        for r in c.chat_stream(make_chat_request(messages, **_options(a))):
+            reply.append(r.text)
+            out.write(r.text)
+            out.flush()
+        out.write("\n")
+        messages.append(("assistant", "".join(reply)))
+    return messages
+
+
 def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
-    req = make_request(a.prompt, max_tokens=a.max_tokens, id_slot=a.slot,
-                       cache_prompt=False if a.no_cache else None, temperature=a.temperature,
-                       top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
-                       speculative=False if a.no_spec else None, n_max=a.n_max, stop=a.stop,
-                       truncate_prompt=a.truncate)
+    req = make_request(a.prompt, id_slot=a.slot, cache_prompt=False if a.no_cache else None,
+                       truncate_prompt=a.truncate, **_options(a))
     last = None
     stream: Iterator[pb.GenerateResponse] = c.generate_stream(req)
     if not a.json:
@@ -212,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if a.cmd == "generate":
                 _generate(c, a)
+            elif a.cmd == "chat":
+                chat_loop(c, a, iter(sys.stdin), sys.stdout)
             elif a.cmd == "save":
                 _show(c.save(a.slot, a.filename))
             elif a.cmd == "restore":

@@ -112,6 +112,7 @@ class Config:
     max_unary_per_key: int = 16  # unary calls at once per API key (with --api-keys)
     max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
     tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
+    chat_template: Path | None = None  # Jinja chat template file; None: the model's own
 
     @property
     def grpc_workers(self) -> int:
@@ -292,6 +293,14 @@ def parser() -> argparse.ArgumentParser:
     a("--top-k", type=int, default=d.sampling.top_k, help="default top-k (0: off)")
     a("--top-p", type=float, default=d.sampling.top_p, help="default top-p (1: off)")
     a("--min-p", type=float, default=d.sampling.min_p, help="default min-p (0: off)")
+    a("--repeat-penalty", type=float, default=d.sampling.repeat_penalty,
+      help="default repeat penalty over the last --repeat-last-n tokens (1: off)")
+    a("--repeat-last-n", type=int, default=d.sampling.repeat_last_n,
+      help="default number of last tokens the penalties look at (0: no penalties)")
+    a("--presence-penalty", type=float, default=d.sampling.presence_penalty,
+      help="default presence penalty (0: off)")
+    a("--frequency-penalty", type=float, default=d.sampling.frequency_penalty,
+      help="default frequency penalty (0: off)")
     a("--speculative", action=argparse.BooleanOptionalAction, default=d.speculative.enabled,
       help="speculative decoding for requests that do not say (needs a draft model)")
     a("--spec-n-max", type=int, default=d.speculative.n_max,
@@ -351,6 +360,9 @@ def parser() -> argparse.ArgumentParser:
       help="key (PEM) of --snapshot-tls-cert")
     a("--snapshot-key-file", type=_path_or_none, default=d.snapshot_key_file,
       help="file holding this replica's API key of the snapshot service")
+    a("--chat-template", type=_path_or_none, default=d.chat_template,
+      help="Jinja chat template file for Chat, instead of the model's own "
+           "(tokenizer.chat_template); Chat needs one or the other")
     settings.document_env(p, ENV_PREFIX)
     return p
 
@@ -374,7 +386,11 @@ def from_args(argv: Sequence[str] | None = None,
             fallback_save_path=ns.fallback_save_path,
             draft_restore_policy=ns.draft_restore_policy, metrics_port=ns.metrics_port,
             metrics_host=ns.metrics_host,
-            sampling=SamplingParams(ns.temperature, ns.top_k, ns.top_p, ns.min_p),
+            sampling=SamplingParams(ns.temperature, ns.top_k, ns.top_p, ns.min_p,
+                                    repeat_penalty=ns.repeat_penalty,
+                                    repeat_last_n=ns.repeat_last_n,
+                                    presence_penalty=ns.presence_penalty,
+                                    frequency_penalty=ns.frequency_penalty),
             speculative=Speculative(ns.speculative, ns.spec_n_max, ns.spec_n_min,
                                     ns.spec_p_min, ns.spec_adaptive, ns.spec_draft_cost),
             default_max_tokens=ns.default_max_tokens, max_queue_wait=ns.max_queue_wait,
@@ -386,7 +402,7 @@ def from_args(argv: Sequence[str] | None = None,
             snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
             snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
             max_streams_per_key=ns.max_streams_per_key, max_unary_per_key=ns.max_unary_per_key,
-            tokenize_threads=ns.tokenize_threads)
+            tokenize_threads=ns.tokenize_threads, chat_template=ns.chat_template)
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

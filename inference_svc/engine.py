@@ -25,7 +25,13 @@ from inference_svc import log
 from inference_svc.config import Config
 from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
 from inference_svc.core.handle import Room, new_room
-from inference_svc.core.speculative import NO_SPEC, Counters, SpecDecoder, SpecParams
+from inference_svc.core.speculative import (
+    NO_SPEC,
+    Counters,
+    SpecDecoder,
+    SpecParams,
+    TokenLogprob,
+)
 from inference_svc.draft_length import DraftLength
 from inference_svc.errors import ServiceError, Unavailable
 from inference_svc.metrics import Metrics
@@ -438,7 +444,7 @@ class Engine:
             if job.draft_len is not None:
                 job.draft_len.observe(spec.n_max, r.drafted, len(r.tokens) - 1)
             try:
-                self._take(job, r.tokens)
+                self._take(job, r.tokens, self._logprobs(job))
             except Exception as exc:
                 self._abort(job, exc)
 
@@ -466,11 +472,17 @@ class Engine:
             dec.truncate(slot, dec.n_tokens(slot) - 1)  # drop the sampled token
             self._finish(job, StopReason.MAX_TOKENS)
         else:
-            self._take(job, [first])
+            self._take(job, [first], self._logprobs(job))
         return len(todo)
 
-    def _take(self, job: GenJob, toks: list[int]) -> None:
-        """Emits new tokens up to EOS, a stop string or max_tokens."""
+    def _logprobs(self, job: GenJob) -> list[TokenLogprob] | None:
+        """The logprobs of the tokens the job's last core call returned, when it asked."""
+        return self.dec.logprobs(job.slot) if job.params.sampling.logprobs else None
+
+    def _take(self, job: GenJob, toks: list[int],
+              lps: list[TokenLogprob] | None = None) -> None:
+        """Emits new tokens up to EOS, a stop string or max_tokens (with their logprobs
+        when the request asked: lps holds one per token of toks)."""
         p, slot = job.params, job.slot
         out: list[int] = []
         text: list[str] = []
@@ -497,10 +509,11 @@ class Engine:
                 reason = StopReason.MAX_TOKENS
                 break
         joined = "".join(text) if job.text is not None else None
+        out_lps = lps[:len(out)] if lps is not None else None
         if reason is not None:
-            self._finish(job, reason, stop, out, joined)
+            self._finish(job, reason, stop, out, joined, out_lps)
         elif out:
-            job.out.put(Chunk(out, joined))
+            job.out.put(Chunk(out, joined, out_lps))
 
     def _close_out(self, job: GenJob) -> Timings:
         """Commits the pending token, ends the job (the scheduler frees the slot) and
@@ -532,12 +545,13 @@ class Engine:
         return tm
 
     def _finish(self, job: GenJob, reason: StopReason, stop: str = "",
-                tokens: list[int] | None = None, text: str | None = None) -> None:
+                tokens: list[int] | None = None, text: str | None = None,
+                lps: list[TokenLogprob] | None = None) -> None:
         """Ends a generation: its last tokens and text go out with the timings."""
         if job.text is not None and reason is not StopReason.STOP_STRING:
             text = (text or "") + job.text.flush()
         tm = self._close_out(job)
-        last = Chunk(tokens or [], text) if tokens or text else None
+        last = Chunk(tokens or [], text, lps) if tokens or text else None
         job.out.put(Finished(reason, tm, stop, job.params.seed, last))
         job.ended.set()
         self.log.info("generate", extra=log.fields(

@@ -12,14 +12,17 @@ import ctypes
 import ctypes.util
 import threading
 from array import array
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 from inference_svc.core import Tokenizer
 from inference_svc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 
 TRIM_ABOVE_BYTES = 256 << 10  # texts at least this large: malloc_trim afterwards
 WAIT_S = 120.0  # longest a text waits for and takes in the pool
+
+T = TypeVar("T")
 
 
 def _malloc_trim() -> Any:
@@ -47,12 +50,27 @@ class BoundedTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tok, name)
 
-    def _encode(self, text: str, size: int, limit: int | None) -> array[int]:
+    def _call(self, fn: Callable[[], T], size: int) -> T:
         try:
-            return self._tok.encode_ids(text, limit)
+            return fn()
         finally:
             if size >= TRIM_ABOVE_BYTES:
                 self._trim()
+
+    def run(self, fn: Callable[[], T], size: int) -> T:
+        """fn() on the tokenizing pool, bounded as `encode`: for work that tokenizes
+        `size` bytes of request text in several pieces (a chat conversation)."""
+        if size > self.max_bytes:
+            raise InvalidArgument(f"the text is {size} bytes, the limit is {self.max_bytes} "
+                                  "(--max-prompt-bytes)")
+        if not self._admitted.acquire(blocking=False):
+            raise ResourceExhausted("too many texts waiting to be tokenized; retry later")
+        try:
+            return self._pool.submit(self._call, fn, size).result(timeout=WAIT_S)
+        except futures.TimeoutError:
+            raise DeadlineExceeded(f"tokenizing took longer than {WAIT_S:g} s") from None
+        finally:
+            self._admitted.release()
 
     def encode(self, text: str) -> list[int]:
         return self.encode_ids(text).tolist()
@@ -61,17 +79,7 @@ class BoundedTokenizer:
         """The text's token ids (Tokenizer.encode_ids: with `limit`, more than `limit`
         ids means the text has more than `limit` tokens)."""
         size = len(text.encode("utf-8", "surrogatepass"))
-        if size > self.max_bytes:
-            raise InvalidArgument(f"the text is {size} bytes, the limit is {self.max_bytes} "
-                                  "(--max-prompt-bytes)")
-        if not self._admitted.acquire(blocking=False):
-            raise ResourceExhausted("too many texts waiting to be tokenized; retry later")
-        try:
-            return self._pool.submit(self._encode, text, size, limit).result(timeout=WAIT_S)
-        except futures.TimeoutError:
-            raise DeadlineExceeded(f"tokenizing took longer than {WAIT_S:g} s") from None
-        finally:
-            self._admitted.release()
+        return self.run(lambda: self._tok.encode_ids(text, limit), size)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

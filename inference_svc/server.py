@@ -16,9 +16,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc import __version__, access, autosave, log, slotfile
+from inference_svc import __version__, access, autosave, chat, log, slotfile
 from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
+from inference_svc.core.speculative import TokenLogprob
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import Unavailable, status_of
 from inference_svc.fallback import Fallback
@@ -36,6 +37,7 @@ from inference_svc.types import (
     GenerateParams,
     RequestContext,
     check_tokens,
+    logprobs_to_pb,
 )
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
@@ -76,17 +78,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Generate(self, request: pb.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        yield from self._stream(lambda rc: GenerateParams.from_pb(request, rc), context)
+
+    def Chat(self, request: pb.ChatRequest,
+             context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        yield from self._stream(lambda rc: GenerateParams.from_chat(request, rc), context)
+
+    def _stream(self, params_of: Callable[[RequestContext], GenerateParams],
+                context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        """A generation's responses; with API keys, one of the caller's streams."""
         caller = auth.CURRENT.get()
         if caller is None:  # no keys: the queue's limits apply (--max-queue)
-            yield from self._generate(request, context)
+            yield from self._generate(params_of, context)
             return
         with self.streams.hold(caller):
-            yield from self._generate(request, context)
+            yield from self._generate(params_of, context)
 
-    def _generate(self, request: pb.GenerateRequest,
+    def _generate(self, params_of: Callable[[RequestContext], GenerateParams],
                   context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         rt = self._rt()
-        params = GenerateParams.from_pb(request, rt.rc)
+        params = params_of(rt.rc)
         job = rt.engine.generate(params, _time_remaining(context))
         context.add_callback(job.cancel)
         try:
@@ -121,8 +132,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             store_configured=rt.store is not None,
             store=rt.store.describe() if rt.store is not None else "",
             draft_restore_policy=cfg.draft_restore_policy,
-            default_sampling=pb.SamplingParams(temperature=s.temperature, top_k=s.top_k,
-                                               top_p=s.top_p, min_p=s.min_p),
+            default_sampling=pb.SamplingParams(
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
+                presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty),
             default_speculative=pb.SpeculativeParams(
                 enabled=eng.has_draft and sp.enabled, n_max=sp.n_max, n_min=sp.n_min,
                 p_min=sp.p_min),
@@ -191,12 +204,14 @@ def _responses(job: GenJob, interval: float, n_streams: Callable[[], int],
                 break
         tokens: list[int] = []
         text: list[str] = []
+        lps: list[TokenLogprob] = []
         final: Finished | None = None
         error: BaseException | None = None
         for it in items:
             chunk = it.last if isinstance(it, Finished) else it
             if isinstance(chunk, Chunk):
                 tokens += chunk.tokens
+                lps += chunk.logprobs or []
                 if chunk.text is not None:
                     text.append(chunk.text)
                 else:
@@ -207,7 +222,8 @@ def _responses(job: GenJob, interval: float, n_streams: Callable[[], int],
             elif isinstance(it, BaseException):
                 error = it
         if tokens or any(text) or final is not None:
-            resp = pb.GenerateResponse(text="".join(text), tokens=tokens, id_slot=job.slot)
+            resp = pb.GenerateResponse(text="".join(text), tokens=tokens, id_slot=job.slot,
+                                       logprobs=logprobs_to_pb(lps))
             if final is not None:
                 resp.done = True
                 resp.stop_reason = int(final.reason)
@@ -314,8 +330,9 @@ class Server:
         store = self._open_store()
         tokenizer = BoundedTokenizer(engine.tokenizer, cfg.max_prompt_bytes,
                                      cfg.tokenize_threads, cfg.max_queue)
-        rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,  # type: ignore[arg-type]
-                            engine.n_slots, engine.has_draft)
+        rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,
+                            engine.n_slots, engine.has_draft,
+                            chat.load_template(cfg.chat_template, engine.tokenizer))
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
         if store is not None and cfg.auto_save:

@@ -12,11 +12,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from inference_svc import chat
+from inference_svc.chat import ChatTemplate
 from inference_svc.config import Config
 from inference_svc.core import Tokenizer
-from inference_svc.core.speculative import MAX_DRAFT, Counters, SamplingParams, SpecParams
+from inference_svc.core.speculative import (
+    MAX_DRAFT,
+    MAX_LOGPROBS,
+    MAX_PENALTY_LAST_N,
+    Counters,
+    SamplingParams,
+    SpecParams,
+    TokenLogprob,
+)
 from inference_svc.errors import InvalidArgument
+from inference_svc.names import validate_name
 from inference_svc.pb import inference_pb2 as pb
+from inference_svc.prompts import BoundedTokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
@@ -44,11 +56,12 @@ class RequestContext:
     """What checking a request needs to know about the running service."""
 
     config: Config
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | BoundedTokenizer
     n_vocab: int
     n_ctx: int
     n_slots: int
     has_draft: bool
+    chat: ChatTemplate | None = None  # None: Chat is FAILED_PRECONDITION
 
 
 def check_slot_id(id_slot: int, n_slots: int, allow_any: bool = False) -> int:
@@ -72,17 +85,28 @@ def _check_range(name: str, value: float, ok: bool, rule: str) -> None:
         raise InvalidArgument(f"{name} {value:g} is outside {rule}")
 
 
-def sampling_from_pb(m: pb.SamplingParams, cfg: Config) -> tuple[SamplingParams, int | None]:
+def sampling_from_pb(m: pb.SamplingParams, cfg: Config,
+                     logprobs: int = 0) -> tuple[SamplingParams, int | None]:
     d = cfg.sampling
-    t = m.temperature if m.HasField("temperature") else d.temperature
-    k = m.top_k if m.HasField("top_k") else d.top_k
-    p = m.top_p if m.HasField("top_p") else d.top_p
-    mp = m.min_p if m.HasField("min_p") else d.min_p
+
+    def get(name: str) -> float:
+        return getattr(m, name) if m.HasField(name) else getattr(d, name)
+
+    t, k, p, mp = get("temperature"), get("top_k"), get("top_p"), get("min_p")
+    rp, last_n = get("repeat_penalty"), get("repeat_last_n")
+    pres, freq = get("presence_penalty"), get("frequency_penalty")
     _check_range("temperature", t, 0.0 <= t <= 100.0, "[0, 100]")
     _check_range("top_k", k, k >= 0, "[0, inf)")
     _check_range("top_p", p, 0.0 < p <= 1.0, "(0, 1]")
     _check_range("min_p", mp, 0.0 <= mp < 1.0, "[0, 1)")
-    return SamplingParams(t, k, p, mp), (m.seed if m.HasField("seed") else None)
+    _check_range("repeat_penalty", rp, 0.0 <= rp <= 10.0, "[0, 10]")
+    _check_range("repeat_last_n", last_n, 0 <= last_n <= MAX_PENALTY_LAST_N,
+                 f"0..{MAX_PENALTY_LAST_N}")
+    _check_range("presence_penalty", pres, -2.0 <= pres <= 2.0, "[-2, 2]")
+    _check_range("frequency_penalty", freq, -2.0 <= freq <= 2.0, "[-2, 2]")
+    _check_range("logprobs", logprobs, 0 <= logprobs <= MAX_LOGPROBS, f"0..{MAX_LOGPROBS}")
+    return (SamplingParams(t, int(k), p, mp, rp, int(last_n), pres, freq, logprobs),
+            (m.seed if m.HasField("seed") else None))
 
 
 def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
@@ -114,10 +138,10 @@ class GenerateParams:
     spec: SpecParams | None  # None: no speculative decoding
     stop: tuple[str, ...] = ()
     n_truncated: int = 0  # prompt tokens dropped to fit the context
+    session: str | None = None
 
     @classmethod
     def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
-        cfg = rc.config
         if req.prompt and req.prompt_tokens:
             raise InvalidArgument("set prompt or prompt_tokens, not both")
         cut_short = False  # the text was tokenized only up to past what the context holds
@@ -128,25 +152,50 @@ class GenerateParams:
             prompt = rc.tokenizer.encode_ids(req.prompt,
                                              None if req.truncate_prompt else rc.n_ctx)
             cut_short = len(prompt) > rc.n_ctx and not req.truncate_prompt
-        if not prompt:
-            raise InvalidArgument("the prompt is empty: at least one token is needed")
         id_slot = check_slot_id(req.id_slot if req.HasField("id_slot") else -1, rc.n_slots,
                                 allow_any=True)
+        return cls._build(req, rc, prompt, id_slot,
+                          req.cache_prompt if req.HasField("cache_prompt") else True,
+                          req.truncate_prompt, cut_short)
+
+    @classmethod
+    def from_chat(cls, req: pb.ChatRequest, rc: RequestContext) -> GenerateParams:
+        """The Generate request of a Chat: the rendered conversation as its prompt."""
+        template = chat.require(rc.chat)
+        messages = [chat.Message(m.role, m.content) for m in req.messages]
+        size = sum(len(m.role.encode("utf-8", "surrogatepass"))
+                   + len(m.content.encode("utf-8", "surrogatepass")) for m in messages)
+        agp = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+        tok = rc.tokenizer
+        prompt = (tok.run(lambda: template.tokens(messages, agp), size)
+                  if isinstance(tok, BoundedTokenizer) else template.tokens(messages, agp))
+        return cls._build(req, rc, prompt, -1, True, False)
+
+    @classmethod
+    def _build(cls, req: pb.GenerateRequest | pb.ChatRequest, rc: RequestContext,
+               prompt: Sequence[int], id_slot: int, cache_prompt: bool,
+               truncate_prompt: bool, cut_short: bool = False) -> GenerateParams:
+        """The options Generate and Chat share (same names in both messages); cut_short:
+        the prompt text was tokenized only up to past what the context holds."""
+        cfg = rc.config
+        if not prompt:
+            raise InvalidArgument("the prompt is empty: at least one token is needed")
         if req.HasField("max_tokens"):
             max_tokens = req.max_tokens
             if max_tokens < 0:
                 raise InvalidArgument(f"max_tokens {max_tokens} is negative")
         else:  # the default, capped to the room the prompt leaves
-            room = rc.n_ctx - (1 if req.truncate_prompt else len(prompt))
+            room = rc.n_ctx - (1 if truncate_prompt else len(prompt))
             max_tokens = min(cfg.default_max_tokens, max(room, 1))
         n_truncated = 0
         if len(prompt) + max_tokens > rc.n_ctx:
-            if not req.truncate_prompt or max_tokens >= rc.n_ctx:
+            if not truncate_prompt or max_tokens >= rc.n_ctx:
                 raise InvalidArgument(
                     f"the prompt of {f'more than {rc.n_ctx}' if cut_short else len(prompt)} "
                     f"tokens plus max_tokens {max_tokens} exceed the context of {rc.n_ctx} "
                     "tokens"
-                    + ("" if req.truncate_prompt else " (set truncate_prompt to drop the oldest "
+                    + ("" if truncate_prompt or isinstance(req, pb.ChatRequest)
+                       else " (set truncate_prompt to drop the oldest "
                                                       "prompt tokens)"))
             n_truncated = len(prompt) + max_tokens - rc.n_ctx
             prompt = prompt[n_truncated:]
@@ -156,11 +205,11 @@ class GenerateParams:
         for s in stop:
             if not s or len(s.encode()) > MAX_STOP_BYTES:
                 raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
-        sampling, seed = sampling_from_pb(req.sampling, cfg)
+        session = validate_name(req.session) if req.HasField("session") else None
+        sampling, seed = sampling_from_pb(req.sampling, cfg, req.logprobs)
         spec = speculative_from_pb(req.speculative, cfg, rc.has_draft)
-        return cls(tuple(prompt), max_tokens, id_slot,
-                   req.cache_prompt if req.HasField("cache_prompt") else True,
-                   sampling, seed, spec, stop, n_truncated)
+        return cls(tuple(prompt), max_tokens, id_slot, cache_prompt, sampling, seed, spec,
+                   stop, n_truncated, session)
 
 
 @dataclass
@@ -210,6 +259,13 @@ class Chunk:
 
     tokens: list[int]
     text: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token when the request asked
+
+
+def logprobs_to_pb(lps: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token=lp.token, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token=t, logprob=v) for t, v in lp.top])
+            for lp in lps]
 
 
 @dataclass(frozen=True)

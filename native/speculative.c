@@ -12,11 +12,15 @@
 #include "ws_error.h"
 #include "ws_math.h"
 
+#define LP_ROW (1 + WS_SPEC_MAX_LOGPROBS)
+#define LP_SLOT ((WS_SPEC_MAX_DRAFT + 1) * LP_ROW)
+
 /* one slot's part of a (batched) speculative step */
 struct step_member {
     int32_t slot, n0;     /* the slot and its target KV length before the step           */
     int32_t k_max, k;     /* proposals allowed, proposals made                           */
     int drafting;         /* still proposing in the current round                        */
+    int32_t nh;           /* penalties' history length before the step (0: no penalties) */
     int32_t drafts[WS_SPEC_MAX_DRAFT];
 };
 
@@ -51,6 +55,15 @@ struct ws_spec {
     float *p;             /* [n_vocab]                        a target distribution    */
     int32_t *cand;        /* [n_vocab]                        candidate ids            */
     int32_t *toks;        /* [n_ctx + 1]                      token scratch            */
+    /* penalties: each slot's sequence before the sampled positions, counts, logits */
+    int32_t *hist;        /* [n_slots][HIST_LEN]              S and the drafts         */
+    int32_t *cnt;         /* [n_vocab]                        zero between uses        */
+    float *pen;           /* [n_vocab]                        penalized logits         */
+    /* logprobs of each slot's last returned tokens: rows of 1 + WS_SPEC_MAX_LOGPROBS */
+    int32_t *lp_ids;      /* [n_slots][WS_SPEC_MAX_DRAFT + 1][LP_ROW]                  */
+    float *lp_vals;       /* [n_slots][WS_SPEC_MAX_DRAFT + 1][LP_ROW]                  */
+    int32_t *lp_n;        /* [n_slots]                        rows of the last call    */
+    int32_t *lp_top;      /* [n_slots]                        alternatives per row     */
     char last_error[256];
 };
 
@@ -231,13 +244,106 @@ static double dense_sum(const float *w, int n) {
     return t;
 }
 
-/* the next token from target logits: argmax when greedy, else a draw */
+static int penalties_on(const ws_sampling_params *sp) {
+    return sp->repeat_last_n > 0 && ((sp->repeat_penalty != 0.0f && sp->repeat_penalty != 1.0f) ||
+                                     sp->presence_penalty != 0.0f || sp->frequency_penalty != 0.0f);
+}
+
+/* logits with the penalties of the last repeat_last_n of the n tokens hist[0..n) applied:
+   s->pen, or logits itself when the parameters ask for none */
+static const float *penalize(ws_spec *s, const float *logits, const ws_sampling_params *sp,
+                             const int32_t *hist, int32_t n) {
+    if (!penalties_on(sp)) return logits;
+    memcpy(s->pen, logits, sizeof(float) * (size_t)s->n_vocab);
+    const int32_t from = n > sp->repeat_last_n ? n - sp->repeat_last_n : 0;
+    for (int32_t i = from; i < n; i++) s->cnt[hist[i]]++;
+    const int rp = sp->repeat_penalty != 0.0f && sp->repeat_penalty != 1.0f;
+    for (int32_t i = from; i < n; i++) {
+        const int32_t t = hist[i];
+        const int32_t c = s->cnt[t];
+        if (c == 0) continue; /* already penalized: its count was cleared */
+        float x = s->pen[t];
+        if (rp) x = x <= 0.0f ? x * sp->repeat_penalty : x / sp->repeat_penalty;
+        x -= (float)c * sp->frequency_penalty + sp->presence_penalty;
+        s->pen[t] = x;
+        s->cnt[t] = 0;
+    }
+    return s->pen;
+}
+
+/* the next token from target logits (penalized already): argmax when greedy, else a draw */
 static int32_t sample_logits(ws_spec *s, spec_slot *ss, const float *logits,
                              const ws_sampling_params *sp) {
     if (is_greedy(sp)) return argmax(logits, s->n_vocab);
     build_dist(s, logits, sp, s->p);
     return sample_dense(s->p, s->n_vocab, dense_sum(s->p, s->n_vocab), ss->rng);
 }
+
+/* the slot's own history buffer: its tokens, then the drafts of a step */
+static int32_t *hist_of(const ws_spec *s, int32_t slot) {
+    return s->hist + (size_t)slot * ((size_t)s->n_ctx + WS_SPEC_MAX_DRAFT + 1);
+}
+
+/* the slot's target tokens then, when there is one, its pending token into its history,
+   when the penalties need them; the count */
+static int32_t load_hist(ws_spec *s, int32_t slot, const ws_sampling_params *sp) {
+    if (!penalties_on(sp)) return 0;
+    int32_t n = 0;
+    int32_t *h = hist_of(s, slot);
+    ws_slot_tokens(s->tgt, slot, h, (size_t)s->n_ctx, &n);
+    if (s->slots[slot].pending >= 0) h[n++] = s->slots[slot].pending;
+    return n;
+}
+
+/* row `row` of the slot's logprobs: the token's and the n_logprobs most likely tokens'
+   log-softmax of the raw logits (in double: max, then the sum of exp in id order) */
+static void record_logprobs(ws_spec *s, int32_t slot, int row, const float *logits,
+                            int32_t token, const ws_sampling_params *sp) {
+    const int n = s->n_vocab, k = sp->n_logprobs;
+    s->lp_top[slot] = k;
+    s->lp_n[slot] = row + 1;
+    if (k <= 0) {
+        s->lp_n[slot] = 0;
+        return;
+    }
+    double mx = logits[argmax(logits, n)];
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - mx);
+    const double lse = mx + log(sum);
+    int32_t *ids = s->lp_ids + (size_t)slot * LP_SLOT + (size_t)row * LP_ROW;
+    float *vals = s->lp_vals + (size_t)slot * LP_SLOT + (size_t)row * LP_ROW;
+    ids[0] = token;
+    vals[0] = (float)((double)logits[token] - lse);
+    int32_t *cand = s->cand;
+    for (int i = 0; i < n; i++) cand[i] = i;
+    const int m = k < n ? k : n;
+    if (m < n) select_top_k(logits, cand, n, m);
+    sort_before(logits, cand, m);
+    for (int i = 0; i < m; i++) {
+        ids[1 + i] = cand[i];
+        vals[1 + i] = (float)((double)logits[cand[i]] - lse);
+    }
+}
+
+ws_status ws_spec_logprobs(const ws_spec *s, int32_t slot, int32_t *ids, float *lps,
+                           size_t cap, int32_t *n_rows, int32_t *n_top) {
+    if (!s || !n_rows || !n_top) return WS_ERR_INVALID_ARGUMENT;
+    *n_rows = *n_top = 0;
+    if (slot < 0 || slot >= s->n_slots)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "slot %d out of range 0..%d", slot, s->n_slots - 1);
+    const int32_t n = s->lp_n[slot];
+    if (n > 0 && (!ids || !lps || cap < (size_t)n))
+        return fail(s, WS_ERR_BUFFER_TOO_SMALL, "logprob buffers hold %zu rows, %d needed", cap, n);
+    const size_t len = (size_t)n * LP_ROW;
+    if (n > 0) {
+        memcpy(ids, s->lp_ids + (size_t)slot * LP_SLOT, sizeof(int32_t) * len);
+        memcpy(lps, s->lp_vals + (size_t)slot * LP_SLOT, sizeof(float) * len);
+    }
+    *n_rows = n;
+    *n_top = s->lp_top[slot];
+    return WS_OK;
+}
+
 
 /* top probability of a softmax at temperature 1 (greedy drafting's confidence) */
 static float top_prob(const float *logits, int n) {
@@ -264,6 +370,13 @@ void ws_spec_free(ws_spec *s) {
     free(s->b_toks);
     free(s->b_out);
     free(s->b_mem);
+    free(s->hist);
+    free(s->cnt);
+    free(s->pen);
+    free(s->lp_ids);
+    free(s->lp_vals);
+    free(s->lp_n);
+    free(s->lp_top);
     free(s->p);
     free(s->cand);
     free(s->toks);
@@ -312,8 +425,16 @@ ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {
     s->b_toks = malloc(sizeof(int32_t) * ns * per);
     s->b_out = malloc(sizeof(int32_t) * ns * per);
     s->b_mem = malloc(sizeof(struct step_member) * ns);
+    s->hist = malloc(sizeof(int32_t) * ns * ((size_t)s->n_ctx + WS_SPEC_MAX_DRAFT + 1));
+    s->cnt = calloc(nv, sizeof(int32_t));
+    s->pen = malloc(sizeof(float) * nv);
+    s->lp_ids = malloc(sizeof(int32_t) * LP_SLOT * ns);
+    s->lp_vals = malloc(sizeof(float) * LP_SLOT * ns);
+    s->lp_n = calloc(ns, sizeof(int32_t));
+    s->lp_top = calloc(ns, sizeof(int32_t));
     if (!s->slots || !s->t_logits || !s->p || !s->cand || !s->toks || !s->b_slots ||
-        !s->b_ntok || !s->b_idx || !s->b_toks || !s->b_out || !s->b_mem)
+        !s->b_ntok || !s->b_idx || !s->b_toks || !s->b_out || !s->b_mem ||
+        !s->hist || !s->cnt || !s->pen || !s->lp_ids || !s->lp_vals || !s->lp_n || !s->lp_top)
         return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory allocating speculative buffers");
     for (int i = 0; i < s->n_slots; i++) {
         s->slots[i].pending = -1;
@@ -335,6 +456,21 @@ ws_status ws_spec_check_params(const ws_spec *s, const ws_sampling_params *sp,
             return fail(s, WS_ERR_INVALID_ARGUMENT, "top_p %g outside (0, 1]", (double)sp->top_p);
         if (!(sp->min_p >= 0.0f && sp->min_p < 1.0f))
             return fail(s, WS_ERR_INVALID_ARGUMENT, "min_p %g outside [0, 1)", (double)sp->min_p);
+        if (!(sp->repeat_penalty >= 0.0f && sp->repeat_penalty <= 10.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "repeat_penalty %g outside [0, 10]",
+                        (double)sp->repeat_penalty);
+        if (sp->repeat_last_n < 0 || sp->repeat_last_n > WS_SPEC_MAX_PENALTY_LAST_N)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "repeat_last_n %d outside 0..%d",
+                        sp->repeat_last_n, WS_SPEC_MAX_PENALTY_LAST_N);
+        if (!(sp->presence_penalty >= -2.0f && sp->presence_penalty <= 2.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "presence_penalty %g outside [-2, 2]",
+                        (double)sp->presence_penalty);
+        if (!(sp->frequency_penalty >= -2.0f && sp->frequency_penalty <= 2.0f))
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "frequency_penalty %g outside [-2, 2]",
+                        (double)sp->frequency_penalty);
+        if (sp->n_logprobs < 0 || sp->n_logprobs > WS_SPEC_MAX_LOGPROBS)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "n_logprobs %d outside 0..%d", sp->n_logprobs,
+                        WS_SPEC_MAX_LOGPROBS);
     }
     if (pp) {
         if (pp->n_max < 0 || pp->n_max > WS_SPEC_MAX_DRAFT)
@@ -547,7 +683,9 @@ ws_status ws_spec_prefill(ws_spec *s, int32_t slot, const int32_t *tokens, int32
         ss->c.n_draft_prefill += (uint64_t)(done > ss->lag_ok ? done - ss->lag_ok : 0);
         ss->lag_ok = 0;
     }
-    ss->pending = sample_logits(s, ss, s->t_logits, sp);
+    const int32_t nh = load_hist(s, slot, sp);
+    ss->pending = sample_logits(s, ss, penalize(s, s->t_logits, sp, hist_of(s, slot), nh), sp);
+    record_logprobs(s, slot, 0, s->t_logits, ss->pending, sp);
     *token_out = ss->pending;
     return WS_OK;
 }
@@ -609,6 +747,7 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
                               max_new ? max_new[i] : WS_SPEC_MAX_DRAFT + 1, m->n0);
         m->k = 0;
         m->drafting = 0;
+        m->nh = load_hist(s, slots[i], &sps[i]); /* S and the pending token */
         any_draft |= m->k_max > 0;
         any_sampled_draft |= m->k_max > 0 && !is_greedy(&sps[i]);
     }
@@ -644,7 +783,10 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
             const ws_sampling_params *sp = &sps[i];
             const ws_spec_params *pp = &pps[i];
             spec_slot *ss = &s->slots[m->slot];
-            const float *dl = s->d_logits + (size_t)i * nv;
+            int32_t *hist = hist_of(s, m->slot);
+            /* the penalties see S, the pending token and this slot's proposals so far */
+            const float *dl = penalize(s, s->d_logits + (size_t)i * nv, sp, hist,
+                                       m->nh ? m->nh + m->k : 0);
             int32_t x;
             if (is_greedy(sp)) {
                 if (pp->p_min > 0.0f && r >= pp->n_min && top_prob(dl, nv) < pp->p_min) {
@@ -661,6 +803,7 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
                 }
                 x = sample_dense(q, nv, dense_sum(q, nv), ss->rng);
             }
+            if (m->nh) hist[m->nh + m->k] = x;
             m->drafts[m->k++] = x;
             if (r + 1 < m->k_max) {
                 s->b_slots[nd] = m->slot;
@@ -703,10 +846,12 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
         const ws_sampling_params *sp = &sps[i];
         const int32_t slot = m->slot, n0 = m->n0, k = m->k;
         spec_slot *ss = &s->slots[slot];
+        const int32_t *hist = hist_of(s, slot);
+        const int32_t nh = m->nh;
         int a = 0;
         int32_t bonus = -1;
         for (; a < k; a++) {
-            const float *row = rows + (size_t)a * nv;
+            const float *row = penalize(s, rows + (size_t)a * nv, sp, hist, nh ? nh + a : 0);
             if (is_greedy(sp)) {
                 const int32_t t = argmax(row, nv);
                 if (t != m->drafts[a]) {
@@ -733,7 +878,11 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
                 break;
             }
         }
-        if (a == k) bonus = sample_logits(s, ss, rows + (size_t)k * nv, sp);
+        if (a == k)
+            bonus = sample_logits(s, ss, penalize(s, rows + (size_t)k * nv, sp, hist,
+                                                  nh ? nh + k : 0), sp);
+        for (int j = 0; j <= a; j++)  /* logprobs of the raw target rows */
+            record_logprobs(s, slot, j, rows + (size_t)j * nv, j < a ? m->drafts[j] : bonus, sp);
         rows += (size_t)(k + 1) * nv;
 
         /* roll both caches back to the accepted length */

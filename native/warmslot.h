@@ -268,8 +268,8 @@ ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *
  * target-only greedy sequence. Otherwise proposals are sampled from the
  * draft's distribution q and accepted with probability min(1, p/q), a
  * rejection resamples from norm(max(0, p - q)): the output is distributed as
- * sampling from the target alone. p and q are both taken after temperature,
- * top-k, top-p and min-p.
+ * sampling from the target alone. p and q are both taken after the penalties,
+ * temperature, top-k, top-p and min-p; greedy takes the argmax after the penalties.
  */
 
 #define WS_SPEC_MAX_DRAFT 16
@@ -280,11 +280,32 @@ ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *
    accepted_at[16] (u64) */
 #define WS_SPEC_STATE_HEADER_BYTES 336u
 
+#define WS_SPEC_MAX_LOGPROBS 20
+#define WS_SPEC_MAX_PENALTY_LAST_N 4096
+
+/*
+ * Penalties (llama.cpp's, with OpenAI's presence and frequency terms), applied to
+ * the raw logits before everything else, greedy included, for the target and the
+ * draft alike: each token that occurs c > 0 times in the last repeat_last_n tokens
+ * of S before the position being sampled (prompt, generated and drafted tokens)
+ * has its logit divided by repeat_penalty when it is > 0, multiplied by it
+ * otherwise, then lowered by c * frequency_penalty + presence_penalty.
+ *
+ * n_logprobs > 0: every token the call returns gets its log-probability and the
+ * n_logprobs most likely tokens' (ws_spec_logprobs): the log-softmax of the
+ * target's raw logits at that position (before penalties, temperature and
+ * truncation, as OpenAI and llama.cpp report them), computed in double.
+ */
 typedef struct {
-    float temperature; /* <= 0: greedy                              */
-    int32_t top_k;     /* 0: off                                     */
-    float top_p;       /* (0, 1]; 1: off                             */
-    float min_p;       /* [0, 1); 0: off                             */
+    float temperature;       /* <= 0: greedy                                   */
+    int32_t top_k;           /* 0: off                                          */
+    float top_p;             /* (0, 1]; 1: off                                  */
+    float min_p;             /* [0, 1); 0: off                                  */
+    float repeat_penalty;    /* [0, 10]; 0 or 1: off                            */
+    int32_t repeat_last_n;   /* 0..WS_SPEC_MAX_PENALTY_LAST_N; 0: no penalties  */
+    float presence_penalty;  /* [-2, 2]; 0: off                                 */
+    float frequency_penalty; /* [-2, 2]; 0: off                                 */
+    int32_t n_logprobs;      /* 0..WS_SPEC_MAX_LOGPROBS                         */
 } ws_sampling_params;
 
 typedef struct {
@@ -345,6 +366,16 @@ ws_status ws_spec_step_batch(ws_spec *spec, int32_t n, const int32_t *slots,
  */
 ws_status ws_spec_step_multi(ws_spec *spec, const int32_t *slots, const ws_sampling_params *sps,
                              int32_t n, int32_t *out);
+/*
+ * The logprobs of the tokens the slot's last ws_spec_prefill, ws_spec_step or
+ * ws_spec_step_multi returned, when its sampling parameters asked for them:
+ * *n_rows tokens (0 when they did not ask), each a row of 1 + WS_SPEC_MAX_LOGPROBS
+ * entries of ids and lps: the token and its logprob, then the *n_top most likely
+ * tokens (most likely first, ties by lower id); the rest of a row is untouched.
+ * cap: rows ids and lps hold.
+ */
+ws_status ws_spec_logprobs(const ws_spec *spec, int32_t slot, int32_t *ids, float *lps,
+                           size_t cap, int32_t *n_rows, int32_t *n_top);
 /* Decodes the pending token (if any) into the target and, when level, the draft. */
 ws_status ws_spec_commit(ws_spec *spec, int32_t slot);
 /* Keeps the first n tokens of S (n <= length of S). */

@@ -204,6 +204,12 @@ def spec_step_multi(spec: Any, slots: Any, sps: Any, n: int, out: Any) -> None:
     _check_spec(lib.ws_spec_step_multi(spec, slots, sps, n, out), spec)
 
 
+def spec_logprobs(spec: Any, slot: int, ids: Any, lps: Any, cap: int) -> tuple[int, int]:
+    rows, top = ffi.new("int32_t *"), ffi.new("int32_t *")
+    _check_spec(lib.ws_spec_logprobs(spec, slot, ids, lps, cap, rows, top), spec)
+    return int(rows[0]), int(top[0])
+
+
 def spec_commit(spec: Any, slot: int) -> None:
     _check_spec(lib.ws_spec_commit(spec, slot), spec)
 

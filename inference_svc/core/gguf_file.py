@@ -76,6 +76,7 @@ class TokenizerData:
     scores: list[float] = field(default_factory=list)  # the 'llama' (SentencePiece) model
     add_bos: bool = False            # tokenizer.ggml.add_bos_token
     add_space_prefix: bool = False   # tokenizer.ggml.add_space_prefix ('llama' model)
+    chat_template: str | None = None  # tokenizer.chat_template (Jinja), None: none
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,9 @@ def _tokenizer(header: Header) -> TokenizerData:
     bos = _field(header, "tokenizer.ggml.bos_token_id", None, required=False)
     eos = _field(header, "tokenizer.ggml.eos_token_id", None, required=False)
     scores = _field(header, "tokenizer.ggml.scores", [], required=False)
+    template = _field(header, "tokenizer.chat_template", None, required=False)
     return TokenizerData(
+        chat_template=None if template is None else str(template),
         scores=[float(x) for x in scores],
         add_bos=bool(_field(header, "tokenizer.ggml.add_bos_token", False, required=False)),
         add_space_prefix=bool(_field(header, "tokenizer.ggml.add_space_prefix", True,

@@ -31,20 +31,49 @@ from .model import Context
 MAX_DRAFT = int(binding.lib.WS_SPEC_MAX_DRAFT)  # most tokens drafted in one step
 
 
+MAX_LOGPROBS = 20
+MAX_PENALTY_LAST_N = 4096
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; otherwise temperature, top-k, min-p, top-p in that order."""
+    """The penalties first (over the last repeat_last_n tokens; llama.cpp's repeat
+    penalty, OpenAI's presence and frequency penalties), then greedy at temperature 0,
+    otherwise temperature, top-k, min-p, top-p in that order. logprobs > 0: the core
+    keeps each returned token's logprob and that many alternatives (`logprobs`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int = 0
+
+    def fill(self, c: Any) -> None:
+        """Sets the fields of a ws_sampling_params."""
+        c.temperature, c.top_k, c.top_p, c.min_p = (
+            self.temperature, self.top_k, self.top_p, self.min_p)
+        c.repeat_penalty, c.repeat_last_n = self.repeat_penalty, self.repeat_last_n
+        c.presence_penalty, c.frequency_penalty = self.presence_penalty, self.frequency_penalty
+        c.n_logprobs = self.logprobs
 
     def to_c(self) -> Any:
         c = ffi.new("ws_sampling_params *")
-        c.temperature, c.top_k, c.top_p, c.min_p = (
-            self.temperature, self.top_k, self.top_p, self.min_p)
+        self.fill(c)
         return c
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A returned token's log-probability and the most likely tokens' (most likely
+    first): the log-softmax of the target's raw logits at its position."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)
@@ -75,8 +104,7 @@ class StepResult:
 def _c_samplings(samplings: list[SamplingParams]) -> Any:
     c = ffi.new("ws_sampling_params[]", len(samplings))
     for i, sp in enumerate(samplings):
-        c[i].temperature, c[i].top_k, c[i].top_p, c[i].min_p = (
-            sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+        sp.fill(c[i])
     return c
 
 
@@ -124,6 +152,10 @@ class SpecDecoder(NativeHandle):
                                               draft.handle if draft is not None else ffi.NULL)
         self._out = np.empty(MAX_DRAFT + 1, dtype=np.int32)
         self._out_ptr = ffi.from_buffer("int32_t[]", self._out)
+        self._lp_ids = np.zeros((MAX_DRAFT + 1, 1 + MAX_LOGPROBS), dtype=np.int32)
+        self._lp_vals = np.zeros((MAX_DRAFT + 1, 1 + MAX_LOGPROBS), dtype=np.float32)
+        self._lp_ids_ptr = ffi.from_buffer("int32_t[]", self._lp_ids)
+        self._lp_vals_ptr = ffi.from_buffer("float[]", self._lp_vals)
 
     @property
     def has_draft(self) -> bool:
@@ -215,6 +247,15 @@ class SpecDecoder(NativeHandle):
                                 ffi.from_buffer("int32_t[]", drafted))
         return [StepResult(out[i * per:i * per + int(n_out[i])].tolist(), int(drafted[i]))
                 for i in range(n)]
+
+    def logprobs(self, slot: int) -> list[TokenLogprob]:
+        """The logprobs of the tokens the slot's last prefill / step / step_batch
+        returned ([] when its sampling did not ask for them)."""
+        rows, top = binding.spec_logprobs(self.handle, slot, self._lp_ids_ptr, self._lp_vals_ptr,
+                                          MAX_DRAFT + 1)
+        ids, vals = self._lp_ids[:rows].tolist(), self._lp_vals[:rows].tolist()
+        return [TokenLogprob(i[0], v[0], list(zip(i[1:1 + top], v[1:1 + top], strict=True)))
+                for i, v in zip(ids, vals, strict=True)]
 
     def commit(self, slot: int) -> None:
         binding.spec_commit(self.handle, slot)

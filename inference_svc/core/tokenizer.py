@@ -11,8 +11,9 @@ decodes without raising.
 
 from __future__ import annotations
 
+import re
 from array import array
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -23,6 +24,7 @@ from .gguf_file import TokenizerData
 from .spm import SPMTokenizer
 
 TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
 
 
 @lru_cache(maxsize=1)
@@ -109,6 +111,72 @@ class Tokenizer:
             out.extend(self._hf.encode_batch([piece], add_special_tokens=False)[0].ids)
             if limit is not None and len(out) > limit:
                 break
+        return out
+
+    @cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """The control and user-defined tokens by their text (`<|im_start|>`): the tokens
+        `encode_special` reads as themselves."""
+        types = self.data.token_types or []
+        return {tok: i for i, (tok, typ) in enumerate(zip(self.data.tokens, types, strict=False))
+                if typ in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED) and tok}
+
+    @cached_property
+    def _special_index(self) -> tuple[re.Pattern[str] | None, dict[str, list[int]]]:
+        """A pattern of the first characters of the special tokens and, per first
+        character, their lengths, longest first."""
+        lengths: dict[str, set[int]] = {}
+        for tok in self.special_tokens:
+            lengths.setdefault(tok[0], set()).add(len(tok))
+        if not lengths:
+            return None, {}
+        first = re.compile("[" + "".join(re.escape(c) for c in sorted(lengths)) + "]")
+        return first, {c: sorted(ls, reverse=True) for c, ls in lengths.items()}
+
+    def split_special(self, text: str) -> list[str | int]:
+        """Text cut at its special-token strings (the longest one at the leftmost place
+        first): the text between them and the ids of the special tokens, in order."""
+        first, lengths = self._special_index
+        special = self.special_tokens
+        out: list[str | int] = []
+        start = pos = 0
+        while first is not None:
+            m = first.search(text, pos)
+            if m is None:
+                break
+            i = m.start()
+            hit = next((text[i:i + n] for n in lengths[text[i]]
+                        if text[i:i + n] in special), None)
+            if hit is None:
+                pos = i + 1
+                continue
+            if start < i:
+                out.append(text[start:i])
+            out.append(special[hit])
+            start = pos = i + len(hit)
+        if start < len(text):
+            out.append(text[start:])
+        return out
+
+    def encode_special(self, text: str) -> list[int]:
+        """Token ids of text in which special-token strings are those tokens and the text
+        between them is encoded as `encode` does. For text a chat template wrote, never
+        for what a user wrote."""
+        return self.encode_parts(self.split_special(text))
+
+    def encode_parts(self, parts: list[str | int]) -> list[int]:
+        """Token ids of text pieces and token ids; adjacent pieces are encoded as one."""
+        out: list[int] = []
+        run: list[str] = []
+        for p in [*parts, -1]:
+            if isinstance(p, str):
+                run.append(p)
+                continue
+            if run:
+                out += self.encode("".join(run))
+                run = []
+            if p >= 0:
+                out.append(p)
         return out
 
     def token_bytes(self, token_id: int) -> bytes:
