@@ -12,7 +12,14 @@ import threading
 from types import FrameType
 
 from inference_svc import config, log
-from snapshot_svc.memory import INFERENCE_THRESHOLDS, tune_malloc
+from snapshot_svc.clientlib import malloc
+
+# glibc malloc: a request of a few MiB of text (its message, string, token ids and
+# response) is mapped and unmapped on its own, and an arena keeps at most a few MiB of
+# free top, so the memory of large requests goes back to the kernel when they end
+# (this overrides the image's GLIBC_TUNABLES for this process)
+MMAP_THRESHOLD_BYTES = 2 << 20
+TRIM_THRESHOLD_BYTES = 4 << 20
 
 
 class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
@@ -21,7 +28,7 @@ class StopDuringStartup(BaseException):  # like KeyboardInterrupt: not swallowed
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config.from_args(sys.argv[1:] if argv is None else argv)
-    tune_malloc(*INFERENCE_THRESHOLDS)  # large requests' memory returns when they end
+    malloc.set_thresholds(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
     logger = log.setup(cfg.log_level, cfg.log_format)
     from inference_svc.core import CoreError
 

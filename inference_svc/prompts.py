@@ -8,8 +8,6 @@ afterwards."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 from array import array
 from collections.abc import Callable
@@ -18,20 +16,12 @@ from typing import Any, TypeVar
 
 from inference_svc.core import Tokenizer
 from inference_svc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from snapshot_svc.clientlib import malloc
 
 TRIM_ABOVE_BYTES = 256 << 10  # texts at least this large: malloc_trim afterwards
 WAIT_S = 120.0  # longest a text waits for and takes in the pool
 
 T = TypeVar("T")
-
-
-def _malloc_trim() -> Any:
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return lambda: None
-    trim.argtypes = (ctypes.c_size_t,)
-    return lambda: trim(0)
 
 
 class BoundedTokenizer:
@@ -45,7 +35,7 @@ class BoundedTokenizer:
         self._pool = futures.ThreadPoolExecutor(max_workers=threads,
                                                 thread_name_prefix="tokenize")
         self._admitted = threading.BoundedSemaphore(threads + max_waiting)
-        self._trim = _malloc_trim()
+        self._trim = malloc.trimmer()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tok, name)
