@@ -109,6 +109,8 @@ class Config:
     max_streams_per_key: int = 16
     max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
     tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
+    # bytes of idle sessions' state kept in host memory before they go to the store
+    session_ram_mb: int = 1024
 
     @property
     def grpc_workers(self) -> int:
@@ -179,6 +181,8 @@ class Config:
         if self.api_keys is not None and not 0 < self.max_streams_per_key < self.grpc_workers:
             problems.append(f"--max-streams-per-key must be in 1..{self.grpc_workers - 1} "
                             "(fewer than the handler threads)")
+        if self.session_ram_mb < 0:
+            problems.append("--session-ram-mb must be >= 0")
         if self.max_prompt_bytes < 1 or self.tokenize_threads < 1:
             problems.append("--max-prompt-bytes and --tokenize-threads must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -304,6 +308,10 @@ def parser() -> argparse.ArgumentParser:
       help="longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
     a("--tokenize-threads", type=int, default=d.tokenize_threads,
       help="threads that tokenize request text (--max-queue more texts may wait)")
+    a("--session-ram-mb", type=int, default=d.session_ram_mb,
+      help="MiB of idle sessions' state (target + draft) kept in host memory; beyond it "
+           "the least recently used go to the store (without a store: are dropped); 0: "
+           "straight to the store")
     a("--api-keys", type=_path_or_none, default=d.api_keys,
       help="file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); "
            "calls other than health then need 'authorization: Bearer <key>'")
@@ -355,7 +363,7 @@ def from_args(argv: Sequence[str] | None = None,
             snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
             snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
             max_streams_per_key=ns.max_streams_per_key,
-            tokenize_threads=ns.tokenize_threads)
+            tokenize_threads=ns.tokenize_threads, session_ram_mb=ns.session_ram_mb)
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

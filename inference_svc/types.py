@@ -15,6 +15,7 @@ from inference_svc.core import Tokenizer
 from inference_svc.core.speculative import MAX_DRAFT, Counters, SamplingParams, SpecParams
 from inference_svc.errors import InvalidArgument
 from inference_svc.pb import inference_pb2 as pb
+from inference_svc.session_names import check_session_name
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
@@ -112,6 +113,8 @@ class GenerateParams:
     spec: SpecParams | None  # None: no speculative decoding
     stop: tuple[str, ...] = ()
     n_truncated: int = 0  # prompt tokens dropped to fit the context
+    # a named conversation the prompt continues (inference_svc.sessions); None: none
+    session: str | None = None
 
     @classmethod
     def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
@@ -152,9 +155,27 @@ class GenerateParams:
                 raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
         sampling, seed = sampling_from_pb(req.sampling, cfg)
         spec = speculative_from_pb(req.speculative, cfg, rc.has_draft)
+        session = session_from_pb(req)
         return cls(tuple(prompt), max_tokens, id_slot,
                    req.cache_prompt if req.HasField("cache_prompt") else True,
-                   sampling, seed, spec, stop, n_truncated)
+                   sampling, seed, spec, stop, n_truncated, session)
+
+
+def session_from_pb(req: pb.GenerateRequest) -> str | None:
+    """The request's session name (checked), None without one. A session chooses its
+    slot and continues its own tokens: id_slot, truncate_prompt and cache_prompt false
+    contradict it."""
+    if not req.HasField("session"):
+        return None
+    name = check_session_name(req.session)
+    for bad, what in ((req.HasField("id_slot") and req.id_slot != -1, "id_slot"),
+                      (req.truncate_prompt, "truncate_prompt"),
+                      (req.HasField("cache_prompt") and not req.cache_prompt,
+                       "cache_prompt false")):
+        if bad:
+            raise InvalidArgument(f"a request with a session cannot set {what}: the session "
+                                  "picks its slot and continues its own tokens")
+    return name
 
 
 @dataclass
@@ -171,6 +192,8 @@ class Timings:
     n_steps: int = 0
     n_truncated: int = 0
     queue_ms: float = 0.0
+    session_tier: int = 0  # pb.SessionTier: where the session was found (0: no session)
+    session_restore_ms: float = 0.0
 
     def add_counters(self, c: Counters) -> None:
         self.draft_n, self.draft_n_accepted = c.n_drafted, c.n_accepted
@@ -193,7 +216,8 @@ class Timings:
             draft_n_accepted=self.draft_n_accepted, draft_prompt_n=self.draft_prompt_n,
             id_slot=self.id_slot, prompt_per_second=self.prompt_per_second,
             predicted_per_second=self.predicted_per_second, n_truncated=self.n_truncated,
-            n_steps=self.n_steps, queue_ms=self.queue_ms)
+            n_steps=self.n_steps, queue_ms=self.queue_ms, session_tier=self.session_tier,
+            session_restore_ms=self.session_restore_ms)
 
 
 @dataclass(frozen=True)
