@@ -117,13 +117,6 @@ class SessionHost:
         self._writer = threading.Thread(target=self._write_loop, name="warmslot-sessions",
                                         daemon=True)
         self._writer.start()
-        if self.store is not None:
-            try:
-                self._in_store = {r.key.store_name for r in list_stored(self.store)}
-            except Exception as exc:  # noqa: BLE001 - a count only: never a failed start
-                self.log.warning("cannot list the sessions in the store", extra=log.fields(
-                    error=str(exc)))
-        self._gauges()
 
     def _key_lock(self, key: str) -> threading.Lock:
         return self._key_locks[hash(key) % _KEY_LOCKS]
@@ -257,7 +250,23 @@ class SessionHost:
                 if not h.writing and self._reserved[h.key] <= 0]
         return min(free, key=lambda h: h.last_used_ms, default=None)
 
+    def _count_stored(self) -> None:
+        """The sessions the store holds at start (the store gauge), listed off the start's
+        path: an unreachable store must not hold the start up."""
+        if self.store is None:
+            return
+        try:
+            found = {r.key.store_name for r in list_stored(self.store)}
+        except Exception as exc:  # noqa: BLE001 - a count only
+            self.log.info("sessions in the store not counted", extra=log.fields(
+                error=str(exc)))
+            return
+        with self._lock:
+            self._in_store |= found
+        self._gauges()
+
     def _write_loop(self) -> None:
+        self._count_stored()
         while True:
             with self._lock:
                 while not self._closed and (held := self._next_to_write()) is None:
