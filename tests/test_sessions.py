@@ -6,6 +6,7 @@ service; per-key isolation; metrics; and every bad input."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,10 @@ def test_a_session_comes_back_with_only_its_new_tokens(tier: str, wide: Server,
         assert listed(c) == {"a": (len(p[0]) + N, want), "b": (len(p[1]) + N, SLOT)}
         assert store_files(tmp_path) == ([] if tier == "ram" else ["session~~a",
                                                                    "session~~a.drft"])
+        gauges = {"slot": 1.0, "ram": 1.0 if tier == "ram" else 0.0,
+                  "store": 0.0 if tier == "ram" else 1.0}
+        wait_until(lambda: {k: sample(srv, "warmslot_sessions", tier=k) for k in gauges}
+                   == gauges)
         a2, t2 = turn(c, "a", p[2])
         assert (t2.session_tier, t2.prompt_n, t2.cache_n) == (want, len(p[2]),
                                                                len(p[0]) + N)
@@ -346,3 +351,27 @@ def test_a_turn_that_does_not_fit_is_refused_and_the_session_kept(plain: Server)
         _, t = turn(c, "full", [7] * 5, n=5)
         assert (t.prompt_n, t.cache_n) == (5, 200)
         c.delete_session("full")
+
+
+def test_the_command_line_continues_lists_and_deletes_sessions(
+        plain: Server, capsys: pytest.CaptureFixture[str]) -> None:
+    from inference_svc import client as cli
+
+    addr = ["--addr", f"127.0.0.1:{plain.port}"]
+    for text, tier in (("Once upon a time", "new"), (" there was", "slot")):
+        assert cli.main([*addr, "generate", text, "--session", "cli", "--max-tokens", "4",
+                         "--temperature", "0"]) == 0
+        err = capsys.readouterr().err
+        assert f"session from {tier}]" in err
+    with client(plain) as c:
+        n = listed(c)["cli"][0]
+    assert cli.main([*addr, "sessions"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["name"], r["nTokens"], r["tier"], r["idSlot"], r["busy"], r["owner"])
+            for r in rows] == [("cli", n, "SESSION_TIER_SLOT", 0, False, "")]
+    assert cli.main([*addr, "delete-session", "cli"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["name"], out["nTokens"], out["removedFrom"]) == ("cli", n,
+                                                                 ["SESSION_TIER_SLOT"])
+    assert cli.main([*addr, "delete-session", "cli"]) == 1
+    assert capsys.readouterr().err == "error: NOT_FOUND: no session 'cli'\n"
