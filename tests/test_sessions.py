@@ -6,6 +6,7 @@ service; per-key isolation; metrics; and every bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
 from snapshot_svc.clientlib.auth import key_id
 from snapshot_svc.testing import running_server
-from tests.fixtures.servicekit import running, service_config
+from tests.fixtures.servicekit import SLOW, model_pair, running, service_config
 from tests.resumekit import DRAFT, TARGET, wait_until
 from tests.seckit import write_keys
 
@@ -375,3 +376,27 @@ def test_the_command_line_continues_lists_and_deletes_sessions(
                                                                  ["SESSION_TIER_SLOT"])
     assert cli.main([*addr, "delete-session", "cli"]) == 1
     assert capsys.readouterr().err == "error: NOT_FOUND: no session 'cli'\n"
+
+
+def test_a_session_is_not_deleted_while_a_turn_of_it_runs(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    # a slow model and a turn of seconds (cancelled once checked): it still runs when
+    # the deletion comes
+    slow = model_pair(tmp_path_factory.getbasetemp(), "slow-2k",
+                      shape=dataclasses.replace(SLOW, n_ctx=2048))
+    with running(service_config(*slow, slots=1, ctx=2048, slot_save_path=tmp_path)) as srv, \
+            client(srv) as c:
+        stream = c.generate_stream(make_request([5, 6, 7], max_tokens=1900, temperature=0.0,
+                                                session="busy"))
+        next(stream)  # the turn runs
+        with pytest.raises(grpc.RpcError) as err:
+            c.delete_session("busy")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "a turn of the session is running or waiting" in err.value.details()
+        stream.cancel()
+        wait_until(lambda: not c.sessions()[0].busy)
+        n = c.sessions()[0].n_tokens
+        assert n >= 4
+        r = c.delete_session("busy")
+        assert (list(r.removed_from), r.n_tokens) == ([SLOT], n)
+        assert c.slots()[0].n_tokens == 0 and c.sessions() == []
