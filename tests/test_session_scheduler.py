@@ -17,6 +17,14 @@ def sjob(name: str, session: str | None, s: Scheduler, *, prefill: int = 1,
     return j
 
 
+def run_one_turn_each(s: Scheduler, clock: Clock, *sessions: str) -> None:
+    """A one-unit turn of each session in turn, a second apart (A the least recent)."""
+    for sess in sessions:
+        s.submit(sjob(sess.lower(), sess, s))
+        step(s)
+        clock.t += 1
+
+
 def bindings(s: Scheduler) -> list[str | None]:
     return [sl.session for sl in s.slots]
 
@@ -53,10 +61,7 @@ def test_later_turns_of_a_session_keep_their_order_behind_a_waiting_one() -> Non
 def test_a_new_session_takes_a_free_slot_before_displacing_the_lru_session() -> None:
     clock, ex = Clock(), FakeExecutor()
     s = make(ex, clock, n_slots=3)
-    for name, sess in (("a", "A"), ("b", "B")):
-        s.submit(sjob(name, sess, s))
-        step(s)
-        clock.t += 1
+    run_one_turn_each(s, clock, "A", "B")
     assert bindings(s) == ["A", "B", None]
     c = sjob("c", "C", s)
     s.submit(c)
@@ -73,10 +78,7 @@ def test_a_new_session_takes_a_free_slot_before_displacing_the_lru_session() -> 
 def test_a_session_with_a_turn_waiting_is_displaced_last() -> None:
     clock, ex = Clock(), FakeExecutor()
     s = make(ex, clock, n_slots=2)
-    for name, sess in (("a", "A"), ("b", "B")):
-        s.submit(sjob(name, sess, s))
-        step(s)
-        clock.t += 1
+    run_one_turn_each(s, clock, "A", "B")
     # A is the LRU session, but a turn of A waits (behind the new session C)
     c, a2 = sjob("c", "C", s), sjob("a2", "A", s)
     s.submit(c)
