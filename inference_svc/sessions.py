@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inference_svc import log, slotfile
+from inference_svc.engine import GenJob
 from inference_svc.errors import NotFound
 from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
@@ -110,7 +111,8 @@ class SessionHost:
         self._lock = threading.Condition()
         self._ram: dict[str, Held] = {}
         self._ram_used = 0
-        self._reserved: collections.Counter[str] = collections.Counter()
+        self._reserved: collections.Counter[str] = collections.Counter()  # jobs per session
+        self._reserving: set[int] = set()  # id() of the jobs holding a reservation
         self._in_store: set[str] = set()  # store names of sessions this replica knows there
         self._key_locks = [threading.Lock() for _ in range(_KEY_LOCKS)]
         self._closed = False
@@ -123,7 +125,7 @@ class SessionHost:
 
     # ------------------------------------------------------------ request thread
 
-    def prepare(self, job: Job, name: str, deadline: float | None) -> None:
+    def prepare(self, job: GenJob, name: str, deadline: float | None) -> None:
         """Names the job's session (the caller's), reserves it (its state stays in RAM
         until the job is admitted or fails) and, when neither a slot nor the RAM tier
         holds it, reads it from the store into the RAM tier, checked. A session found
@@ -134,7 +136,7 @@ class SessionHost:
         with self._key_lock(k):
             with self._lock:
                 self._reserved[k] += 1
-            job.reserved = True  # type: ignore[attr-defined]
+                self._reserving.add(id(job))
             try:
                 if self.engine.session_resident(k) or self._has_ram(k) or self.store is None:
                     return
@@ -147,16 +149,17 @@ class SessionHost:
                 self._put(Held(k, prepared.target_parts, prepared.draft_state,
                                prepared.draft_note, prepared.n_tokens, prepared.n_read,
                                int(time.time() * 1000), TIER_STORE, in_store=True))
-                job.store_ms = 1e3 * (time.perf_counter() - t0)  # type: ignore[attr-defined]
+                # the read and checks count in the turn's restore time
+                job.timings.session_restore_ms = 1e3 * (time.perf_counter() - t0)
             except BaseException:
                 self.release(job)
                 raise
 
     def release(self, job: Job) -> None:
         """Ends the job's reservation of its session (idempotent)."""
-        if getattr(job, "reserved", False) and job.session is not None:
-            job.reserved = False  # type: ignore[attr-defined]
-            with self._lock:
+        with self._lock:
+            if id(job) in self._reserving and job.session is not None:
+                self._reserving.discard(id(job))
                 self._reserved[job.session] -= 1
                 if self._reserved[job.session] <= 0:
                     del self._reserved[job.session]
@@ -177,7 +180,7 @@ class SessionHost:
         slot = job.slot
         if job.evict is not None:
             self.evict(slot, job.evict)
-            if job.session is None and not job.keeps_session:
+            if job.session is None:
                 # the slot goes to a request without a session: nothing of the displaced
                 # session may stay there
                 self.engine.reset(slot)
@@ -200,10 +203,11 @@ class SessionHost:
                     tier = held.origin
         finally:
             self.release(job)
-        ms = 1e3 * (time.perf_counter() - t0) + getattr(job, "store_ms", 0.0)
-        tm = getattr(job, "timings", None)
-        if tm is not None:
-            tm.session_tier, tm.session_restore_ms = tier, ms
+        assert isinstance(job, GenJob)
+        tm = job.timings
+        tm.session_tier = tier
+        tm.session_restore_ms += 1e3 * (time.perf_counter() - t0)
+        ms = tm.session_restore_ms
         if tier in (TIER_RAM, TIER_STORE):
             label = TIER_LABEL[tier]
             self.metrics.session_restores.labels(label).inc()
