@@ -400,3 +400,18 @@ def test_a_session_is_not_deleted_while_a_turn_of_it_runs(
         r = c.delete_session("busy")
         assert (list(r.removed_from), r.n_tokens) == ([SLOT], n)
         assert c.slots()[0].n_tokens == 0 and c.sessions() == []
+
+
+def test_a_stored_session_of_another_model_is_refused_and_kept(
+        tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    with running(config(slot_save_path=tmp_path)) as srv, client(srv) as c:
+        turn(c, "toy", [5, 6, 7])
+    other = model_pair(tmp_path_factory.getbasetemp())
+    with running(service_config(*other, slots=1, ctx=256, slot_save_path=tmp_path)) as srv, \
+            client(srv) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            turn(c, "toy", [8, 9])
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model" in err.value.details()
+        assert c.slots()[0].n_tokens == 0
+    assert store_files(tmp_path) == ["session~~toy", "session~~toy.drft"]
