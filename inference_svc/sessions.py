@@ -21,16 +21,22 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from inference_svc import log, slotfile
-from inference_svc.engine import GenJob
+from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import NotFound
 from inference_svc.metrics import Metrics
-from inference_svc.pb import inference_pb2 as pb
 from inference_svc.scheduler import Job
+from inference_svc.session_listing import (
+    TIER_LABEL,
+    TIER_NEW,
+    TIER_RAM,
+    TIER_SLOT,
+    TIER_STORE,
+    SessionRow,
+    list_stored,
+)
 from inference_svc.session_names import (
     SESSION_PREFIX,
     SessionKey,
@@ -39,12 +45,9 @@ from inference_svc.session_names import (
 )
 from inference_svc.slots import SlotManager
 from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
-from inference_svc.store import LocalStore, SlotStore
+from inference_svc.store import SlotStore
 from snapshot_svc.clientlib import auth
 
-TIER_NEW, TIER_SLOT, TIER_RAM, TIER_STORE = (pb.SESSION_TIER_NEW, pb.SESSION_TIER_SLOT,
-                                            pb.SESSION_TIER_RAM, pb.SESSION_TIER_STORE)
-TIER_LABEL = {TIER_NEW: "new", TIER_SLOT: "slot", TIER_RAM: "ram", TIER_STORE: "store"}
 SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt
 _KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
 
@@ -80,27 +83,12 @@ class Held:
     deleted: bool = False  # DeleteSession removed it (a write in flight is undone)
 
 
-@dataclass(frozen=True)
-class SessionRow:
-    key: SessionKey
-    n_tokens: int
-    tier: int
-    last_used_ms: int
-    id_slot: int = -1
-    busy: bool = False
-
-    def to_pb(self) -> pb.SessionInfo:
-        return pb.SessionInfo(name=self.key.name, n_tokens=self.n_tokens, tier=self.tier,
-                              last_used_unix_ms=self.last_used_ms, id_slot=self.id_slot,
-                              busy=self.busy, owner=self.key.owner)
-
-
 class SessionHost:
     """The tiers below the slots and the moves between them. `enter`, `evict` and the
     list of resident sessions run on the engine thread; `prepare`, `delete`, `list`
     and `save_all` on the caller's."""
 
-    def __init__(self, engine: EngineLike, slots: SlotManager, ram_bytes: int,
+    def __init__(self, engine: Engine, slots: SlotManager, ram_bytes: int,
                  metrics: Metrics) -> None:
         self.engine = engine
         self.slots = slots
@@ -432,69 +420,6 @@ class SessionHost:
         m.labels("slot").set(len(resident))
         m.labels("ram").set(len(ram))
         m.labels("store").set(len(store))
-
-
-class EngineLike:
-    """What the session host needs of the engine (inference_svc.engine.Engine)."""
-
-    def session_resident(self, key: str) -> bool: ...
-    def resident_sessions(self) -> list[tuple[str, int, int, bool, int]]: ...
-    def resident_keys(self) -> set[str]: ...
-    def unbind_session(self, key: str) -> int | None: ...
-    def unbind_slot(self, slot: int) -> None: ...
-    def slot_last_used_ms(self, slot: int) -> int: ...
-    def n_tokens(self, slot: int) -> int: ...
-    def capture(self, slot: int) -> object: ...
-    def reset(self, slot: int) -> None: ...
-    def call(self, fn: Callable[[], object]) -> object: ...
-
-
-# ---------------------------------------------------------------- store listing
-
-def list_stored(store: SlotStore, prefix: str = SESSION_PREFIX) -> list[SessionRow]:
-    """The sessions a store holds under names starting with `prefix`. The SlotStore
-    interface has no listing: the local directory is read, a snapshot service (or a
-    fail-over set of them) asked for its List."""
-    rows: list[SessionRow] = []
-    for name, n_tokens, ms in _stored_names(store, prefix):
-        key = from_store_name(name)
-        if key is not None:
-            rows.append(SessionRow(key, n_tokens, TIER_STORE, ms))
-    return rows
-
-
-def _stored_names(store: object, prefix: str) -> list[tuple[str, int, int]]:
-    if isinstance(store, LocalStore):
-        return _local_names(store.dir, prefix)
-    failover = getattr(store, "_failover", None)
-    if failover is not None:  # FailoverStore: the first replica that answers
-        return failover("list", lambda s: _stored_names(s, prefix))
-    current = getattr(store, "_current", None)
-    if current is not None:  # SnapshotStore
-        return [(i.name, i.target.meta.n_tokens, i.created_unix_ms)
-                for i in current().list(prefix)]
-    return []
-
-
-def _local_names(directory: Path, prefix: str) -> list[tuple[str, int, int]]:
-    out = []
-    for p in directory.glob(f"{glob_escape(prefix)}*"):
-        if p.name.endswith(".drft") or not p.is_file():
-            continue
-        try:
-            with open(p, "rb") as f:
-                head = f.read(4096)
-            n = slotfile.read_meta(head).n_tokens
-            ms = int(p.stat().st_mtime * 1000)
-        except (OSError, slotfile.SlotFileError):
-            continue
-        out.append((p.name, n, ms))
-    return out
-
-
-def glob_escape(s: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in s)
-
 
 
 # ---------------------------------------------------------------- access
