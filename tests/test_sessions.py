@@ -415,3 +415,14 @@ def test_a_stored_session_of_another_model_is_refused_and_kept(
         assert "model" in err.value.details()
         assert c.slots()[0].n_tokens == 0
     assert store_files(tmp_path) == ["session~~toy", "session~~toy.drft"]
+
+
+def test_the_ram_tier_flag_and_its_variable() -> None:
+    from inference_svc.config import from_args
+
+    assert from_args([]).session_ram_mb == 1024
+    assert from_args([], env={"WARMSLOT_SESSION_RAM_MB": "5"}).session_ram_mb == 5
+    assert from_args(["--session-ram-mb", "0"],
+                     env={"WARMSLOT_SESSION_RAM_MB": "5"}).session_ram_mb == 0
+    with pytest.raises(SystemExit):
+        from_args(["--session-ram-mb", "-1"])
