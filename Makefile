@@ -27,7 +27,7 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 
-.PHONY: all setup fetch-models draft proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume bench-s3 bench-security demo models clean distclean
+.PHONY: all setup fetch-models draft proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume bench-s3 bench-security bench-sessions demo models clean distclean
 
 all: setup
 
@@ -121,6 +121,10 @@ bench-s3: setup
 # restart-resume: time to first token after a restart, with restore vs full re-prefill
 bench-resume: setup
 	$(PY) bench/resume.py
+
+# sessions: more conversations than slots, turns from the RAM tier / the store vs re-prefill
+bench-sessions: setup
+	$(PY) bench/sessions.py
 
 # a long session survives a restart of the inference service: before/after table
 demo: setup

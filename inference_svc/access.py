@@ -1,5 +1,6 @@
 """Who may call what on the inference service. Keys of role `user` may generate,
-chat, tokenize, detokenize and read the service's info; `admin` keys may call every method
+chat, tokenize, detokenize, read the service's info and list and delete their own sessions
+(inference_svc.sessions: a user key's sessions are its own); `admin` keys may call every method
 (the slot operations as well: list, save, restore, erase). Methods not listed here,
 now or added later, are admin-only until listed."""
 
@@ -11,7 +12,8 @@ from snapshot_svc.clientlib import auth
 
 SERVICE = "/warmslot.inference.v1.Inference/"
 USER_METHODS = frozenset(SERVICE + m for m in ("Generate", "Chat", "Tokenize",
-                                               "Detokenize", "GetInfo"))
+                                               "Detokenize", "GetInfo", "ListSessions",
+                                               "DeleteSession"))
 REFLECTION_PREFIX = "/grpc.reflection."
 ROLES = (auth.USER, auth.ADMIN)
 

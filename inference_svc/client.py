@@ -7,6 +7,9 @@
     python -m inference_svc.client restore 1 session-a
     python -m inference_svc.client slots
     python -m inference_svc.client info
+    python -m inference_svc.client generate "Hello" --session chat-1
+    python -m inference_svc.client sessions
+    python -m inference_svc.client delete-session chat-1
 
 `--addr` (or WARMSLOT_ADDR) selects the server, default 127.0.0.1:50051.
 Every call has a deadline (`--timeout` seconds).
@@ -105,6 +108,14 @@ class InferenceClient:
     def erase(self, id_slot: int) -> pb.EraseSlotResponse:
         return self.stub.EraseSlot(pb.EraseSlotRequest(id_slot=id_slot), timeout=self.timeout)
 
+    def sessions(self) -> list[pb.SessionInfo]:
+        return list(self.stub.ListSessions(pb.ListSessionsRequest(),
+                                           timeout=self.timeout).sessions)
+
+    def delete_session(self, name: str, owner: str = "") -> pb.DeleteSessionResponse:
+        return self.stub.DeleteSession(pb.DeleteSessionRequest(name=name, owner=owner),
+                                       timeout=self.timeout)
+
 
 def make_request(prompt: str | list[int], *, id_slot: int | None = None,
                  cache_prompt: bool | None = None, truncate_prompt: bool = False,
@@ -202,6 +213,10 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tokenize", help="text to token ids")
     t.add_argument("text")
     sub.add_parser("slots", help="list the slots")
+    sub.add_parser("sessions", help="list the sessions (a user key: its own)")
+    ds = sub.add_parser("delete-session", help="delete a session from every tier")
+    ds.add_argument("name")
+    ds.add_argument("--owner", default="", help="admin key: the owner of a user key's session")
     sub.add_parser("info", help="models, slots, formats")
     return p
 
@@ -277,7 +292,9 @@ def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
         return
     t = last.timings
     reason = pb.StopReason.Name(last.stop_reason).removeprefix("STOP_REASON_").lower()
-    print(f"\n\n[slot {t.id_slot}] {reason}: "
+    tier = pb.SessionTier.Name(t.session_tier).removeprefix("SESSION_TIER_").lower()
+    where = f"slot {t.id_slot}" + (f", session from {tier}" if t.session_tier else "")
+    print(f"\n\n[{where}] {reason}: "
           f"prompt {t.prompt_n} processed + {t.cache_n} cached in {t.prompt_ms:.1f} ms; "
           f"{t.predicted_n} generated in {t.predicted_ms:.1f} ms "
           f"({t.predicted_per_second:.1f} tokens/s); draft {t.draft_n_accepted}/{t.draft_n} "
@@ -310,6 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                 for s in c.slots():
                     print(json.dumps(json_format.MessageToDict(
                         s, always_print_fields_with_no_presence=True)))
+            elif a.cmd == "sessions":
+                for s in c.sessions():
+                    print(json.dumps(json_format.MessageToDict(
+                        s, always_print_fields_with_no_presence=True)))
+            elif a.cmd == "delete-session":
+                _show(c.delete_session(a.name, a.owner))
             elif a.cmd == "info":
                 _show(c.info())
         except grpc.RpcError as exc:

@@ -113,6 +113,8 @@ class Config:
     max_prompt_bytes: int = 1 << 20  # longest request text, refused before tokenizing
     tokenize_threads: int = 1  # threads tokenizing request text (not the handler threads)
     chat_template: Path | None = None  # Jinja chat template file; None: the model's own
+    # bytes of idle sessions' state kept in host memory before they go to the store
+    session_ram_mb: int = 1024
 
     @property
     def grpc_workers(self) -> int:
@@ -190,6 +192,8 @@ class Config:
                 and self.max_streams_per_key + self.max_unary_per_key < self.grpc_workers):
             problems.append("--max-streams-per-key and --max-unary-per-key must be >= 1 and "
                             f"together below the handler threads ({self.grpc_workers})")
+        if self.session_ram_mb < 0:
+            problems.append("--session-ram-mb must be >= 0")
         if self.max_prompt_bytes < 1 or self.tokenize_threads < 1:
             problems.append("--max-prompt-bytes and --tokenize-threads must be >= 1")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -343,6 +347,10 @@ def parser() -> argparse.ArgumentParser:
       help="longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
     a("--tokenize-threads", type=int, default=d.tokenize_threads,
       help="threads that tokenize request text (--max-queue more texts may wait)")
+    a("--session-ram-mb", type=int, default=d.session_ram_mb,
+      help="MiB of idle sessions' state (target + draft) kept in host memory; beyond it "
+           "the least recently used go to the store (without a store: are dropped); 0: "
+           "straight to the store")
     a("--api-keys", type=_path_or_none, default=d.api_keys,
       help="file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); "
            "calls other than health then need 'authorization: Bearer <key>'")
@@ -402,7 +410,8 @@ def from_args(argv: Sequence[str] | None = None,
             snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
             snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
             max_streams_per_key=ns.max_streams_per_key, max_unary_per_key=ns.max_unary_per_key,
-            tokenize_threads=ns.tokenize_threads, chat_template=ns.chat_template)
+            tokenize_threads=ns.tokenize_threads, chat_template=ns.chat_template,
+            session_ram_mb=ns.session_ram_mb)
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

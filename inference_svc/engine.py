@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from inference_svc import log
 from inference_svc.config import Config
@@ -33,10 +33,13 @@ from inference_svc.core.speculative import (
     TokenLogprob,
 )
 from inference_svc.draft_length import DraftLength
-from inference_svc.errors import ServiceError, Unavailable
+from inference_svc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from inference_svc.metrics import Metrics
 from inference_svc.scheduler import Job, Scheduler, common_prefix
 from inference_svc.types import Chunk, Finished, GenerateParams, SlotInfo, StopReason, Timings
+
+if TYPE_CHECKING:
+    from inference_svc.sessions import SessionHost
 
 T = TypeVar("T")
 
@@ -98,14 +101,18 @@ class GenJob(Job):
         self.timings = Timings(n_truncated=params.n_truncated)
         self.counters0 = Counters()
         self.t_start = self.t_first = 0.0
+        self.on_fail: Callable[[GenJob], None] | None = None  # ends a session reservation
 
     def fail(self, exc: BaseException) -> None:
         self.running = False
+        if self.on_fail is not None:
+            self.on_fail(self)
         self.out.put(exc)
         self.ended.set()
 
     def prefix_hint(self) -> Sequence[int]:
-        return self.params.prompt if self.params.cache_prompt else ()
+        # a session's prompt continues the session: it is no prefix of any slot
+        return self.params.prompt if self.params.cache_prompt and not self.session else ()
 
     def batchable(self) -> bool:
         # decode steps, speculative or not, share a target pass (step_batch)
@@ -221,6 +228,7 @@ class Engine:
         self._cond = threading.Condition()
         self._calls: list[_Call] = []
         self._closed = False
+        self.sessions: SessionHost | None = None  # set by the server once the store is open
         self._thread = threading.Thread(target=self._run, name="warmslot-engine", daemon=True)
         self._thread.start()
 
@@ -247,15 +255,29 @@ class Engine:
             wait_until, rpc_deadline = self.sched.deadlines(time_remaining)
         job = GenJob(params, wait_until, rpc_deadline,
                      StopText(self.tokenizer, params.stop) if params.stop else None)
-        self._submit(job)
+        if params.session is not None:
+            if self.sessions is None:
+                raise Unavailable("sessions are not available yet")
+            job.on_fail = self.sessions.release
+            self.sessions.prepare(job, params.session, wait_until - self.sched.clock()
+                                  + time.monotonic())
+        try:
+            self._submit(job)
+        except BaseException:
+            if self.sessions is not None:
+                self.sessions.release(job)
+            raise
         return job
 
     def slot_op(self, id_slot: int, fn: Callable[[int], T],
-                time_remaining: float | None = None) -> T:
-        """Runs fn(slot) on the engine thread once the slot is idle; returns its result."""
+                time_remaining: float | None = None, keep_session: bool = False) -> T:
+        """Runs fn(slot) on the engine thread once the slot is idle; returns its result.
+        A session bound to the slot is moved to the RAM tier first, unless
+        `keep_session` (fn only reads the slot)."""
         with self._cond:
             wait_until, rpc_deadline = self.sched.deadlines(time_remaining)
         job: SlotOp[T] = SlotOp(id_slot, fn, wait_until, rpc_deadline)
+        job.keeps_session = keep_session
         self._submit(job)
         return job.result()
 
@@ -278,6 +300,54 @@ class Engine:
 
     def list_slots(self) -> list[SlotInfo]:
         return self.call(self._slot_infos)
+
+    # ---------------------------------------------------------------- sessions' slots
+
+    def session_resident(self, key: str) -> bool:
+        with self._cond:
+            return self.sched.home_of(key) is not None
+
+    def resident_keys(self) -> set[str]:
+        """The sessions bound to slots (read without locking: a hint)."""
+        return {s.session for s in self.sched.slots if s.session is not None}
+
+    def resident_sessions(self) -> list[tuple[str, int, int, bool, int]]:
+        """(session, tokens, slot, busy, last used unix ms) of every bound slot."""
+        def rows() -> list[tuple[str, int, int, bool, int]]:
+            with self._cond:
+                bound = [(s.session, s.id, s.job is not None, s.last_used_unix_ms)
+                         for s in self.sched.slots if s.session is not None]
+            return [(k, self.dec.n_tokens(i), i, busy, ms) for k, i, busy, ms in bound]
+        return self.call(rows)
+
+    def unbind_session(self, key: str) -> int | None:
+        """Empties the slot the session is bound to and unbinds it: the tokens it held,
+        None when it is bound to none. FailedPrecondition while a turn of it runs or
+        waits."""
+        def run() -> int | None:
+            with self._cond:
+                busy = any(j.session == key for j in self.sched.waiting)
+                home = self.sched.home_of(key)
+                if home is not None and self.sched.slots[home].job is not None:
+                    busy = True
+                if busy:
+                    raise FailedPrecondition("a turn of the session is running or waiting: "
+                                             "delete it once that has ended")
+                if home is None:
+                    return None
+                n = self.dec.n_tokens(home)
+                self.unbind_slot(home)
+                return n
+        return self.call(run)
+
+    def unbind_slot(self, slot: int) -> None:
+        """Empties an idle slot and unbinds its session (engine thread)."""
+        self.dec.clear(slot)
+        s = self.sched.slots[slot]
+        s.session, s.tokens = None, []
+
+    def slot_last_used_ms(self, slot: int) -> int:
+        return self.sched.slots[slot].last_used_unix_ms
 
     def drain(self, grace: float) -> None:
         """Stops taking jobs, fails the waiting ones, and waits for the running ones at
@@ -384,6 +454,15 @@ class Engine:
 
     def begin(self, job: Job) -> None:
         slot = job.slot
+        if (job.evict is not None or job.session is not None) and self.sessions is not None:
+            try:
+                self.sessions.enter(job)
+            except Exception as exc:
+                if isinstance(job, GenJob):
+                    self._abort(job, exc)
+                else:
+                    job.fail(exc)
+                return
         if isinstance(job, SlotOp):
             job.run(slot)
             job.running = False
@@ -395,21 +474,36 @@ class Engine:
             job.t_start = time.monotonic()
             job.timings.queue_ms = 1e3 * (job.t_start - job.submitted)
             job.timings.id_slot = slot
-            tokens = self.sched.slots[slot].tokens
-            common = common_prefix(tokens, p.prompt) if p.cache_prompt else 0
-            keep = min(common, len(p.prompt) - 1)
+            new = p.prompt
+            if job.session is not None and not p.conversation:
+                # the prompt continues the session's tokens
+                keep = dec.n_tokens(slot)
+                if keep + len(p.prompt) + p.max_tokens > self.n_ctx:
+                    job.fail(InvalidArgument(
+                        f"session {job.session_name!r} holds {keep} tokens: with the prompt "
+                        f"of {len(p.prompt)} and max_tokens {p.max_tokens} it exceeds the "
+                        f"context of {self.n_ctx} tokens (start a new session)"))
+                    return
+            else:
+                # a Chat's prompt is its session's whole conversation: what the session
+                # holds of it is kept, the rest processed (as cache_prompt does)
+                tokens = (dec.tokens(slot) if job.session is not None
+                          else self.sched.slots[slot].tokens)
+                common = common_prefix(tokens, p.prompt) if p.cache_prompt else 0
+                keep = min(common, len(p.prompt) - 1)
+                new = p.prompt[keep:]
             dec.truncate(slot, keep)
             if p.seed is not None:
                 dec.seed(slot, p.seed)
             job.timings.cache_n = keep
-            job.timings.prompt_n = len(p.prompt) - keep
+            job.timings.prompt_n = len(new)
             job.counters0 = dec.counters(slot)
             sc = self.cfg.speculative
             if p.spec is not None and self.has_draft and sc.adaptive:
                 # every request starts from the same estimate, whatever the slot did
                 # before: a seeded request draws the same tokens in any slot, restored or not
                 job.draft_len = DraftLength.start(p.spec.n_max, sc.draft_cost, START_ACCEPTANCE)
-            job.todo = list(p.prompt[keep:])
+            job.todo = list(new)
             # -1: unknown, the first prefill unit of a speculative request catches up
             job.draft_lag = -1 if p.spec is not None and self.has_draft else 0
         except Exception as exc:
@@ -577,6 +671,7 @@ class Engine:
         self.log.warning("generate failed", exc_info=not isinstance(exc, ServiceError),
                          extra=log.fields(slot=job.slot, error=str(exc)))
         try:
+            self.sched.slots[job.slot].session = None  # emptied: nothing of it is left
             self.dec.clear(job.slot)
         finally:
             job.fail(exc)

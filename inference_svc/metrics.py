@@ -46,6 +46,21 @@ class Metrics:
                                          buckets=_SECONDS, registry=r)
         self.restore_bytes = Counter("warmslot_slot_restore_bytes", "Bytes read by RestoreSlot",
                                      registry=r)
+        self.sessions = Gauge("warmslot_sessions",
+                              "Sessions by the tier of their newest state: slot, ram, store "
+                              "(the store: those this replica wrote, read or found at start)",
+                              ["tier"], registry=r)
+        self.session_evictions = Counter(
+            "warmslot_session_evictions",
+            "Sessions moved down a tier: slot_to_ram, ram_to_store, dropped (RAM tier full, "
+            "no store)", ["kind"], registry=r)
+        self.session_restores = Counter("warmslot_session_restores",
+                                        "Sessions brought into a slot, by the tier they were in",
+                                        ["tier"], registry=r)
+        self.session_restore_seconds = Histogram(
+            "warmslot_session_restore_seconds",
+            "Bringing a session into a slot (the store's read and checks included), by tier",
+            ["tier"], buckets=_SECONDS, registry=r)
 
     def serve(self, host: str, port: int, **security: Any) -> tuple[int, Callable[[], None]]:
         """Starts the HTTP endpoint (metrics_http.serve: TLS and keys as the service's);

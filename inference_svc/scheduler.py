@@ -2,7 +2,16 @@
 
 Jobs wait in one FIFO queue; an idle slot goes to the first job that can take it
 (a job for slot -1 takes the idle slot whose tokens share the longest prefix with
-its prompt, then the least recently used). Each round runs one unit of every
+its prompt, then the least recently used; slots bound to a session come last).
+
+A job of a *session* (a named conversation, inference_svc.sessions) runs in the slot
+its session is bound to; when the session is bound to none, it takes an idle slot
+like a job for slot -1, preferring slots bound to no session, then the least
+recently used, and a session that has a job waiting last. The scheduler binds the
+slot and names the session it displaces in `job.evict`; the executor moves the
+states. One session never runs in two slots: its later jobs wait, in order, while
+one runs. A job without a session that lands on a session's slot displaces it too
+(`keeps_session` jobs, which only read the slot, leave it bound). Each round runs one unit of every
 running job through the executor: the decode steps (target-only and speculative)
 share one forward pass, the others run one by one. A prompt or draft catch-up unit
 takes at most `chunk` tokens; while other slots decode, it is sized from its own
@@ -69,6 +78,12 @@ class Job:
         self._cancelled = threading.Event()
         self.on_cancel: Callable[[], None] | None = None  # wakes the engine up
         self.chunk_rate: float | None = None  # tokens per second of its last chunk unit
+        self.session: str | None = None  # the session's key (its store name)
+        self.session_name = ""  # as the caller named it (messages)
+        self.keeps_session = False  # reads the slot only: its session stays bound
+        self.evict: str | None = None  # set at admission: the session displaced
+        self.resident = False  # set at admission: the session was bound to the slot
+        self.prev_session: str | None = None  # bound to the slot before the admission
 
     @property
     def cancelled(self) -> bool:
@@ -95,6 +110,10 @@ class Job:
     def wait_error(self, now: float, n_slots: int) -> ServiceError:
         if self.rpc_deadline is not None and now >= self.rpc_deadline:
             return DeadlineExceeded("the deadline passed while the request waited for a slot")
+        if self.session is not None:
+            return ResourceExhausted(f"session {self.session_name!r}: no slot for its turn "
+                                     f"within {now - self.submitted:.1f} s (another turn of "
+                                     "it, or of other sessions, ran): try again later")
         which = (f"slot {self.id_slot} stayed" if self.id_slot >= 0
                  else f"all {n_slots} slots stayed")
         return ResourceExhausted(f"{which} busy for {now - self.submitted:.1f} s: "
@@ -131,6 +150,7 @@ class _Slot:
         self.id = i
         self.job: Job | None = None
         self.tokens: list[int] = []  # as of the last time it was idle
+        self.session: str | None = None  # the session bound to the slot
         self.last_used = 0.0  # clock
         self.last_used_unix_ms = 0
 
@@ -193,29 +213,52 @@ class Scheduler:
                 keep.append(job)
         self.waiting = keep
         idle = {s.id for s in self.slots if s.job is None}
+        # sessions with a job running or admitted: their later jobs wait
+        held = {s.session for s in self.slots if s.job is not None and s.session}
+        wanted = {j.session for j in self.waiting if j.session is not None}
         out: list[Job] = []
         for job in list(self.waiting):
             if not idle:
                 break
-            if job.id_slot >= 0:
+            key = job.session
+            if key is not None:
+                if key in held:
+                    continue
+                home = self.home_of(key)
+                pick = home if home is not None else self._best_slot(job, idle, wanted)
+            elif job.id_slot >= 0:
                 if job.id_slot not in idle:
                     continue
                 pick = job.id_slot
             else:
-                pick = self._best_slot(job, idle)
+                pick = self._best_slot(job, idle, wanted)
             idle.discard(pick)
             self.waiting.remove(job)
-            self.slots[pick].job = job
+            s = self.slots[pick]
+            s.job = job
             job.slot = pick
+            if not job.keeps_session:
+                job.prev_session = s.session
+                job.resident = key is not None and s.session == key
+                if s.session is not None and s.session != key:
+                    job.evict = s.session
+                s.session = key
+            if key is not None:
+                held.add(key)
             out.append(job)
         return out
 
-    def _best_slot(self, job: Job, idle: set[int]) -> int:
+    def home_of(self, session: str) -> int | None:
+        """The slot the session is bound to, None when none is."""
+        return next((s.id for s in self.slots if s.session == session), None)
+
+    def _best_slot(self, job: Job, idle: set[int], wanted: set[str]) -> int:
         prompt = job.prefix_hint()
 
-        def key(i: int) -> tuple[int, float]:
+        def key(i: int) -> tuple[bool, bool, int, float]:
             s = self.slots[i]
-            return (-common_prefix(s.tokens, prompt) if prompt else 0, s.last_used)
+            return (s.session in wanted, s.session is not None,
+                    -common_prefix(s.tokens, prompt) if prompt else 0, s.last_used)
 
         return min(sorted(idle), key=key)
 
@@ -243,6 +286,8 @@ class Scheduler:
         for job in admitted:
             if job.cancelled:
                 job.fail(Cancelled("cancelled"))
+                if not job.keeps_session:  # nothing moved: the slot keeps its session
+                    self.slots[job.slot].session = job.prev_session
                 self._release(job.slot)
                 continue
             job.running = True
@@ -316,6 +361,7 @@ class Scheduler:
         if self.on_error is not None:
             self.on_error(job, exc)
         job.running = False
+        self.slots[job.slot].session = None  # emptied: nothing of the session is left there
         try:
             self.ex.reset(job.slot)
         except BaseException:  # noqa: BLE001 - the slot is freed anyway, as empty

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc import __version__, access, autosave, chat, log, slotfile
+from inference_svc import __version__, access, autosave, chat, log, sessions, slotfile
 from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.core.speculative import TokenLogprob
@@ -27,6 +27,7 @@ from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
 from inference_svc.prompts import BoundedTokenizer
+from inference_svc.sessions import SessionHost
 from inference_svc.slots import SlotManager
 from inference_svc.snapshot_failover import FailoverStore, parse_addrs
 from inference_svc.snapshot_store import SnapshotStore
@@ -60,6 +61,7 @@ class Runtime:
 
     engine: Engine
     slots: SlotManager
+    sessions: SessionHost
     rc: RequestContext
     store: SlotStore | None
 
@@ -165,6 +167,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         n = self._rt().slots.erase(request.id_slot, _time_remaining(context))
         return pb.EraseSlotResponse(id_slot=request.id_slot, n_erased=n)
 
+    def ListSessions(self, request: pb.ListSessionsRequest,
+                     context: grpc.ServicerContext) -> pb.ListSessionsResponse:
+        host = self._rt().sessions
+        rows = host.list(sessions.visible_owner(auth.CURRENT.get()))
+        return pb.ListSessionsResponse(sessions=[r.to_pb() for r in rows])
+
+    def DeleteSession(self, request: pb.DeleteSessionRequest,
+                      context: grpc.ServicerContext) -> pb.DeleteSessionResponse:
+        host = self._rt().sessions
+        key = sessions.delete_key(request.name, request.owner, auth.CURRENT.get())
+        left = _time_remaining(context)
+        n, tiers = host.delete(key, None if left is None else time.monotonic() + left)
+        return pb.DeleteSessionResponse(name=key.name, n_tokens=n, removed_from=tiers)
+
 
 def snapshot_security(cfg: Config) -> dict[str, Any]:
     """The snapshot client's TLS credentials and API key from the configuration."""
@@ -259,6 +275,7 @@ class Server:
         self._fallback: Fallback | None = None
         self._slots: SlotManager | None = None
         self._engine: Engine | None = None
+        self._sessions: SessionHost | None = None
         self._keys = access.key_ring(cfg.api_keys) if cfg.api_keys is not None else None
         self._gate = (auth.gate(self._keys, access.allowed) if self._keys is not None
                       else None)
@@ -335,6 +352,8 @@ class Server:
                             chat.load_template(cfg.chat_template, engine.tokenizer))
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
+        engine.sessions = self._sessions = SessionHost(engine, slots, cfg.session_ram_mb << 20,
+                                                       self.metrics)
         if store is not None and cfg.auto_save:
             fallback = self._open_fallback()
             rep = autosave.restore_all(slots, cfg.instance_id, cfg.restore_timeout, fallback)
@@ -343,7 +362,7 @@ class Server:
                 store_unreachable=rep.store_unreachable, from_fallback=rep.from_fallback))
             if fallback is not None and fallback.pending():  # the store is down: later
                 fallback.start_uploader(store, FALLBACK_RETRY_S, cfg.snapshot_timeout)
-        self.servicer.runtime = Runtime(engine, slots, rc, store)
+        self.servicer.runtime = Runtime(engine, slots, self._sessions, rc, store)
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.log.info("serving", extra=log.fields(
             model=target.name, fingerprint=target.fingerprint[:16],
@@ -400,15 +419,19 @@ class Server:
         # (it could land after the save): everything goes to the fallback
         save_by = time.monotonic() + (self.cfg.auto_save_timeout if uploads_done else 0.0)
         saved: bool | None = None  # None: no auto-save ran (not serving yet, or off)
+        if rt is not None and self._sessions is not None:
+            saved = self._sessions.save_all(save_by)[1] == 0 if self._store else None
         if rt is not None and self._slots is not None and self._store is not None \
                 and self.cfg.auto_save:
             rep = autosave.save_all(self._slots, self.cfg.instance_id, save_by,
                                     self._fallback)
             self.log.info("auto-save done", extra=log.fields(
                 saved=rep.saved, to_fallback=rep.to_fallback, failed=rep.failed))
-            saved = rep.ok
+            saved = rep.ok and saved is not False
         if rt is not None:
             self.servicer.runtime = None
+        if self._sessions is not None:
+            self._sessions.close()
         if self._engine is not None:  # also when stopped during start-up
             self._engine.close()
             self._engine = None

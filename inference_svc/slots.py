@@ -15,6 +15,7 @@ from inference_svc.engine import Engine, SlotState
 from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from inference_svc.metrics import Metrics
 from inference_svc.names import validate_name
+from inference_svc.session_names import refuse_session_namespace
 from inference_svc.slotfile import ModelSpec
 from inference_svc.snapshots import PreparedRestore, SlotFileBuffers, model_spec, prepare_restore
 from inference_svc.store import SlotStore
@@ -54,11 +55,12 @@ class SlotManager:
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
         name = validate_name(filename)
+        refuse_session_namespace(name)
         self._need_store()
         t0 = time.perf_counter()
         files = SlotFileBuffers()
         state = eng.slot_op(id_slot, lambda slot: eng.capture(slot, files.target, files.draft),
-                            time_remaining)
+                            time_remaining, keep_session=True)
         return self._persist(id_slot, name, files, state, t0)
 
     def save_on_engine(self, id_slot: int, name: str, *, deadline: float | None = None,
@@ -125,6 +127,7 @@ class SlotManager:
         name = filename
         try:
             name = validate_name(filename)
+            refuse_session_namespace(name)
             prepared = prepare_restore(store or self._need_store(), name, self.target_spec,
                                        self.draft_spec, load_by)
 

@@ -26,9 +26,9 @@ from inference_svc.core.speculative import (
     TokenLogprob,
 )
 from inference_svc.errors import InvalidArgument
-from inference_svc.names import validate_name
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.prompts import BoundedTokenizer
+from inference_svc.session_names import check_session_name
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
@@ -138,7 +138,10 @@ class GenerateParams:
     spec: SpecParams | None  # None: no speculative decoding
     stop: tuple[str, ...] = ()
     n_truncated: int = 0  # prompt tokens dropped to fit the context
+    # a named conversation the prompt continues (inference_svc.sessions); None: none
     session: str | None = None
+    # the prompt is the session's whole conversation (Chat), not what follows it
+    conversation: bool = False
 
     @classmethod
     def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
@@ -205,11 +208,30 @@ class GenerateParams:
         for s in stop:
             if not s or len(s.encode()) > MAX_STOP_BYTES:
                 raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
-        session = validate_name(req.session) if req.HasField("session") else None
+        session = session_from_pb(req)
         sampling, seed = sampling_from_pb(req.sampling, cfg, req.logprobs)
         spec = speculative_from_pb(req.speculative, cfg, rc.has_draft)
         return cls(tuple(prompt), max_tokens, id_slot, cache_prompt, sampling, seed, spec,
-                   stop, n_truncated, session)
+                   stop, n_truncated, session, isinstance(req, pb.ChatRequest))
+
+
+def session_from_pb(req: pb.GenerateRequest | pb.ChatRequest) -> str | None:
+    """The request's session name (checked), None without one. A session chooses its
+    slot and continues its own tokens: id_slot, truncate_prompt and cache_prompt false
+    contradict it (a Chat has none of them)."""
+    if not req.HasField("session"):
+        return None
+    name = check_session_name(req.session)
+    if isinstance(req, pb.ChatRequest):
+        return name
+    for bad, what in ((req.HasField("id_slot") and req.id_slot != -1, "id_slot"),
+                      (req.truncate_prompt, "truncate_prompt"),
+                      (req.HasField("cache_prompt") and not req.cache_prompt,
+                       "cache_prompt false")):
+        if bad:
+            raise InvalidArgument(f"a request with a session cannot set {what}: the session "
+                                  "picks its slot and continues its own tokens")
+    return name
 
 
 @dataclass
@@ -226,6 +248,8 @@ class Timings:
     n_steps: int = 0
     n_truncated: int = 0
     queue_ms: float = 0.0
+    session_tier: int = 0  # pb.SessionTier: where the session was found (0: no session)
+    session_restore_ms: float = 0.0
 
     def add_counters(self, c: Counters) -> None:
         self.draft_n, self.draft_n_accepted = c.n_drafted, c.n_accepted
@@ -248,7 +272,8 @@ class Timings:
             draft_n_accepted=self.draft_n_accepted, draft_prompt_n=self.draft_prompt_n,
             id_slot=self.id_slot, prompt_per_second=self.prompt_per_second,
             predicted_per_second=self.predicted_per_second, n_truncated=self.n_truncated,
-            n_steps=self.n_steps, queue_ms=self.queue_ms)
+            n_steps=self.n_steps, queue_ms=self.queue_ms, session_tier=self.session_tier,
+            session_restore_ms=self.session_restore_ms)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,27 @@ def test_chat_options_pass_through(client: InferenceClient, tok: Tokenizer) -> N
     assert no_gp.timings.prompt_n + no_gp.timings.cache_n == len(tok.encode("user: x\n")) + 1
 
 
+def test_chat_session_reuses_the_conversation_it_holds(client: InferenceClient,
+                                                      tok: Tokenizer) -> None:
+    first = [("user", "hello there")]
+    rs1, _ = client.chat(first, max_tokens=6, session="chat-one", **GREEDY)
+    reply = "".join(r.text for r in rs1)
+    ids1 = expected_prompt(tok, first)
+    assert {s.name: s.n_tokens for s in client.sessions()} == {"chat-one": len(ids1) + 6}
+    second = [*first, ("assistant", reply), ("user", "and then")]
+    ids2 = expected_prompt(tok, second)
+    rs2, last = client.chat(second, max_tokens=6, session="chat-one", **GREEDY)
+    t = last.timings
+    # the messages are the whole conversation: the session's first turn is reused (not
+    # appended to), only what follows it is processed
+    assert t.prompt_n + t.cache_n == len(ids2)
+    assert t.cache_n >= len(ids1)
+    assert {s.name: s.n_tokens for s in client.sessions()} == {"chat-one": len(ids2) + 6}
+    client.delete_session("chat-one")
+    rs3, _ = client.chat(second, max_tokens=6, **GREEDY)  # no session: any slot
+    assert [x for r in rs2 for x in r.tokens] == [x for r in rs3 for x in r.tokens]
+
+
 def _code(fn: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as err:
         fn()
@@ -111,7 +132,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
     ([("user<|endoftext|>", "hi")], {}, INVALID, "holds the special-token text"),
     ([("user", "hi")], {"logprobs": 21}, INVALID, "logprobs 21 is outside 0..20"),
     ([("user", "hi")], {"logprobs": -1}, INVALID, "logprobs -1 is outside 0..20"),
-    ([("user", "hi")], {"session": "a/b"}, INVALID, "bad slot file name"),
+    ([("user", "hi")], {"session": "a/b"}, INVALID, "bad session name"),
     ([("user", "hi")], {"max_tokens": -1}, INVALID, "max_tokens -1 is negative"),
     ([("user", "hi")], {"max_tokens": 10_000}, INVALID, "exceed the context of 256"),
     ([("user", "hi")], {"temperature": -1.0}, INVALID, "temperature -1 is outside"),

@@ -1,0 +1,441 @@
+"""Sessions: named conversations that outlive their slot, in three tiers.
+
+A session is *resident* while it is bound to a slot (the scheduler binds it,
+inference_svc.scheduler). When another job needs that slot, the engine captures
+the session's whole state (target KV, draft KV, speculative state and RNG) into
+the host-memory tier (`--session-ram-mb`); a background writer moves the least
+recently used sessions from there to the slot store (local directory or snapshot
+service) under `session~<owner>~<name>` (inference_svc.session_names) whenever
+the tier holds more than its bound, and every session goes to the store at stop.
+A session's next turn restores it from whichever tier holds it, so the turn
+processes only its new tokens. A session found in the store is read and checked
+(model fingerprint, digests, fit, as RestoreSlot) on the request's own thread
+before the request queues, so the engine thread only applies checked state.
+
+Without a store the host-memory tier is the last one: a session pushed out of it
+is dropped (logged, counted as `dropped`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+from inference_svc import log, slotfile
+from inference_svc.engine import Engine, GenJob
+from inference_svc.errors import NotFound
+from inference_svc.metrics import Metrics
+from inference_svc.scheduler import Job
+from inference_svc.session_listing import (
+    TIER_LABEL,
+    TIER_NEW,
+    TIER_RAM,
+    TIER_SLOT,
+    TIER_STORE,
+    SessionRow,
+    list_stored,
+)
+from inference_svc.session_names import (
+    SESSION_PREFIX,
+    SessionKey,
+    check_session_name,
+    from_store_name,
+)
+from inference_svc.slots import SlotManager
+from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
+from inference_svc.store import SlotStore
+from snapshot_svc.clientlib import auth
+
+SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt
+_KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
+
+
+def owner_of(principal: auth.Principal | None) -> str:
+    """The sessions' owner of a caller: a `user` key's id; "" without keys or for
+    admin keys."""
+    if principal is None or principal.is_admin:
+        return ""
+    return principal.key_id
+
+
+def caller_key(name: str) -> SessionKey:
+    """The session `name` of the caller of the call being served."""
+    return SessionKey(owner_of(auth.CURRENT.get()), check_session_name(name))
+
+
+@dataclass(eq=False)
+class Held:
+    """A session's state in the host-memory tier."""
+
+    key: str  # store name
+    parts: tuple[bytes | memoryview, ...]  # Engine.apply target parts
+    draft: bytes | memoryview | None  # draft state; None: the draft restore policy applies
+    draft_note: str
+    n_tokens: int
+    size: int  # bytes held
+    last_used_ms: int
+    origin: int  # TIER_RAM (captured from a slot) or TIER_STORE (read from the store)
+    raw_target: memoryview | None = None  # captured WSKV state, to encode for the store
+    in_store: bool = False  # the store holds this very state: nothing to write
+    writing: bool = False  # the writer is storing it
+    deleted: bool = False  # DeleteSession removed it (a write in flight is undone)
+
+
+class SessionHost:
+    """The tiers below the slots and the moves between them. `enter`, `evict` and the
+    list of resident sessions run on the engine thread; `prepare`, `delete`, `list`
+    and `save_all` on the caller's."""
+
+    def __init__(self, engine: Engine, slots: SlotManager, ram_bytes: int,
+                 metrics: Metrics) -> None:
+        self.engine = engine
+        self.slots = slots
+        self.store: SlotStore | None = slots.store
+        self.ram_bytes = ram_bytes
+        self.metrics = metrics
+        self.log = log.get()
+        self._lock = threading.Condition()
+        self._ram: dict[str, Held] = {}
+        self._ram_used = 0
+        self._reserved: collections.Counter[str] = collections.Counter()  # jobs per session
+        self._reserving: set[int] = set()  # id() of the jobs holding a reservation
+        self._in_store: set[str] = set()  # store names of sessions this replica knows there
+        self._key_locks = [threading.Lock() for _ in range(_KEY_LOCKS)]
+        self._closed = False
+        self._writer = threading.Thread(target=self._write_loop, name="warmslot-sessions",
+                                        daemon=True)
+        self._writer.start()
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        return self._key_locks[hash(key) % _KEY_LOCKS]
+
+    # ------------------------------------------------------------ request thread
+
+    def prepare(self, job: GenJob, name: str, deadline: float | None) -> None:
+        """Names the job's session (the caller's), reserves it (its state stays in RAM
+        until the job is admitted or fails) and, when neither a slot nor the RAM tier
+        holds it, reads it from the store into the RAM tier, checked. A session found
+        nowhere is a new one."""
+        key = caller_key(name)
+        job.session, job.session_name = key.store_name, key.name
+        k = key.store_name
+        with self._key_lock(k):
+            with self._lock:
+                self._reserved[k] += 1
+                self._reserving.add(id(job))
+            try:
+                if self.engine.session_resident(k) or self._has_ram(k) or self.store is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    prepared = prepare_restore(self.store, k, self.slots.target_spec,
+                                               self.slots.draft_spec, deadline)
+                except NotFound:
+                    return
+                self._put(Held(k, prepared.target_parts, prepared.draft_state,
+                               prepared.draft_note, prepared.n_tokens, prepared.n_read,
+                               int(time.time() * 1000), TIER_STORE, in_store=True))
+                # the read and checks count in the turn's restore time
+                job.timings.session_restore_ms = 1e3 * (time.perf_counter() - t0)
+            except BaseException:
+                self.release(job)
+                raise
+
+    def release(self, job: Job) -> None:
+        """Ends the job's reservation of its session (idempotent)."""
+        with self._lock:
+            if id(job) in self._reserving and job.session is not None:
+                self._reserving.discard(id(job))
+                self._reserved[job.session] -= 1
+                if self._reserved[job.session] <= 0:
+                    del self._reserved[job.session]
+                self._lock.notify_all()
+
+    def _has_ram(self, key: str) -> bool:
+        with self._lock:
+            return key in self._ram
+
+    # ------------------------------------------------------------ engine thread
+
+    def enter(self, job: Job) -> None:
+        """At a job's start, on the engine thread: moves the displaced session to the
+        RAM tier, then brings the job's own session into the slot (from RAM, or read
+        from the store by `prepare`; a new session starts empty). Sets the job's
+        session timings."""
+        t0 = time.perf_counter()
+        slot = job.slot
+        if job.evict is not None:
+            self.evict(slot, job.evict)
+            if job.session is None:
+                # the slot goes to a request without a session: nothing of the displaced
+                # session may stay there
+                self.engine.reset(slot)
+        if job.session is None:
+            return
+        try:
+            if job.resident:
+                tier = TIER_SLOT
+            else:
+                with self._lock:
+                    held = self._ram.pop(job.session, None)
+                    if held is not None:
+                        self._ram_used -= held.size
+                if held is None:
+                    self.engine.reset(slot)
+                    tier = TIER_NEW
+                else:
+                    self.slots._apply(slot, PreparedRestore(  # noqa: SLF001 - same checks
+                        held.parts, held.n_tokens, held.draft, held.draft_note, held.size))
+                    tier = held.origin
+        finally:
+            self.release(job)
+        assert isinstance(job, GenJob)
+        tm = job.timings
+        tm.session_tier = tier
+        tm.session_restore_ms += 1e3 * (time.perf_counter() - t0)
+        ms = tm.session_restore_ms
+        if tier in (TIER_RAM, TIER_STORE):
+            label = TIER_LABEL[tier]
+            self.metrics.session_restores.labels(label).inc()
+            self.metrics.session_restore_seconds.labels(label).observe(ms / 1e3)
+        self._gauges()
+
+    def evict(self, slot: int, key: str) -> None:
+        """Captures the slot's state as session `key` into the RAM tier (engine thread).
+        An empty slot holds nothing to keep."""
+        eng = self.engine
+        if eng.n_tokens(slot) == 0:
+            return
+        state = eng.capture(slot)
+        t = slotfile.target_from_core(state.target, self.slots.target_spec)
+        size = len(state.target) + (len(state.draft) if state.draft is not None else 0)
+        held = Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
+                    size, eng.slot_last_used_ms(slot), TIER_RAM, raw_target=state.target)
+        self._put(held)
+        self.metrics.session_evictions.labels("slot_to_ram").inc()
+
+    def _put(self, held: Held) -> None:
+        with self._lock:
+            old = self._ram.pop(held.key, None)
+            if old is not None:
+                self._ram_used -= old.size
+                old.deleted = old.writing  # an older write in flight must not land last
+            self._ram[held.key] = held
+            self._ram_used += held.size
+            self._lock.notify_all()
+        self._gauges()
+
+    # ------------------------------------------------------------ the writer
+
+    def _next_to_write(self) -> Held | None:
+        """Under the lock: the least recently used session the RAM tier must let go
+        of, None when it holds no more than its bound (or every candidate is reserved
+        or being written)."""
+        if self._ram_used <= self.ram_bytes:
+            return None
+        writing = sum(h.size for h in self._ram.values() if h.writing)
+        if self._ram_used - writing <= self.ram_bytes:
+            return None
+        free = [h for h in self._ram.values()
+                if not h.writing and self._reserved[h.key] <= 0]
+        return min(free, key=lambda h: h.last_used_ms, default=None)
+
+    def _count_stored(self) -> None:
+        """The sessions the store holds at start (the store gauge), listed off the start's
+        path: an unreachable store must not hold the start up."""
+        if self.store is None:
+            return
+        try:
+            found = {r.key.store_name for r in list_stored(self.store)}
+        except Exception as exc:  # noqa: BLE001 - a count only
+            self.log.info("sessions in the store not counted", extra=log.fields(
+                error=str(exc)))
+            return
+        with self._lock:
+            self._in_store |= found
+        self._gauges()
+
+    def _write_loop(self) -> None:
+        self._count_stored()
+        while True:
+            with self._lock:
+                while not self._closed and (held := self._next_to_write()) is None:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                held.writing = True
+            ok = self._write(held, None) if not held.in_store else True
+            with self._lock:
+                held.writing = False
+                if ok and self._ram.get(held.key) is held:
+                    del self._ram[held.key]
+                    self._ram_used -= held.size
+                self._lock.notify_all()
+            if ok:
+                self.metrics.session_evictions.labels(
+                    "ram_to_store" if self.store is not None else "dropped").inc()
+            self._gauges()
+            if not ok:
+                with self._lock:
+                    self._lock.wait(SPILL_RETRY_S)
+
+    def _write(self, held: Held, deadline: float | None) -> bool:
+        """Stores a session held in RAM; False (logged) when the store did not take it.
+        Without a store the session is dropped (True)."""
+        store = self.store
+        if store is None:
+            self.log.warning("session dropped: the RAM tier is full and no store is "
+                             "configured", extra=log.fields(session=held.key,
+                                                            n_tokens=held.n_tokens))
+            return True
+        assert held.raw_target is not None
+        try:
+            enc = encode_slot(held.raw_target, held.draft, self.slots.target_spec,
+                              self.slots.draft_spec)
+            store.save(held.key, enc.target, enc.draft, target_sha256=enc.target_sha256,
+                       deadline=deadline)
+        except Exception as exc:  # noqa: BLE001 - kept in RAM, retried
+            self.log.warning("session not written to the store", extra=log.fields(
+                session=held.key, error=str(exc)))
+            return False
+        with self._lock:
+            self._in_store.add(held.key)
+            undo = held.deleted
+        if undo:  # deleted while it was being written: it must not come back
+            self._delete_stored(held.key, deadline)
+        return True
+
+    def _delete_stored(self, key: str, deadline: float | None) -> bool:
+        if self.store is None:
+            return False
+        removed = self.store.delete(key, deadline=deadline)
+        with self._lock:
+            self._in_store.discard(key)
+        return removed
+
+    # ------------------------------------------------------------ list, delete
+
+    def list(self, owner: str | None) -> list[SessionRow]:
+        """Every session (of `owner` only, unless None) with its newest tier."""
+        rows: dict[SessionKey, SessionRow] = {}
+        prefix = SESSION_PREFIX if owner is None else SessionKey(owner, "x").store_name[:-1]
+        if self.store is not None:
+            for r in list_stored(self.store, prefix):
+                rows[r.key] = r
+        with self._lock:
+            ram = [(h.key, h.n_tokens, h.last_used_ms) for h in self._ram.values()]
+        for k, n, last in ram:
+            key = from_store_name(k)
+            if key is not None and k.startswith(prefix):
+                rows[key] = SessionRow(key, n, TIER_RAM, last)
+        for k, n, slot, busy, last in self.engine.resident_sessions():
+            key = from_store_name(k)
+            if key is not None and k.startswith(prefix):
+                rows[key] = SessionRow(key, n, TIER_SLOT, last, slot, busy)
+        return sorted(rows.values(), key=lambda r: r.key)
+
+    def delete(self, key: SessionKey, deadline: float | None) -> tuple[int, list[int]]:
+        """Removes the session from every tier: (tokens of its newest state, the tiers
+        it was in). NotFound when it is in none; FailedPrecondition while a turn of it
+        runs or waits."""
+        k = key.store_name
+        with self._key_lock(k):
+            n_slot = self.engine.unbind_session(k)  # None: not resident
+            tiers: list[int] = []
+            n = 0
+            if n_slot is not None:
+                tiers.append(TIER_SLOT)
+                n = n_slot
+            with self._lock:
+                held = self._ram.pop(k, None)
+                if held is not None:
+                    self._ram_used -= held.size
+                    held.deleted = True
+                    tiers.append(TIER_RAM)
+                    n = n or held.n_tokens
+            if self.store is not None:
+                stored = 0
+                if not n:
+                    stored = next((r.n_tokens for r in list_stored(self.store, k)
+                                   if r.key == key), 0)
+                if self._delete_stored(k, deadline):
+                    tiers.append(TIER_STORE)
+                    n = n or stored
+        self._gauges()
+        if not tiers:
+            raise NotFound(f"no session {key.name!r}")
+        self.log.info("session deleted", extra=log.fields(
+            session=key.name, owner=key.owner or None, n_tokens=n,
+            tiers=[TIER_LABEL[t] for t in tiers]))
+        return n, tiers
+
+    # ------------------------------------------------------------ stop
+
+    def save_all(self, deadline: float | None) -> tuple[int, int]:
+        """At stop, once no request runs: every session in a slot or in RAM goes to the
+        store (a slot's is then erased, so its auto-save does not keep it too).
+        (saved, failed); without a store, (0, 0): sessions end with the process."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._writer.join(timeout=30)
+        if self.store is None:
+            return 0, 0
+        saved = failed = 0
+        for k, _n, slot, _busy, _last in self.engine.resident_sessions():
+            try:
+                self.engine.call(lambda s=slot, key=k: self.evict(s, key))
+                self.engine.call(lambda s=slot: self.engine.unbind_slot(s))
+            except Exception as exc:  # noqa: BLE001 - one session must not cost the others
+                self.log.error("session not saved at stop", extra=log.fields(
+                    session=k, error=str(exc)))
+                failed += 1
+        with self._lock:
+            todo = [h for h in self._ram.values() if not h.in_store]
+        for held in todo:
+            if self._write(held, deadline):
+                saved += 1
+            else:
+                failed += 1
+        self.log.info("sessions saved", extra=log.fields(saved=saved, failed=failed))
+        return saved, failed
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------ metrics
+
+    def _gauges(self) -> None:
+        """Sessions by the tier of their newest state (the store's: those this replica
+        wrote, read or found there at start)."""
+        resident = self.engine.resident_keys()
+        with self._lock:
+            ram = set(self._ram) - resident
+            store = self._in_store - ram - resident
+        m = self.metrics.sessions
+        m.labels("slot").set(len(resident))
+        m.labels("ram").set(len(ram))
+        m.labels("store").set(len(store))
+
+
+# ---------------------------------------------------------------- access
+
+def visible_owner(principal: auth.Principal | None) -> str | None:
+    """Whose sessions a caller lists: a user key its own; None (all) otherwise."""
+    return None if principal is None or principal.is_admin else principal.key_id
+
+
+def delete_key(name: str, owner: str, principal: auth.Principal | None) -> SessionKey:
+    """The session a DeleteSession names: the caller's own, or for an admin key (or a
+    server without keys) the one of `owner`. A user key naming another owner's
+    session gets NotFound, as if there were none."""
+    key = caller_key(name)
+    if owner and owner != key.owner:
+        if principal is not None and not principal.is_admin:
+            raise NotFound(f"no session {name!r}")
+        key = SessionKey(owner, key.name)
+    return key
