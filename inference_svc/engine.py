@@ -371,6 +371,10 @@ class Engine:
             tokens = self.sched.slots[slot].tokens
             common = common_prefix(tokens, p.prompt) if p.cache_prompt else 0
             keep = min(common, len(p.prompt) - 1)
+            if 0 < keep < dec.keep_min(slot):
+                # the sliding-window layers no longer hold the window of position keep:
+                # rebuilding it needs every earlier position, so all is re-processed
+                keep = 0
             dec.truncate(slot, keep)
             if p.seed is not None:
                 dec.seed(slot, p.seed)

@@ -20,7 +20,9 @@ def model_spec(model: Model, n_ctx: int, kv_type: str) -> ModelSpec:
     type: the model, the KV layout and type, and the size."""
     hp = model.hparams
     layout = KVLayout(hp.n_layer, hp.n_head_kv, hp.head_dim, DTYPE_BY_NAME[kv_type])
-    return ModelSpec(model.fingerprint, model.name, layout, hp.n_vocab, n_ctx)
+    local = tuple(hp.layer_is_local(layer) for layer in range(hp.n_layer))
+    return ModelSpec(model.fingerprint, model.name, layout, hp.n_vocab, n_ctx,
+                     local if any(local) else ())
 
 
 def context_spec(ctx: Context) -> ModelSpec:
