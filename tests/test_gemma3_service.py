@@ -16,8 +16,8 @@ from inference_svc import slotfile
 from inference_svc.client import InferenceClient
 from inference_svc.config import Speculative
 from inference_svc.server import Server
-from tests.factory import Shape, write_model
 from snapshot_svc.testing import ServerProcess, running_server
+from tests.factory import Shape, write_model
 from tests.fixtures.servicekit import Reference, fresh_client, running, service_config
 from tests.resumekit import InferenceProcess
 
