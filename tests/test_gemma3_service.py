@@ -126,8 +126,8 @@ def test_divergence_inside_the_window(client: InferenceClient, model: Path) -> N
 def test_restart_resumes_the_window_session(model: Path, tmp_path: Path) -> None:
     """SIGTERM saves the slot (through the snapshot service), a new process restores it
     at start-up, and the next turn processes only its new tokens."""
-    common = ("--model", str(model), "--draft", "none", "--slots", "2", "--ctx", "256", "--threads", "1",
-              "--instance-id", "gemma-restart", "--shutdown-grace", "30")
+    common = ("--model", str(model), "--draft", "none", "--slots", "2", "--ctx", "256",
+              "--threads", "1", "--instance-id", "gemma-restart", "--shutdown-grace", "30")
     with ServerProcess(tmp_path / "snapshots") as snap:
         store = ("--snapshot-addr", snap.address)
         with InferenceProcess(*common, *store) as first:
