@@ -106,6 +106,7 @@ def test_divergence_inside_the_window(client: InferenceClient, model: Path) -> N
     dropped) processes only what follows the prefix; one that diverges earlier, even
     inside the last window, is re-processed whole: the keys of the local layers older
     than the rings are gone, and rebuilding them needs every earlier position."""
+    assert client.info().slot_file_version == 3  # what this model's long sessions write
     a, out = session(client, 1)
     hist = a + out
     n = len(hist)
