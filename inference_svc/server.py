@@ -127,7 +127,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         tok = eng.tokenizer
         resp = pb.GetInfoResponse(
             model=_model_info(eng.target, cfg.model), n_slots=eng.n_slots, n_ctx=eng.n_ctx,
-            n_vocab=eng.target.n_vocab, slot_file_version=slotfile.TARGET_VERSION,
+            n_vocab=eng.target.n_vocab,
+            # version 3 for a model whose sliding-window layers outgrow their rings
+            slot_file_version=(slotfile.TARGET_VERSION_WINDOW if eng.target.hparams.n_swa > 0
+                               else slotfile.TARGET_VERSION),
             draft_file_version=slotfile.DRAFT_VERSION,
             snapshot_protocol_min=SNAPSHOT_PROTOCOL[0],
             snapshot_protocol_max=min(SNAPSHOT_PROTOCOL[1], cfg.snapshot_client_max_protocol),

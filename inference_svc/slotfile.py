@@ -25,8 +25,12 @@ from inference_svc.core.binding import lib as _core
 TARGET_MAGIC = b"WSLT"
 DRAFT_MAGIC = b"WSLD"
 # the versions this code writes and the newest it reads; version 2 added the f16 KV
-# dtype (a version-1 file is f32 and still reads)
+# dtype (a version-1 file is f32 and still reads); version 3 (target) the SWIN section:
+# sliding-window layers that hold their last n_window positions only. A target file
+# whose every layer holds every position is still written as version 2.
 TARGET_VERSION = 2
+TARGET_VERSION_WINDOW = 3
+TARGET_NEWEST = 3
 DRAFT_VERSION = 2
 HEADER_LEN = 128  # v1 header length of both files (a reader trusts the file's own)
 DIGEST_LEN = 32
@@ -34,7 +38,8 @@ SECTION_HEADER = struct.Struct("<4sIQ")  # tag, flags, payload length
 FLAG_REQUIRED = 1  # a reader that does not know the section must refuse the file
 
 TAG_TOKENS = b"TOKS"  # target: int32[n_tokens]
-TAG_KV = b"KVCA"  # target: per layer K dtype[n][kv_dim] then V dtype[n][kv_dim]
+TAG_KV = b"KVCA"  # target: per layer K dtype[n_l][kv_dim] then V dtype[n_l][kv_dim]
+TAG_WINDOW = b"SWIN"  # target (version 3): u32 n_window, u8[n_layer] 1 = sliding-window layer
 TAG_DRAFT_STATE = b"DSTA"  # draft: the core's draft state (WSSP), verbatim
 
 DTYPE_F32 = 0
@@ -55,7 +60,8 @@ _PREFIX = struct.Struct("<4sII")  # magic, version, header_len: common to every 
 # version (2: dtype f32 or f16; 1 is still read) are the core's own constants
 # (native/warmslot.h), read through the binding
 CORE_KV_MAGIC = int(_core.WS_STATE_MAGIC)  # "WSKV"
-CORE_KV_VERSION = int(_core.WS_STATE_VERSION)
+CORE_KV_VERSION = int(_core.WS_STATE_VERSION)  # 3: word 7 is n_window
+CORE_KV_VERSION_FULL = 2  # what the core writes when every layer holds every position
 _CORE_KV_HEAD = struct.Struct("<8I")
 # the core's draft state (ws_spec_state_get): magic, version, d_off, lag_ok,
 # rng[4] u64, counters (4 + 2 x WS_SPEC_MAX_DRAFT) u64, then the draft's WSKV slot state
@@ -123,8 +129,29 @@ class Section:
 
 
 @dataclass(frozen=True)
+class Window:
+    """Sliding-window layers that hold only the last n_window positions of the tokens."""
+
+    n_window: int
+    local: tuple[bool, ...]  # per layer: True for a sliding-window layer
+
+    def pack(self) -> bytes:
+        return struct.pack(f"<I{len(self.local)}B", self.n_window, *map(int, self.local))
+
+
+def kv_bytes(layout: KVLayout, n_tokens: int, window: Window | None) -> int:
+    """Bytes of the KV of n_tokens: per layer, n_tokens positions or (a sliding-window
+    layer of a windowed file) n_window."""
+    if window is None:
+        return n_tokens * layout.bytes_per_token
+    rows = sum(window.n_window if loc else n_tokens for loc in window.local)
+    return 2 * rows * layout.kv_dim * DTYPE_SIZES[layout.dtype]
+
+
+@dataclass(frozen=True)
 class TargetFile:
-    """The target file's content. `kv` holds per layer K then V for the tokens."""
+    """The target file's content. `kv` holds per layer K then V for the tokens (a
+    sliding-window layer of a windowed file: for its last `window.n_window` tokens)."""
 
     fingerprint: str  # hex SHA-256 of the target model
     layout: KVLayout
@@ -134,6 +161,7 @@ class TargetFile:
     kv: bytes | memoryview
     extra: tuple[Section, ...] = ()
     version: int = TARGET_VERSION
+    window: Window | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -206,8 +234,8 @@ def _seal(chunks: list[bytes | memoryview]) -> bytes:
 
 
 def _target_head(fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int, n_tokens: int,
-                 n_sections: int) -> bytes:
-    head = _TARGET_HEAD.pack(TARGET_MAGIC, TARGET_VERSION, HEADER_LEN, 0,
+                 n_sections: int, version: int = TARGET_VERSION) -> bytes:
+    head = _TARGET_HEAD.pack(TARGET_MAGIC, version, HEADER_LEN, 0,
                              _fp_bytes(fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
                              lay.head_dim, lay.dtype, n_ctx, n_vocab, n_tokens, n_sections)
     return head + bytes(HEADER_LEN - len(head))
@@ -223,14 +251,19 @@ def _draft_head(target_digest: str, fingerprint: str, lay: KVLayout, n_ctx: int,
 
 
 def encode_target(t: TargetFile) -> bytes:
-    """The bytes of a target file (version TARGET_VERSION)."""
+    """The bytes of a target file: version TARGET_VERSION, or TARGET_VERSION_WINDOW
+    when its sliding-window layers hold only their last positions."""
     lay = t.layout
-    if len(t.kv) != t.n_tokens * lay.bytes_per_token:
+    if len(t.kv) != kv_bytes(lay, t.n_tokens, t.window):
         raise ValueError(f"KV of {len(t.kv)} bytes does not hold {t.n_tokens} tokens of {lay}")
-    sections = [(TAG_TOKENS, FLAG_REQUIRED, struct.pack(f"<{t.n_tokens}i", *t.tokens)),
-                (TAG_KV, FLAG_REQUIRED, t.kv)]
+    sections = [(TAG_TOKENS, FLAG_REQUIRED, struct.pack(f"<{t.n_tokens}i", *t.tokens))]
+    if t.window is not None:
+        sections.append((TAG_WINDOW, FLAG_REQUIRED, t.window.pack()))
+    sections.append((TAG_KV, FLAG_REQUIRED, t.kv))
     sections += [(s.tag, s.flags, s.payload) for s in t.extra]
-    head = _target_head(t.fingerprint, lay, t.n_ctx, t.n_vocab, t.n_tokens, len(sections))
+    version = TARGET_VERSION if t.window is None else TARGET_VERSION_WINDOW
+    head = _target_head(t.fingerprint, lay, t.n_ctx, t.n_vocab, t.n_tokens, len(sections),
+                        version)
     return _seal([head, *_sections(sections)])
 
 
@@ -276,14 +309,20 @@ def _trailer(buf: memoryview) -> str:
     return h.hexdigest()
 
 
-def seal_target(buf: memoryview, model: ModelSpec) -> tuple[int, str]:
+def seal_target(buf: memoryview, model: ModelSpec) -> tuple[memoryview, int, str]:
     """Turns `buf` (target_file_size(n) bytes holding n bytes of core slot state at
     TARGET_STATE_AT, the bytes target_from_core reads) into the target file that
-    encode_target(target_from_core(state, model)) writes, in place: (n_tokens, hex
-    SHA-256 of the file)."""
+    encode_target(target_from_core(state, model)) writes: (the file, n_tokens, hex
+    SHA-256 of the file). In place, except for a state whose sliding-window layers hold
+    only their window (its file has a window section more): that one is encoded into a
+    new buffer."""
     if len(buf) < target_file_size(_CORE_KV_HEAD.size):
         raise ValueError(f"a target file buffer of {len(buf)} bytes holds no core state")
-    n = _core_kv_tokens(buf[TARGET_STATE_AT:-DIGEST_LEN], model)
+    state = buf[TARGET_STATE_AT:-DIGEST_LEN]
+    n, window = _core_kv_head(state, model)
+    if window is not None:
+        data = encode_target(target_from_core(state, model))
+        return memoryview(data), n, digest(data)
     toks = TARGET_STATE_AT + _CORE_KV_HEAD.size
     at = toks - SECTION_HEADER.size
     buf[at:at + 4 * n] = buf[toks:toks + 4 * n]  # an overlapping move: memmove
@@ -292,7 +331,7 @@ def seal_target(buf: memoryview, model: ModelSpec) -> tuple[int, str]:
     SECTION_HEADER.pack_into(buf, at + 4 * n, TAG_KV, FLAG_REQUIRED, kv_len)
     buf[:HEADER_LEN] = _target_head(model.fingerprint, model.layout, model.n_ctx,
                                     model.n_vocab, n, 2)
-    return n, _trailer(buf)
+    return buf, n, _trailer(buf)
 
 
 def seal_draft(buf: memoryview, target_digest: str, model: ModelSpec) -> None:
@@ -382,20 +421,35 @@ def decode_target(data: bytes | memoryview, body_sha256: str | None = None) -> T
     """Parses and verifies a target file on its own (not against a model).
     `body_sha256`: see `_open`."""
     kind = "slot file"
-    body = _open(data, TARGET_MAGIC, TARGET_VERSION, kind, _TARGET_HEAD, body_sha256)
+    body = _open(data, TARGET_MAGIC, TARGET_NEWEST, kind, _TARGET_HEAD, body_sha256)
     (_, version, header_len, _flags, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx, n_vocab,
      n_tokens, n_sections) = _TARGET_HEAD.unpack_from(body)
     _check_dtype(kind, version, dtype)
     layout = KVLayout(n_layer, n_head_kv, head_dim, dtype)
-    found, extra = _read_sections(body, header_len, n_sections, {TAG_TOKENS, TAG_KV}, kind)
+    known = {TAG_TOKENS, TAG_KV} | ({TAG_WINDOW} if version >= TARGET_VERSION_WINDOW else set())
+    found, extra = _read_sections(body, header_len, n_sections, known, kind)
     toks, kv = found[TAG_TOKENS], found[TAG_KV]
     if len(toks) != 4 * n_tokens:
         raise CorruptSlotFile(f"{kind}: {len(toks)} token bytes for {n_tokens} tokens")
-    if len(kv) != n_tokens * layout.bytes_per_token:
+    window = _window(found[TAG_WINDOW], n_layer, n_tokens, kind) if TAG_WINDOW in found else None
+    need = kv_bytes(layout, n_tokens, window)
+    if len(kv) != need:
         raise CorruptSlotFile(f"{kind}: KV of {len(kv)} bytes, {n_tokens} tokens of {layout} "
-                              f"need {n_tokens * layout.bytes_per_token}")
+                              f"need {need}")
     tokens = struct.unpack(f"<{n_tokens}i", toks)
-    return TargetFile(fp.hex(), layout, n_ctx, n_vocab, tokens, kv, extra, version)
+    return TargetFile(fp.hex(), layout, n_ctx, n_vocab, tokens, kv, extra, version, window)
+
+
+def _window(payload: bytes | memoryview, n_layer: int, n_tokens: int, kind: str) -> Window:
+    """The SWIN section: n_window below n_tokens, one 0/1 flag per layer, some set."""
+    if len(payload) != 4 + n_layer:
+        raise CorruptSlotFile(f"{kind}: window section of {len(payload)} bytes, {n_layer} layers "
+                              f"need {4 + n_layer}")
+    n_window, *flags = struct.unpack(f"<I{n_layer}B", payload)
+    if n_window >= n_tokens or any(f > 1 for f in flags) or not any(flags):
+        raise CorruptSlotFile(f"{kind}: window of {n_window} positions of {n_tokens} tokens, "
+                              f"layer flags {flags} are not valid")
+    return Window(n_window, tuple(bool(f) for f in flags))
 
 
 def decode_draft(data: bytes | memoryview) -> DraftFile:
@@ -441,6 +495,7 @@ class ModelSpec:
     layout: KVLayout
     n_vocab: int
     n_ctx: int
+    local_layers: tuple[bool, ...] = ()  # per layer: a sliding-window layer (gemma3)
 
 
 def _short(fp: str) -> str:
@@ -473,6 +528,8 @@ def _check_model(kind: str, made_by: str, fingerprint: str, layout: KVLayout, n_
 def check_target(t: TargetFile, model: ModelSpec) -> None:
     """Raises unless the target file restores into a slot of this model and context."""
     _check_model("slot file", "model", t.fingerprint, t.layout, t.n_vocab, model)
+    if t.window is not None and t.window.local != model.local_layers:
+        raise CorruptSlotFile("slot file's sliding-window layers do not match its model's")
     if t.n_tokens > model.n_ctx:
         raise IncompatibleSlotFile(f"slot file holds {t.n_tokens} tokens (made with n_ctx "
                                    f"{t.n_ctx}), the context here is {model.n_ctx}")
@@ -496,38 +553,48 @@ def check_draft(d: DraftFile, target_digest: str, target: TargetFile, draft: Mod
 # conversion from and to the decoding core's state bytes
 
 
-def _core_kv_tokens(view: memoryview, model: ModelSpec) -> int:
-    """The token count of core slot state (WSKV v2) of this model's layout, its length
-    checked."""
-    magic, version, n_layer, n_embd_k, n_embd_v, dtype, n, _ = _CORE_KV_HEAD.unpack_from(view)
+def _core_kv_head(view: memoryview, model: ModelSpec) -> tuple[int, Window | None]:
+    """(n_tokens, window) of core slot state of this model's layout, its length checked:
+    WSKV v2, or v3 when the sliding-window layers hold their last n_window positions
+    only (window: those layers and n_window; None for v2)."""
+    magic, version, n_layer, n_embd_k, n_embd_v, dtype, n, n_window = \
+        _CORE_KV_HEAD.unpack_from(view)
     lay = model.layout
-    if magic != CORE_KV_MAGIC or version != CORE_KV_VERSION:
+    if magic != CORE_KV_MAGIC or version not in (CORE_KV_VERSION_FULL, CORE_KV_VERSION):
         raise ValueError(f"core state magic 0x{magic:08x} version {version} is not "
-                         f"WSKV v{CORE_KV_VERSION}")
+                         f"WSKV v{CORE_KV_VERSION_FULL} or v{CORE_KV_VERSION}")
     if (n_layer, n_embd_k, n_embd_v, dtype) != (lay.n_layer, lay.kv_dim, lay.kv_dim, lay.dtype):
         raise ValueError(f"core state layout ({n_layer}, {n_embd_k}, {n_embd_v}, {dtype}) is not "
                          f"the model's {lay}")
-    if len(view) != _CORE_KV_HEAD.size + n * (4 + lay.bytes_per_token):
+    window = None
+    if version == CORE_KV_VERSION:
+        if not model.local_layers:
+            raise ValueError("core state holds a window, its model has no sliding-window layers")
+        window = Window(n_window, model.local_layers)
+    if len(view) != _CORE_KV_HEAD.size + 4 * n + kv_bytes(lay, n, window):
         raise ValueError(f"core state of {len(view)} bytes does not hold {n} tokens of {lay}")
-    return n
+    return n, window
 
 
 def target_from_core(state: bytes | memoryview, model: ModelSpec) -> TargetFile:
-    """A target file from `Context.get_state(slot)` bytes (WSKV v2)."""
+    """A target file from `Context.get_state(slot)` bytes (WSKV v2 or v3)."""
     view = memoryview(state).cast("B")
-    n = _core_kv_tokens(view, model)
+    n, window = _core_kv_head(view, model)
     start = _CORE_KV_HEAD.size
     tokens = struct.unpack_from(f"<{n}i", view, start)
     kv = view[start + 4 * n:]
-    return TargetFile(model.fingerprint, model.layout, model.n_ctx, model.n_vocab, tokens, kv)
+    return TargetFile(model.fingerprint, model.layout, model.n_ctx, model.n_vocab, tokens, kv,
+                      window=window)
 
 
 def core_parts_from_target(t: TargetFile) -> tuple[bytes, bytes, bytes | memoryview]:
     """`Context.set_state_parts` pieces (WSKV v2 header, tokens, KV) of a target file of
     either version; the KV is the file's own bytes, not a copy."""
     lay = t.layout
-    head = _CORE_KV_HEAD.pack(CORE_KV_MAGIC, CORE_KV_VERSION, lay.n_layer, lay.kv_dim,
-                              lay.kv_dim, lay.dtype, t.n_tokens, 0)
+    version, n_window = ((CORE_KV_VERSION_FULL, 0) if t.window is None
+                         else (CORE_KV_VERSION, t.window.n_window))
+    head = _CORE_KV_HEAD.pack(CORE_KV_MAGIC, version, lay.n_layer, lay.kv_dim,
+                              lay.kv_dim, lay.dtype, t.n_tokens, n_window)
     return head, struct.pack(f"<{t.n_tokens}i", *t.tokens), t.kv
 
 

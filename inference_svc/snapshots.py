@@ -24,7 +24,9 @@ def model_spec(model: Model, n_ctx: int, kv_type: str) -> ModelSpec:
     type: the model, the KV layout and type, and the size."""
     hp = model.hparams
     layout = KVLayout(hp.n_layer, hp.n_head_kv, hp.head_dim, DTYPE_BY_NAME[kv_type])
-    return ModelSpec(model.fingerprint, model.name, layout, hp.n_vocab, n_ctx)
+    local = tuple(hp.layer_is_local(layer) for layer in range(hp.n_layer))
+    return ModelSpec(model.fingerprint, model.name, layout, hp.n_vocab, n_ctx,
+                     local if any(local) else ())
 
 
 def context_spec(ctx: Context) -> ModelSpec:
@@ -65,7 +67,7 @@ class SlotFileBuffers:
         """The slot files of the state the core wrote (`target_state`, `draft_state`:
         the views it returned, which must fill the rooms allocated)."""
         tbuf = _written(self._target, target_state, slotfile.target_file_size)
-        n_tokens, tdigest = slotfile.seal_target(tbuf, target)
+        tbuf, n_tokens, tdigest = slotfile.seal_target(tbuf, target)
         dbuf = None
         if draft_state is not None and draft is not None:
             dbuf = _written(self._draft, draft_state, slotfile.draft_file_size)

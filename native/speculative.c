@@ -981,10 +981,16 @@ ws_status ws_spec_truncate(ws_spec *s, int32_t slot, int32_t n) {
         return fail(s, WS_ERR_INVALID_ARGUMENT, "cannot truncate slot %d of %d tokens to %d", slot,
                     len, n);
     if (n == len) return WS_OK;
+    if (n < tn) { /* first, so a refusal (a window the rings lost) changes nothing */
+        ws_status st = ws_slot_truncate(s->tgt, slot, n);
+        if (st != WS_OK) return fail_from(s, s->tgt, st, "truncate");
+    }
     ss->pending = -1;
-    if (n < tn) ws_slot_truncate(s->tgt, slot, n);
     if (s->dft) {
-        if (n < ss->d_off) {
+        int32_t dmin = 0;
+        ws_slot_keep_min(s->dft, slot, &dmin);
+        if (n < ss->d_off || (n - ss->d_off > 0 && n - ss->d_off < dmin)) {
+            /* before the draft's start, or a window its rings lost: it starts empty here */
             ws_slot_clear(s->dft, slot);
             ss->d_off = n;
         } else if (kv_len(s->dft, slot) > n - ss->d_off) {

@@ -275,13 +275,22 @@ struct ws_context {
     int head_dim, q_dim, kv_dim, n_rot;
     float attn_scale;
 
-    /* KV cache: [n_slots][n_layer][n_head_kv][n_ctx][head_dim] of params.kv_type
-       (float or IEEE half bits), kv_elem bytes per value */
+    /* KV cache: [n_slots][n_layer][n_head_kv][layer_cap[l]][head_dim] of
+       params.kv_type (float or IEEE half bits), kv_elem bytes per value; position p
+       of layer l at row p % layer_cap[l] (a global layer: n_ctx rows, p itself; a
+       sliding-window layer: a ring of n_ring rows) */
     void *k_cache;
     void *v_cache;
     size_t kv_elem;
+    int layer_cap[WS_MAX_LAYERS];    /* rows of layer l                        */
+    size_t layer_off[WS_MAX_LAYERS]; /* elements before layer l within a slot  */
+    size_t slot_elems;               /* elements of one slot (K or V)          */
+    int n_ring;        /* rows of a sliding-window layer: n_ctx when swa_full or no
+                          such layer, else min(n_ctx, n_swa + WS_SWA_SPARE)        */
+    int has_ring;      /* some layer keeps fewer rows than n_ctx                   */
     int32_t *tokens;   /* [n_slots][n_ctx] */
     int32_t *n_past;   /* [n_slots]        */
+    int32_t *ring_lo;  /* [n_slots] oldest position every ring still holds         */
 
     float *rope_cos;   /* [n_ctx][n_rot/2] */
     float *rope_sin;   /* [n_ctx][n_rot/2] */
@@ -302,6 +311,15 @@ struct ws_context {
     int32_t *tok_pos;  /* [n_batch] position of each token in its slot  */
     float *kbuf;       /* [n_batch][kv_dim] new keys before the cache   */
     float *vbuf;       /* [n_batch][kv_dim] new values before the cache */
+    /* a sliding-window layer's new keys and values in the cache's type, read by the
+       chunk's attention and written into the ring after it: a chunk's later
+       positions would otherwise overwrite ring rows its earlier tokens still read */
+    void *kstage;      /* [n_batch][kv_dim] kv_elem bytes each */
+    void *vstage;      /* [n_batch][kv_dim]                    */
+    int32_t *tok_first; /* [n_batch] first position of the token's slot in the chunk */
+    int32_t *tok_last;  /* [n_batch] last position of the token's slot in the chunk  */
+    const uint8_t **rows; /* [n_threads][2][n_ctx] key and value row of each attended
+                             position                                                 */
     float *wbuf;       /* [n_threads][4][wbuf_cols] weight rows unpacked to floats */
     int wbuf_cols;     /* the longest weight row: max(n_embd, n_ff, q_dim)       */
 
@@ -331,9 +349,7 @@ ws_context_params ws_context_get_params(const ws_context *ctx) { return ctx->par
 
 const ws_model *ws_context_model(const ws_context *ctx) { return ctx ? ctx->model : NULL; }
 
-static size_t kv_elems_per_slot(const ws_context *ctx) {
-    return (size_t)ctx->model->hp.n_layer * (size_t)ctx->params.n_ctx * (size_t)ctx->kv_dim;
-}
+static size_t kv_elems_per_slot(const ws_context *ctx) { return ctx->slot_elems; }
 
 size_t ws_context_kv_bytes(const ws_context *ctx) {
     return 2 * ctx->kv_elem * kv_elems_per_slot(ctx) * (size_t)ctx->params.n_slots;
@@ -349,12 +365,11 @@ size_t ws_context_kv_bytes(const ws_context *ctx) {
  */
 static uint8_t *kv_head(const ws_context *ctx, void *cache, int slot, int layer, int kvh,
                         int pos) {
-    const ws_hparams *hp = &ctx->model->hp;
-    const size_t plane = ((size_t)slot * (size_t)hp->n_layer + (size_t)layer) *
-                         (size_t)hp->n_head_kv + (size_t)kvh;
+    const int cap = ctx->layer_cap[layer];
+    const size_t row = (size_t)kvh * (size_t)cap + (size_t)(pos % cap);
     return (uint8_t *)cache +
-           (plane * (size_t)ctx->params.n_ctx + (size_t)pos) * (size_t)ctx->head_dim *
-               ctx->kv_elem;
+           ((size_t)slot * ctx->slot_elems + ctx->layer_off[layer] +
+            row * (size_t)ctx->head_dim) * ctx->kv_elem;
 }
 
 /* One head's new key or value (hd floats) into the cache: copied, or rounded to half. */
@@ -365,30 +380,26 @@ static void kv_store(const ws_context *ctx, uint8_t *dst, const float *v, int hd
         memcpy(dst, v, sizeof(float) * (size_t)hd);
 }
 
-/* positions [0, n) of one layer of a slot between the cache and a [n][kv_dim] buffer
-   of the same element type (the state holds the cache's values as they are) */
-static void kv_gather(const ws_context *ctx, void *cache, int slot, int layer, int n,
+/* positions [p0, p0 + n) of one layer of a slot between the cache and a [n][kv_dim]
+   buffer of the same element type (the state holds the cache's values as they are) */
+static void kv_gather(const ws_context *ctx, void *cache, int slot, int layer, int p0, int n,
                       uint8_t *out) {
     const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
     const size_t es = ctx->kv_elem, row = es * (size_t)hd;
-    for (int h = 0; h < nkv; h++) {
-        const uint8_t *src = kv_head(ctx, cache, slot, layer, h, 0);
+    for (int h = 0; h < nkv; h++)
         for (int j = 0; j < n; j++)
-            memcpy(out + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd), src + (size_t)j * row,
-                   row);
-    }
+            memcpy(out + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
+                   kv_head(ctx, cache, slot, layer, h, p0 + j), row);
 }
 
-static void kv_scatter(ws_context *ctx, void *cache, int slot, int layer, int n,
+static void kv_scatter(ws_context *ctx, void *cache, int slot, int layer, int p0, int n,
                        const uint8_t *in) {
     const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
     const size_t es = ctx->kv_elem, row = es * (size_t)hd;
-    for (int h = 0; h < nkv; h++) {
-        uint8_t *dst = kv_head(ctx, cache, slot, layer, h, 0);
+    for (int h = 0; h < nkv; h++)
         for (int j = 0; j < n; j++)
-            memcpy(dst + (size_t)j * row, in + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
-                   row);
-    }
+            memcpy(kv_head(ctx, cache, slot, layer, h, p0 + j),
+                   in + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd), row);
 }
 
 /* Writes a zero into every page of p[0..n) (already zero: calloc), so the kernel
@@ -427,7 +438,8 @@ void ws_context_free(ws_context *ctx) {
         pthread_mutex_destroy(&ctx->pool.mu);
         pthread_cond_destroy(&ctx->pool.cv);
     }
-    void *owned[] = {ctx->k_cache, ctx->v_cache, ctx->tokens,   ctx->n_past,  ctx->rope_cos,
+    void *owned[] = {ctx->k_cache, ctx->v_cache, ctx->tokens,   ctx->n_past,  ctx->ring_lo,
+                     ctx->kstage,  ctx->vstage,  ctx->tok_first, ctx->tok_last, ctx->rows,  ctx->rope_cos,
                      ctx->rope_sin, ctx->rope_cos_swa, ctx->rope_sin_swa, ctx->ybuf,
                      ctx->x,        ctx->xn,      ctx->q,        ctx->att,     ctx->hb,
                      ctx->hb2,      ctx->scores,  ctx->tok_slot, ctx->tok_pos, ctx->kbuf,
@@ -465,14 +477,32 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->n_rot = hp->n_rot;
     ctx->attn_scale = (float)(1.0 / sqrt((double)ctx->head_dim));
     ctx->kv_elem = params.kv_type == WS_KV_F16 ? sizeof(uint16_t) : sizeof(float);
+    if (params.swa_full != 0 && params.swa_full != 1) {
+        free(ctx);
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "swa_full %d is not 0 or 1", params.swa_full);
+    }
+    /* rows per layer: a sliding-window layer needs its window, plus the spare rows that
+       let a slot drop its last tokens (a speculative rollback) and still continue */
+    ctx->n_ring = params.n_ctx;
+    if (!params.swa_full && hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0 &&
+        (int64_t)hp->n_swa + WS_SWA_SPARE < params.n_ctx)
+        ctx->n_ring = hp->n_swa + WS_SWA_SPARE;
+    double rows_per_slot = 0.0;
+    for (int l = 0; l < hp->n_layer; l++) {
+        ctx->layer_cap[l] = ws_layer_is_local(hp, l) ? ctx->n_ring : params.n_ctx;
+        ctx->has_ring |= ctx->layer_cap[l] < params.n_ctx;
+        ctx->layer_off[l] = (size_t)rows_per_slot * (size_t)ctx->kv_dim;
+        rows_per_slot += (double)ctx->layer_cap[l];
+    }
 
     /* KV cache size: refuse sizes that overflow or that the machine cannot hold */
-    const double kv_bytes = 2.0 * (double)ctx->kv_elem * (double)hp->n_layer *
-                            (double)params.n_ctx * (double)ctx->kv_dim * (double)params.n_slots;
+    const double kv_bytes = 2.0 * (double)ctx->kv_elem * rows_per_slot * (double)ctx->kv_dim *
+                            (double)params.n_slots;
     if (kv_bytes > (double)(SIZE_MAX / 4)) {
         free(ctx);
         return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", kv_bytes);
     }
+    ctx->slot_elems = (size_t)rows_per_slot * (size_t)ctx->kv_dim;
     int ok = 1;
     const size_t nb = (size_t)params.n_batch;
     const size_t kv_all = kv_elems_per_slot(ctx) * (size_t)params.n_slots;
@@ -499,6 +529,11 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->hb2 = alloc_floats(nb * (size_t)hp->n_ff, &ok);
     ctx->scores = alloc_floats((size_t)params.n_threads * 2 * (size_t)params.n_ctx, &ok);
     ctx->kbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
+    /* staging rows (floats: room for f32 too) only for a model with local layers */
+    const size_t n_stage = hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0 ? nb * (size_t)ctx->kv_dim
+                                                                       : 1;
+    ctx->kstage = alloc_floats(n_stage, &ok);
+    ctx->vstage = alloc_floats(n_stage, &ok);
     ctx->vbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     ctx->wbuf_cols = hp->n_embd > hp->n_ff ? hp->n_embd : hp->n_ff;
     if (ctx->q_dim > ctx->wbuf_cols) ctx->wbuf_cols = ctx->q_dim;
@@ -508,7 +543,13 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
         ctx->n_past = calloc((size_t)params.n_slots, sizeof(int32_t));
         ctx->tok_slot = calloc(nb, sizeof(int32_t));
         ctx->tok_pos = calloc(nb, sizeof(int32_t));
-        ok = ctx->tokens && ctx->n_past && ctx->tok_slot && ctx->tok_pos;
+        ctx->ring_lo = calloc((size_t)params.n_slots, sizeof(int32_t));
+        ctx->tok_first = calloc(nb, sizeof(int32_t));
+        ctx->tok_last = calloc(nb, sizeof(int32_t));
+        ctx->rows = calloc((size_t)params.n_threads * 2 * (size_t)params.n_ctx,
+                           sizeof(const uint8_t *));
+        ok = ctx->tokens && ctx->n_past && ctx->tok_slot && ctx->tok_pos && ctx->ring_lo &&
+             ctx->tok_first && ctx->tok_last && ctx->rows;
     }
     if (!ok) {
         ws_context_free(ctx);
@@ -618,21 +659,22 @@ static inline float kv_at(const uint8_t *base, size_t i, const int f16) {
                : ((const float *)(const void *)base)[i];
 }
 
-/* dot(q, key) over n values of a key at element i0 of the cache: the `dot` sequence */
-static inline float dot_kv(const float *q, const uint8_t *base, size_t i0, int n, const int f16) {
-    if (!f16) return dot(q, (const float *)(const void *)base + i0, n);
+/* dot(q, key) over the n values of a key row: the `dot` sequence */
+static inline float dot_kv(const float *q, const uint8_t *key, int n, const int f16) {
+    if (!f16) return dot(q, (const float *)(const void *)key, n);
     const int n8 = n & ~7;
     lanes8 a = l8_zero();
-    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(q + k), kv_l8(base, i0 + (size_t)k, 1), a);
+    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(q + k), kv_l8(key, (size_t)k, 1), a);
     float acc = l8_sum(a);
-    for (int k = n8; k < n; k++) acc = fmaf(q[k], kv_at(base, i0 + (size_t)k, 1), acc);
+    for (int k = n8; k < n; k++) acc = fmaf(q[k], kv_at(key, (size_t)k, 1), acc);
     return acc;
 }
 
 /*
  * Attention of NH query heads (h0, h0+1, ...) of one token that share one KV head,
- * over positions 0..pos of its slot: the keys and values are read once for the
- * group. Every score and output element is the same sequence of operations as for
+ * over n positions whose key and value rows are kr[j] and vr[j] (in position order,
+ * wherever each row lives: the cache, a ring, the chunk's staging rows): the keys and
+ * values are read once for the group. Every score and output element is the same sequence of operations as for
  * a head alone: score = (the `dot` sequence over the head dimension) * scale; the
  * softmax as below; out[d] = fmaf chain over positions in order. NH is a constant
  * at each call site (1 or 2), so the loops over heads unroll into registers. F16
@@ -640,11 +682,9 @@ static inline float dot_kv(const float *q, const uint8_t *base, size_t i0, int n
  * before the same arithmetic.
  */
 static inline __attribute__((always_inline)) void
-attend_group(ws_context *ctx, int ith, int slot, int layer, int lo, int pos, int t, int h0,
-             const int NH, const int F16) {
-    const ws_hparams *hp = &ctx->model->hp;
+attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t *const *vrow,
+             int n, int t, int h0, const int NH, const int F16) {
     const int hd = ctx->head_dim;
-    const int kvh = h0 / (hp->n_head / hp->n_head_kv);
     const float *q[2];
     float *out[2], *sc[2];
     for (int h = 0; h < NH; h++) {
@@ -652,22 +692,14 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int lo, int pos, int
         out[h] = ctx->att + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
         sc[h] = ctx->scores + ((size_t)ith * 2 + (size_t)h) * ctx->params.n_ctx; /* [pos+1] */
     }
-    /* positions lo..pos: the key and value of position lo + j at row j */
-    const uint8_t *k0 = kv_head(ctx, ctx->k_cache, slot, layer, kvh, lo);
-    const uint8_t *v0 = kv_head(ctx, ctx->v_cache, slot, layer, kvh, lo);
-    const size_t stride = (size_t)hd; /* positions of one KV head are contiguous */
     const float scale = ctx->attn_scale;
-    const int n = pos + 1 - lo, n8 = n & ~7;
+    const int n8 = n & ~7;
     float mx[2] = {-INFINITY, -INFINITY};
     int j = 0;
     if ((hd & 7) == 0) {
         /* four keys at a time, each loaded once for the heads of the group */
         for (; j + 4 <= n; j += 4) {
-            /* byte addresses of the four keys (element size 2 or 4, a constant here) */
-            const size_t es = F16 ? 2 : 4;
-            const uint8_t *kr[4] = {
-                k0 + (size_t)j * stride * es, k0 + (size_t)(j + 1) * stride * es,
-                k0 + (size_t)(j + 2) * stride * es, k0 + (size_t)(j + 3) * stride * es};
+            const uint8_t *kr[4] = {krow[j], krow[j + 1], krow[j + 2], krow[j + 3]};
             lanes8 a[2][4];
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < 4; i++) a[h][i] = l8_zero();
@@ -689,7 +721,7 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int lo, int pos, int
     }
     for (; j < n; j++)
         for (int h = 0; h < NH; h++) {
-            const float sv = dot_kv(q[h], k0, (size_t)j * stride, hd, F16) * scale;
+            const float sv = dot_kv(q[h], krow[j], hd, F16) * scale;
             sc[h][j] = sv;
             if (sv > mx[h]) mx[h] = sv;
         }
@@ -719,7 +751,8 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int lo, int pos, int
         for (int h = 0; h < NH; h++)
             for (int i = 0; i < 4; i++) o[h][i] = l8_zero();
         for (j = 0; j < n; j++) {
-            const size_t vj = (size_t)j * stride + (size_t)d;
+            const size_t vj = (size_t)d;
+            const uint8_t *v0 = vrow[j];
             const lanes8 v[4] = {kv_l8(v0, vj, F16), kv_l8(v0, vj + 8, F16),
                                  kv_l8(v0, vj + 16, F16), kv_l8(v0, vj + 24, F16)};
             for (int h = 0; h < NH; h++) {
@@ -734,32 +767,88 @@ attend_group(ws_context *ctx, int ith, int slot, int layer, int lo, int pos, int
         for (int h = 0; h < NH; h++) {
             lanes8 o = l8_zero();
             for (j = 0; j < n; j++)
-                o = l8_fma(l8_set1(sc[h][j]), kv_l8(v0, (size_t)j * stride + (size_t)d, F16), o);
+                o = l8_fma(l8_set1(sc[h][j]), kv_l8(vrow[j], (size_t)d, F16), o);
             l8_store(out[h] + d, o);
         }
     for (; d < hd; d++)
         for (int h = 0; h < NH; h++) {
             float o = 0.0f;
             for (j = 0; j < n; j++)
-                o = fmaf(sc[h][j], kv_at(v0, (size_t)j * stride + (size_t)d, F16), o);
+                o = fmaf(sc[h][j], kv_at(vrow[j], (size_t)d, F16), o);
             out[h][d] = o;
         }
 }
 
-/* attention of the query heads of KV head `kvh` of one token: in pairs, then one; a
-   local layer attends to positions pos - n_swa + 1 .. pos only */
+/* row of KV head kvh of the chunk's token t in a staging buffer */
+static const uint8_t *stage_row(const ws_context *ctx, const void *stage, int t, int kvh) {
+    return (const uint8_t *)stage +
+           ((size_t)t * (size_t)ctx->kv_dim + (size_t)kvh * (size_t)ctx->head_dim) *
+               ctx->kv_elem;
+}
+
+/* attention of the query heads of KV head `kvh` of the chunk's token t: in pairs, then
+   one. A local layer attends to positions pos - n_swa + 1 .. pos only; its positions
+   of this chunk are in the staging rows (the token of position q is t - (pos - q)),
+   the older ones in its ring. */
 static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int kvh) {
     const ws_hparams *hp = &ctx->model->hp;
-    const int lo = ws_layer_is_local(hp, layer) && pos >= hp->n_swa ? pos - hp->n_swa + 1 : 0;
+    const int local = ws_layer_is_local(hp, layer);
+    const int lo = local && pos >= hp->n_swa ? pos - hp->n_swa + 1 : 0;
+    const int n = pos + 1 - lo;
+    const uint8_t **kr = ctx->rows + (size_t)ith * 2 * (size_t)ctx->params.n_ctx; /* [n] */
+    const uint8_t **vr = kr + ctx->params.n_ctx;                                   /* [n] */
+    const int staged = local ? ctx->tok_first[t] : pos + 1; /* first staged position */
+    int j = 0;
+    if (staged > lo) {
+        /* one KV head's rows are consecutive up to the end of the layer's rows */
+        const int cap = ctx->layer_cap[layer];
+        const size_t step = (size_t)ctx->head_dim * ctx->kv_elem;
+        const int end = staged < pos + 1 ? staged : pos + 1;
+        for (int p = lo; p < end;) {
+            const uint8_t *k = kv_head(ctx, ctx->k_cache, slot, layer, kvh, p);
+            const uint8_t *v = kv_head(ctx, ctx->v_cache, slot, layer, kvh, p);
+            const int run_end = end < p - p % cap + cap ? end : p - p % cap + cap;
+            for (; p < run_end; p++, j++, k += step, v += step) {
+                kr[j] = k;
+                vr[j] = v;
+            }
+        }
+    }
+    for (; j < n; j++) {
+        const int p = lo + j, tq = t - (pos - p);
+        kr[j] = stage_row(ctx, ctx->kstage, tq, kvh);
+        vr[j] = stage_row(ctx, ctx->vstage, tq, kvh);
+    }
     const int rep = hp->n_head / hp->n_head_kv;
     int h = kvh * rep;
     const int he = h + rep;
     if (ctx->params.kv_type == WS_KV_F16) {
-        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 2, 1);
-        if (h < he) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 1, 1);
+        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, kr, vr, n, t, h, 2, 1);
+        if (h < he) attend_group(ctx, ith, kr, vr, n, t, h, 1, 1);
     } else {
-        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 2, 0);
-        if (h < he) attend_group(ctx, ith, slot, layer, lo, pos, t, h, 1, 0);
+        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, kr, vr, n, t, h, 2, 0);
+        if (h < he) attend_group(ctx, ith, kr, vr, n, t, h, 1, 0);
+    }
+}
+
+/* A local layer's staged keys and values of this thread's share of the chunk's tokens
+   into its ring, once the chunk's attention is done: the positions among the last
+   layer_cap of their slot's run in the chunk (earlier ones would be overwritten by
+   later ones of the same chunk). */
+static void ring_commit(ws_context *ctx, int layer, int ith, int nth, int nt) {
+    const int nkv = ctx->model->hp.n_head_kv, cap = ctx->layer_cap[layer];
+    const size_t row = (size_t)ctx->head_dim * ctx->kv_elem;
+    int a, b;
+    split_range(nt, ith, nth, 1, &a, &b);
+    for (int t = a; t < b; t++) {
+        const int pos = ctx->tok_pos[t];
+        if (pos <= ctx->tok_last[t] - cap) continue;
+        for (int h = 0; h < nkv; h++) {
+            memcpy(kv_head(ctx, ctx->k_cache, ctx->tok_slot[t], layer, h, pos),
+                   stage_row(ctx, ctx->kstage, t, h), row);
+            memcpy(kv_head(ctx, ctx->v_cache, ctx->tok_slot[t], layer, h, pos),
+                   stage_row(ctx, ctx->vstage, t, h), row);
+        }
     }
 }
 
@@ -846,7 +935,13 @@ static void forward_worker(ws_context *ctx, int ith) {
                     rope_apply(v, ctx->rope_cos + (size_t)tpos[t] * half,
                                ctx->rope_sin + (size_t)tpos[t] * half, half);
                 }
-                if (!is_q) /* this head of the token's key / value into its slot's cache */
+                if (is_q) continue;
+                /* this head of the token's key / value into its slot's cache (a local
+                   layer: into the staging rows, the ring follows after the attention) */
+                if (local)
+                    kv_store(ctx, (uint8_t *)stage_row(ctx, is_k ? ctx->kstage : ctx->vstage, t,
+                                                       h), v, hd);
+                else
                     kv_store(ctx, kv_head(ctx, is_k ? ctx->k_cache : ctx->v_cache, tslot[t], l,
                                           h, tpos[t]), v, hd);
             }
@@ -860,6 +955,7 @@ static void forward_worker(ws_context *ctx, int ith) {
             attend(ctx, ith, tslot[t], l, tpos[t], t, i % hp->n_head_kv);
         }
         pool_barrier(pool);
+        if (local) ring_commit(ctx, l, ith, nth, nt);
 
         /* output projection added to the residual stream (gemma3: its post-norm first) */
         add_projection(ctx, &L->wo, ctx->att, Q, gemma ? L->post_attn_norm : NULL, ith, nth, nt,
@@ -936,6 +1032,27 @@ ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size
     return WS_OK;
 }
 
+static int32_t keep_min(const ws_context *ctx, int32_t slot) {
+    const int32_t lo = ctx->ring_lo[slot];
+    return lo == 0 ? 0 : lo + ctx->model->hp.n_swa - 1;
+}
+
+/* after a slot grew: a ring of R rows now holds its last R positions only */
+static void ring_advance(ws_context *ctx, int32_t slot) {
+    const int32_t gone = ctx->n_past[slot] - ctx->n_ring;
+    if (ctx->has_ring && gone > ctx->ring_lo[slot]) ctx->ring_lo[slot] = gone;
+}
+
+/* the rings hold the window of the slot's next position (kept so by truncate and
+   state set; checked again before a decode writes anything) */
+static ws_status check_window(const ws_context *ctx, int32_t slot) {
+    const int32_t n = ctx->n_past[slot];
+    if (n > 0 && n < keep_min(ctx, slot))
+        return fail_ctx(ctx, WS_ERR_BAD_STATE,
+                        "slot %d: the window of position %d is no longer in its rings", slot, n);
+    return WS_OK;
+}
+
 /* a token's embedding row (gemma3: times sqrt(n_embd), rounded to float as llama.cpp) */
 static void embed(const ws_context *ctx, int32_t token, float *out) {
     const ws_hparams *hp = &ctx->model->hp;
@@ -955,6 +1072,7 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
         return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT, "decode needs at least one token (got %d)",
                         n_tokens);
     const int32_t n_past = ctx->n_past[slot];
+    TRY(check_window(ctx, slot));
     if ((int64_t)n_past + n_tokens > ctx->params.n_ctx)
         return fail_ctx(ctx, WS_ERR_CONTEXT_FULL,
                         "slot %d holds %d tokens; %d more exceed its context of %d", slot, n_past,
@@ -980,6 +1098,8 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
         for (int t = 0; t < nt; t++) {
             ctx->tok_slot[t] = slot;
             ctx->tok_pos[t] = n_past + done + t;
+            ctx->tok_first[t] = n_past + done;
+            ctx->tok_last[t] = n_past + done + nt - 1;
         }
         ctx->job.nt = nt;
         if (!want) {
@@ -1001,6 +1121,7 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
     memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx + n_past, tokens,
            sizeof(int32_t) * (size_t)n_tokens);
     ctx->n_past[slot] = n_past + n_tokens;
+    ring_advance(ctx, slot);
     return WS_OK;
 }
 
@@ -1020,6 +1141,7 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
             if (slots[j] == slots[i])
                 return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
                                 "slot %d appears twice in a multi-slot decode", slots[i]);
+        TRY(check_window(ctx, slots[i]));
         if (n_tokens[i] < 1 || n_tokens[i] > ctx->params.n_ctx)
             return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
                             "slot %d: a batch decode takes 1..%d tokens per slot (got %d)",
@@ -1055,6 +1177,16 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
             ctx->tok_pos[t] = ctx->n_past[slots[seq]] + in_seq;
             in_seq++;
         }
+        /* a local layer's attention reads the chunk's own positions of a slot from its
+           staging rows: the first and last position of each slot's run in this chunk */
+        for (int t = 0, r0 = 0; t <= nt; t++) {
+            if (t < nt && ctx->tok_slot[t] == ctx->tok_slot[r0]) continue;
+            for (int u = r0; u < t; u++) {
+                ctx->tok_first[u] = ctx->tok_pos[r0];
+                ctx->tok_last[u] = ctx->tok_pos[t - 1];
+            }
+            r0 = t;
+        }
         ctx->job.nt = nt;
         ctx->job.out_t0 = 0;
         ctx->job.out_nt = nt;
@@ -1068,6 +1200,7 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
         memcpy(ctx->tokens + (size_t)sl * ctx->params.n_ctx + ctx->n_past[sl], tk,
                sizeof(int32_t) * (size_t)n_tokens[i]);
         ctx->n_past[sl] += n_tokens[i];
+        ring_advance(ctx, sl);
         tk += n_tokens[i];
     }
     return WS_OK;
@@ -1084,13 +1217,27 @@ ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *
     return ws_decode_batch(ctx, n, slots, ones, tokens, logits, logits_cap);
 }
 
+ws_status ws_slot_keep_min(const ws_context *ctx, int32_t slot, int32_t *n_out) {
+    if (!ctx || !n_out) return WS_ERR_INVALID_ARGUMENT;
+    ws_status st = check_slot(ctx, slot);
+    if (st != WS_OK) return st;
+    *n_out = keep_min(ctx, slot);
+    return WS_OK;
+}
+
 ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n) {
     if (!ctx) return WS_ERR_INVALID_ARGUMENT;
     TRY(check_slot(ctx, slot));
     if (n < 0 || n > ctx->n_past[slot])
         return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT, "cannot truncate slot %d of %d tokens to %d",
                         slot, ctx->n_past[slot], n);
+    if (n > 0 && n < keep_min(ctx, slot))
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                        "cannot truncate slot %d to %d tokens: its sliding-window layers hold "
+                        "positions from %d only, the window of position %d starts before; keep "
+                        "0 or at least %d", slot, n, ctx->ring_lo[slot], n, keep_min(ctx, slot));
     ctx->n_past[slot] = n;
+    if (n == 0) ctx->ring_lo[slot] = 0;
     return WS_OK;
 }
 
@@ -1099,9 +1246,27 @@ ws_status ws_slot_clear(ws_context *ctx, int32_t slot) { return ws_slot_truncate
 /* ------------------------------------------------------------------------- */
 /* slot state                                                                  */
 
-static size_t state_bytes(const ws_context *ctx, size_t n_tokens) {
+/* positions a state stores for layer l: n_tokens, or n_window for a local layer */
+static size_t state_layer_rows(const ws_context *ctx, int l, size_t n_tokens, size_t n_window) {
+    return ws_layer_is_local(&ctx->model->hp, l) ? n_window : n_tokens;
+}
+
+/* bytes of the KV part of a state */
+static size_t state_kv_bytes(const ws_context *ctx, size_t n_tokens, size_t n_window) {
+    size_t rows = 0;
+    for (int l = 0; l < ctx->model->hp.n_layer; l++)
+        rows += state_layer_rows(ctx, l, n_tokens, n_window);
+    return 2 * ctx->kv_elem * rows * (size_t)ctx->kv_dim;
+}
+
+static size_t state_bytes(const ws_context *ctx, size_t n_tokens, size_t n_window) {
     return WS_STATE_HEADER_BYTES + sizeof(int32_t) * n_tokens +
-           2 * ctx->kv_elem * (size_t)ctx->model->hp.n_layer * n_tokens * (size_t)ctx->kv_dim;
+           state_kv_bytes(ctx, n_tokens, n_window);
+}
+
+/* positions the slot's sliding-window layers still hold: its last n_past - ring_lo */
+static size_t slot_window(const ws_context *ctx, int32_t slot) {
+    return (size_t)(ctx->n_past[slot] - ctx->ring_lo[slot]);
 }
 
 static const char *kv_type_name(uint32_t t) {
@@ -1119,7 +1284,7 @@ static uint32_t get_u32(const uint8_t *p) {
 ws_status ws_slot_state_size(const ws_context *ctx, int32_t slot, size_t *size_out) {
     if (!ctx || !size_out) return WS_ERR_INVALID_ARGUMENT;
     TRY(check_slot(ctx, slot));
-    *size_out = state_bytes(ctx, (size_t)ctx->n_past[slot]);
+    *size_out = state_bytes(ctx, (size_t)ctx->n_past[slot], slot_window(ctx, slot));
     return WS_OK;
 }
 
@@ -1128,38 +1293,40 @@ ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, s
     if (!ctx || !written_out) return WS_ERR_INVALID_ARGUMENT;
     *written_out = 0;
     TRY(check_slot(ctx, slot));
-    const size_t n = (size_t)ctx->n_past[slot];
-    const size_t need = state_bytes(ctx, n);
+    const size_t n = (size_t)ctx->n_past[slot], nw = slot_window(ctx, slot);
+    const size_t need = state_bytes(ctx, n, nw);
     if (!buf || cap < need)
         return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL, "state buffer holds %zu bytes, %zu needed",
                         cap, need);
     const ws_hparams *hp = &ctx->model->hp;
     uint8_t *p = buf;
     put_u32(p + 0, WS_STATE_MAGIC);
-    put_u32(p + 4, WS_STATE_VERSION);
+    put_u32(p + 4, nw < n ? 3u : 2u); /* version 2: every layer holds every position */
     put_u32(p + 8, (uint32_t)hp->n_layer);
     put_u32(p + 12, (uint32_t)ctx->kv_dim);
     put_u32(p + 16, (uint32_t)ctx->kv_dim);
     put_u32(p + 20, (uint32_t)ctx->params.kv_type);
     put_u32(p + 24, (uint32_t)n);
-    put_u32(p + 28, 0u);
+    put_u32(p + 28, nw < n ? (uint32_t)nw : 0u);
     p += WS_STATE_HEADER_BYTES;
     memcpy(p, ctx->tokens + (size_t)slot * ctx->params.n_ctx, sizeof(int32_t) * n);
     p += sizeof(int32_t) * n;
-    const size_t row = ctx->kv_elem * n * (size_t)ctx->kv_dim;
     for (int l = 0; l < hp->n_layer; l++) {
-        kv_gather(ctx, ctx->k_cache, slot, l, (int)n, p);
-        p += row;
-        kv_gather(ctx, ctx->v_cache, slot, l, (int)n, p);
-        p += row;
+        const size_t rows = state_layer_rows(ctx, l, n, nw);
+        const size_t bytes = ctx->kv_elem * rows * (size_t)ctx->kv_dim;
+        kv_gather(ctx, ctx->k_cache, slot, l, (int)(n - rows), (int)rows, p);
+        p += bytes;
+        kv_gather(ctx, ctx->v_cache, slot, l, (int)(n - rows), (int)rows, p);
+        p += bytes;
     }
     *written_out = need;
     return WS_OK;
 }
 
-/* Checks a state header against the context; *n_out: its token count. */
+/* Checks a state header against the context; *n_out: its token count, *nw_out: the
+   positions its sliding-window layers hold. */
 static ws_status state_header_check(ws_context *ctx, const uint8_t *buf, size_t len,
-                                    uint32_t *n_out) {
+                                    uint32_t *n_out, uint32_t *nw_out) {
     const ws_hparams *hp = &ctx->model->hp;
     if (!buf || len < WS_STATE_HEADER_BYTES)
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state of %zu bytes is shorter than its header",
@@ -1176,8 +1343,9 @@ static ws_status state_header_check(ws_context *ctx, const uint8_t *buf, size_t 
                         "state layout (%u layers, k %u, v %u) does not match the model (%d, %d, %d)",
                         nl, nk, nv, hp->n_layer, ctx->kv_dim, ctx->kv_dim);
     const uint32_t dtype = get_u32(buf + 20);
-    /* version 1 knew f32 only */
-    if ((dtype != WS_KV_F32 && (version < 2 || dtype != WS_KV_F16)) || get_u32(buf + 28) != 0u)
+    /* version 1 knew f32 only; word 7 is reserved (0) before version 3 */
+    if ((dtype != WS_KV_F32 && (version < 2 || dtype != WS_KV_F16)) ||
+        (version < 3 && get_u32(buf + 28) != 0u))
         return fail_ctx(ctx, WS_ERR_BAD_STATE,
                         "state dtype %u / reserved %u not supported by state version %u", dtype,
                         get_u32(buf + 28), version);
@@ -1190,13 +1358,27 @@ static ws_status state_header_check(ws_context *ctx, const uint8_t *buf, size_t 
     if (n > (uint32_t)ctx->params.n_ctx)
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state holds %u tokens, the context only %d", n,
                         ctx->params.n_ctx);
+    uint32_t nw = n;
+    if (version >= 3) {
+        /* the window must hold what the next token reads: its last n_swa - 1 positions */
+        nw = get_u32(buf + 28);
+        const int has_local = hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0;
+        const uint32_t least = has_local && (uint32_t)hp->n_swa - 1 < n ? (uint32_t)hp->n_swa - 1
+                                                                          : n;
+        if (nw > n || nw < least)
+            return fail_ctx(ctx, WS_ERR_BAD_STATE,
+                            "state of %u tokens holds %u positions of its sliding-window layers, "
+                            "needs %u..%u", n, nw, least, n);
+    }
     *n_out = n;
+    *nw_out = nw;
     return WS_OK;
 }
 
-/* Validates n tokens and their KV (layout of ws_slot_state_get), then loads them. */
-static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, const uint8_t *tokens,
-                            const uint8_t *kv) {
+/* Validates n tokens and their KV (layout of ws_slot_state_get, local layers nw
+   positions), then loads them: a ring takes the last positions it has rows for. */
+static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, uint32_t nw,
+                            const uint8_t *tokens, const uint8_t *kv) {
     const ws_hparams *hp = &ctx->model->hp;
     for (uint32_t i = 0; i < n; i++) {
         int32_t tok;
@@ -1206,7 +1388,7 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, const uin
                             hp->n_vocab - 1);
     }
     /* a NaN or infinity in the KV would poison every later token: refuse it */
-    const size_t n_vals = 2 * (size_t)hp->n_layer * n * (size_t)ctx->kv_dim;
+    const size_t n_vals = state_kv_bytes(ctx, n, nw) / ctx->kv_elem;
     for (size_t i = 0; i < n_vals; i++) {
         int finite;
         if (ctx->params.kv_type == WS_KV_F16) {
@@ -1221,39 +1403,47 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, const uin
             return fail_ctx(ctx, WS_ERR_BAD_STATE, "state KV value %zu is not finite", i);
     }
     if (n) memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx, tokens, sizeof(int32_t) * n);
-    const size_t row = ctx->kv_elem * n * (size_t)ctx->kv_dim;
+    const size_t vrow = ctx->kv_elem * (size_t)ctx->kv_dim; /* one position of one layer */
+    uint32_t held = n; /* positions every layer now holds (a ring: at most its rows) */
     for (int l = 0; n && l < hp->n_layer; l++) {
-        kv_scatter(ctx, ctx->k_cache, slot, l, (int)n, kv);
-        kv += row;
-        kv_scatter(ctx, ctx->v_cache, slot, l, (int)n, kv);
-        kv += row;
+        const size_t rows = state_layer_rows(ctx, l, n, nw);
+        const size_t keep = rows < (size_t)ctx->layer_cap[l] ? rows : (size_t)ctx->layer_cap[l];
+        if (keep < held) held = (uint32_t)keep;
+        const size_t skip = (rows - keep) * vrow;
+        kv_scatter(ctx, ctx->k_cache, slot, l, (int)(n - keep), (int)keep, kv + skip);
+        kv += rows * vrow;
+        kv_scatter(ctx, ctx->v_cache, slot, l, (int)(n - keep), (int)keep, kv + skip);
+        kv += rows * vrow;
     }
     ctx->n_past[slot] = (int32_t)n;
+    ctx->ring_lo[slot] = (int32_t)(n - held);
     return WS_OK;
 }
 
 /* The start of both state setters: arguments, slot, then the slot is emptied (any
  * failure from here on leaves it empty) and the header checked; *n_out: its tokens. */
 static ws_status state_set_begin(ws_context *ctx, int32_t slot, const uint8_t *header,
-                                 size_t header_len, size_t *read_out, uint32_t *n_out) {
+                                 size_t header_len, size_t *read_out, uint32_t *n_out,
+                                 uint32_t *nw_out) {
     if (!ctx || !read_out) return WS_ERR_INVALID_ARGUMENT;
     *read_out = 0;
     TRY(check_slot(ctx, slot));
     ctx->n_past[slot] = 0;
-    return state_header_check(ctx, header, header_len, n_out);
+    ctx->ring_lo[slot] = 0;
+    return state_header_check(ctx, header, header_len, n_out, nw_out);
 }
 
 ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, size_t len,
                             size_t *read_out) {
-    uint32_t n = 0;
-    ws_status st = state_set_begin(ctx, slot, buf, len, read_out, &n);
+    uint32_t n = 0, nw = 0;
+    ws_status st = state_set_begin(ctx, slot, buf, len, read_out, &n, &nw);
     if (st != WS_OK) return st;
-    const size_t need = state_bytes(ctx, n);
+    const size_t need = state_bytes(ctx, n, nw);
     if (len != need)
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state of %u tokens must be %zu bytes, got %zu", n,
                         need, len);
     const uint8_t *tokens = buf + WS_STATE_HEADER_BYTES;
-    st = state_load(ctx, slot, n, tokens, tokens + sizeof(int32_t) * n);
+    st = state_load(ctx, slot, n, nw, tokens, tokens + sizeof(int32_t) * n);
     if (st != WS_OK) return st;
     *read_out = need;
     return WS_OK;
@@ -1262,10 +1452,10 @@ ws_status ws_slot_state_set(ws_context *ctx, int32_t slot, const uint8_t *buf, s
 ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *header,
                                   size_t header_len, const uint8_t *tokens, size_t tokens_len,
                                   const uint8_t *kv, size_t kv_len, size_t *read_out) {
-    uint32_t n = 0;
-    ws_status st = state_set_begin(ctx, slot, header, header_len, read_out, &n);
+    uint32_t n = 0, nw = 0;
+    ws_status st = state_set_begin(ctx, slot, header, header_len, read_out, &n, &nw);
     if (st != WS_OK) return st;
-    const size_t kv_need = state_bytes(ctx, n) - WS_STATE_HEADER_BYTES - sizeof(int32_t) * n;
+    const size_t kv_need = state_kv_bytes(ctx, n, nw);
     if (header_len != WS_STATE_HEADER_BYTES || tokens_len != sizeof(int32_t) * n ||
         kv_len != kv_need)
         return fail_ctx(ctx, WS_ERR_BAD_STATE,
@@ -1274,7 +1464,7 @@ ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *
                         header_len, tokens_len, kv_len);
     if ((n && !tokens) || (kv_need && !kv))
         return fail_ctx(ctx, WS_ERR_BAD_STATE, "state part missing (NULL pointer)");
-    st = state_load(ctx, slot, n, tokens, kv);
+    st = state_load(ctx, slot, n, nw, tokens, kv);
     if (st != WS_OK) return st;
     *read_out = header_len + tokens_len + kv_len;
     return WS_OK;

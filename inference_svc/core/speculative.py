@@ -263,6 +263,10 @@ class SpecDecoder(NativeHandle):
     def truncate(self, slot: int, n: int) -> None:
         binding.spec_truncate(self.handle, slot, n)
 
+    def keep_min(self, slot: int) -> int:
+        """Context.keep_min of the target: a truncation keeps 0 or at least this many."""
+        return self.target.keep_min(slot)
+
     def clear(self, slot: int) -> None:
         binding.spec_clear(self.handle, slot)
 
