@@ -409,6 +409,25 @@ static inline __attribute__((always_inline)) chunk32x2 unpack32x2(const int32_t 
 /* ------------------------------------------------------------------------- */
 /* rows as floats                                                              */
 
+/* bytes of a row of n elements of a type the model admitted (n a multiple of its
+   block): inlined, so that with a constant type the kernels compute it in registers
+   instead of calling ws_type_row_bytes for every row */
+static inline __attribute__((always_inline)) size_t row_bytes_of(const int32_t type, int n) {
+    switch (type) {
+    case WS_TYPE_F32: return (size_t)n * 4;
+    case WS_TYPE_F16:
+    case WS_TYPE_BF16: return (size_t)n * 2;
+    case WS_TYPE_Q8_0: return (size_t)(n / 32) * 34;
+    case WS_TYPE_Q4_0: return (size_t)(n / 32) * 18;
+    case WS_TYPE_Q4_1: return (size_t)(n / 32) * 20;
+    case WS_TYPE_Q5_0: return (size_t)(n / 32) * 22;
+    case WS_TYPE_Q4_K: return (size_t)(n / 256) * 144;
+    case WS_TYPE_Q5_K: return (size_t)(n / 256) * 176;
+    case WS_TYPE_Q6_K: return (size_t)(n / 256) * 210;
+    default: return ws_type_row_bytes(type, n);
+    }
+}
+
 static inline const uint8_t *row_ptr(const ws_tensor *t, int r) {
     return (const uint8_t *)t->data + (size_t)r * ws_type_row_bytes(t->type, t->cols);
 }
@@ -574,7 +593,7 @@ static inline __attribute__((always_inline)) void
 qtile_rx1(float *out, const ws_tensor *W, const float *x, int r, int add, const int R,
           const int32_t type) {
     const int n = W->cols, n32 = n & ~31;
-    const size_t rb = ws_type_row_bytes(type, n);
+    const size_t rb = row_bytes_of(type, n);
     const uint8_t *w[4];
     lanes8 a[4];
     for (int i = 0; i < R; i++) {
@@ -601,7 +620,7 @@ qtile_rx1(float *out, const ws_tensor *W, const float *x, int r, int add, const 
 static inline __attribute__((always_inline)) void
 qtile_8x1(float *out, const ws_tensor *W, const float *x, int r, int add, const int32_t type) {
     const int n = W->cols, n32 = n & ~31;
-    const size_t rb = ws_type_row_bytes(type, n);
+    const size_t rb = row_bytes_of(type, n);
     const uint8_t *w[8];
     __m512 a[4];
     for (int i = 0; i < 8; i++) w[i] = (const uint8_t *)W->data + (size_t)(r + i) * rb;
@@ -678,7 +697,7 @@ static inline __attribute__((always_inline)) void
 qtile_1xt(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r, int add,
           const int NT, const int32_t type) {
     const int n = W->cols, n32 = n & ~31;
-    const uint8_t *w = row_ptr(W, r);
+    const uint8_t *w = (const uint8_t *)W->data + (size_t)r * row_bytes_of(type, n);
     lanes8 a[WS_REG_TOKENS];
     for (int t = 0; t < NT; t++) a[t] = l8_zero();
     for (int c = 0; c < n32 / 32; c++) {
@@ -701,7 +720,8 @@ qtile_4xt(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int 
     const int n = W->cols, n32 = n & ~31;
     const uint8_t *w[4];
     __m512 a[2][WS_REG_TOKENS];
-    for (int i = 0; i < 4; i++) w[i] = row_ptr(W, r + i);
+    const size_t rb = row_bytes_of(type, n);
+    for (int i = 0; i < 4; i++) w[i] = (const uint8_t *)W->data + (size_t)(r + i) * rb;
     for (int t = 0; t < NT; t++) a[0][t] = a[1][t] = _mm512_setzero_ps();
     for (int c = 0; c < n32 / 32; c++) {
         const chunk32x2 q0 = unpack32x2(type, w[0], w[1], c), q1 = unpack32x2(type, w[2], w[3], c);
