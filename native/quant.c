@@ -10,11 +10,13 @@
  * the stored floats, so an F32 model computes exactly what it did before typed
  * weights existed, and a quantized row gives the bits of its dequantized F32 row.
  *
- * Two ways to run that order, chosen by the number of tokens, never changing the
+ * Three ways to run that order, chosen by the number of tokens, never changing the
  * bits: one token (a decode step) unpacks each 32-element chunk of 4 rows into
- * registers and feeds it straight to the FMAs; more tokens (verification, prefill)
- * unpack 4 rows once into a per-thread buffer and run the F32 tiles over them for a
- * whole block of tokens, so each weight block is unpacked once per 48 tokens.
+ * registers and feeds it straight to the FMAs; 2..8 tokens (a verification batch) do
+ * the same and feed each unpacked chunk to every token's accumulators; more tokens
+ * (prefill) unpack 4 rows once into a per-thread buffer and run the F32 tiles over
+ * them for a whole block of tokens, so each weight block is unpacked once per 48
+ * tokens.
  */
 #include "quant.h"
 #include "ws_simd.h"
@@ -433,6 +435,25 @@ static inline __attribute__((always_inline)) chunk32x2 unpack32x2(const int32_t 
 /* ------------------------------------------------------------------------- */
 /* rows as floats                                                              */
 
+/* bytes of a row of n elements of a type the model admitted (n a multiple of its
+   block): inlined, so that with a constant type the kernels compute it in registers
+   instead of calling ws_type_row_bytes for every row */
+static inline __attribute__((always_inline)) size_t row_bytes_of(const int32_t type, int n) {
+    switch (type) {
+    case WS_TYPE_F32: return (size_t)n * 4;
+    case WS_TYPE_F16:
+    case WS_TYPE_BF16: return (size_t)n * 2;
+    case WS_TYPE_Q8_0: return (size_t)(n / 32) * 34;
+    case WS_TYPE_Q4_0: return (size_t)(n / 32) * 18;
+    case WS_TYPE_Q4_1: return (size_t)(n / 32) * 20;
+    case WS_TYPE_Q5_0: return (size_t)(n / 32) * 22;
+    case WS_TYPE_Q4_K: return (size_t)(n / 256) * 144;
+    case WS_TYPE_Q5_K: return (size_t)(n / 256) * 176;
+    case WS_TYPE_Q6_K: return (size_t)(n / 256) * 210;
+    default: return ws_type_row_bytes(type, n);
+    }
+}
+
 static inline const uint8_t *row_ptr(const ws_tensor *t, int r) {
     return (const uint8_t *)t->data + (size_t)r * ws_type_row_bytes(t->type, t->cols);
 }
@@ -598,7 +619,7 @@ static inline __attribute__((always_inline)) void
 qtile_rx1(float *out, const ws_tensor *W, const float *x, int r, int add, const int R,
           const int32_t type) {
     const int n = W->cols, n32 = n & ~31;
-    const size_t rb = ws_type_row_bytes(type, n);
+    const size_t rb = row_bytes_of(type, n);
     const uint8_t *w[4];
     lanes8 a[4];
     for (int i = 0; i < R; i++) {
@@ -625,7 +646,7 @@ qtile_rx1(float *out, const ws_tensor *W, const float *x, int r, int add, const 
 static inline __attribute__((always_inline)) void
 qtile_8x1(float *out, const ws_tensor *W, const float *x, int r, int add, const int32_t type) {
     const int n = W->cols, n32 = n & ~31;
-    const size_t rb = ws_type_row_bytes(type, n);
+    const size_t rb = row_bytes_of(type, n);
     const uint8_t *w[8];
     __m512 a[4];
     for (int i = 0; i < 8; i++) w[i] = (const uint8_t *)W->data + (size_t)(r + i) * rb;
@@ -689,6 +710,125 @@ static void matvec_typed(float *out, const ws_tensor *W, const float *x, int r0,
     }
 }
 
+/*
+ * A small batch (2..WS_REG_TOKENS tokens: a verification batch) unpacks each chunk of
+ * a row into registers once and feeds it to every token's accumulator, instead of
+ * writing the rows out as floats and reading them back for each tile of tokens. Per
+ * output element the canonical sequence again, so the bits of the other paths.
+ */
+#define WS_REG_TOKENS 8
+
+/* 1 row x NT tokens */
+static inline __attribute__((always_inline)) void
+qtile_1xt(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r, int add,
+          const int NT, const int32_t type) {
+    const int n = W->cols, n32 = n & ~31;
+    const uint8_t *w = (const uint8_t *)W->data + (size_t)r * row_bytes_of(type, n);
+    lanes8 a[WS_REG_TOKENS];
+    for (int t = 0; t < NT; t++) a[t] = l8_zero();
+    for (int c = 0; c < n32 / 32; c++) {
+        const chunk32 q = unpack32(type, w, c);
+        for (int t = 0; t < NT; t++) {
+            const float *xc = X + (size_t)t * ldx + 32 * c;
+            for (int g = 0; g < 4; g++) a[t] = l8_fma(q.v[g], l8_load(xc + 8 * g), a[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        store_out(out + (size_t)t * ldo + r, finish_row(a[t], w, X + (size_t)t * ldx, n, type),
+                  add);
+}
+
+#if WS_AVX512
+/* 4 rows (2 pairs of 16 lanes) x NT tokens, each activation chunk loaded once for both */
+static inline __attribute__((always_inline)) void
+qtile_4xt(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r, int add,
+          const int NT, const int32_t type) {
+    const int n = W->cols, n32 = n & ~31;
+    const uint8_t *w[4];
+    __m512 a[2][WS_REG_TOKENS];
+    const size_t rb = row_bytes_of(type, n);
+    for (int i = 0; i < 4; i++) w[i] = (const uint8_t *)W->data + (size_t)(r + i) * rb;
+    for (int t = 0; t < NT; t++) a[0][t] = a[1][t] = _mm512_setzero_ps();
+    for (int c = 0; c < n32 / 32; c++) {
+        const chunk32x2 q0 = unpack32x2(type, w[0], w[1], c), q1 = unpack32x2(type, w[2], w[3], c);
+        for (int t = 0; t < NT; t++) {
+            const float *xc = X + (size_t)t * ldx + 32 * c;
+            for (int g = 0; g < 4; g++) {
+                const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(xc + 8 * g));
+                a[0][t] = _mm512_fmadd_ps(q0.v[g], xv, a[0][t]);
+                a[1][t] = _mm512_fmadd_ps(q1.v[g], xv, a[1][t]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        const float *x = X + (size_t)t * ldx;
+        float *o = out + (size_t)t * ldo + r;
+        for (int p = 0; p < 2; p++) {
+            store_out(o + 2 * p, finish_row(_mm512_castps512_ps256(a[p][t]), w[2 * p], x, n, type),
+                      add);
+            store_out(o + 2 * p + 1,
+                      finish_row(_mm512_extractf32x8_ps(a[p][t], 1), w[2 * p + 1], x, n, type),
+                      add);
+        }
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void
+qmatsmall_nt(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0, int r1,
+             int add, const int NT, const int32_t type) {
+    int r = r0;
+#if WS_AVX512
+    for (; r + 4 <= r1; r += 4) qtile_4xt(out, ldo, W, X, ldx, r, add, NT, type);
+#endif
+    for (; r < r1; r++) qtile_1xt(out, ldo, W, X, ldx, r, add, NT, type);
+}
+
+static inline __attribute__((always_inline)) void
+qmatsmall(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0, int r1,
+          int nt, int add, const int32_t type) {
+    switch (nt) {
+    case 2: qmatsmall_nt(out, ldo, W, X, ldx, r0, r1, add, 2, type); break;
+    case 3: qmatsmall_nt(out, ldo, W, X, ldx, r0, r1, add, 3, type); break;
+    case 4: qmatsmall_nt(out, ldo, W, X, ldx, r0, r1, add, 4, type); break;
+    case 5: qmatsmall_nt(out, ldo, W, X, ldx, r0, r1, add, 5, type); break;
+    case 6: qmatsmall_nt(out, ldo, W, X, ldx, r0, r1, add, 6, type); break;
+    case 7: qmatsmall_nt(out, ldo, W, X, ldx, r0, r1, add, 7, type); break;
+    default: qmatsmall_nt(out, ldo, W, X, ldx, r0, r1, add, 8, type); break;
+    }
+}
+
+#define WS_QMATSMALL(T) \
+    static void qmatsmall_##T(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, \
+                              int r0, int r1, int nt, int add) { \
+        qmatsmall(out, ldo, W, X, ldx, r0, r1, nt, add, WS_TYPE_##T); }
+WS_QMATSMALL(F16)
+WS_QMATSMALL(BF16)
+WS_QMATSMALL(Q8_0)
+WS_QMATSMALL(Q4_0)
+WS_QMATSMALL(Q4_1)
+WS_QMATSMALL(Q5_0)
+WS_QMATSMALL(Q4_K)
+WS_QMATSMALL(Q5_K)
+WS_QMATSMALL(Q6_K)
+
+/* 2..WS_REG_TOKENS tokens */
+static void matmul_small_typed(float *out, int ldo, const ws_tensor *W, const float *X, int ldx,
+                               int r0, int r1, int nt, int add) {
+    switch (W->type) {
+    case WS_TYPE_F16: qmatsmall_F16(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_BF16: qmatsmall_BF16(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_Q8_0: qmatsmall_Q8_0(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_Q4_0: qmatsmall_Q4_0(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_Q4_1: qmatsmall_Q4_1(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_Q5_0: qmatsmall_Q5_0(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_Q4_K: qmatsmall_Q4_K(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_Q5_K: qmatsmall_Q5_K(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    case WS_TYPE_Q6_K: qmatsmall_Q6_K(out, ldo, W, X, ldx, r0, r1, nt, add); break;
+    default: break; /* ws_model_init admits only the types above */
+    }
+}
+
 void ws_matmul(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0,
                int r1, int nt, int add, float *scratch) {
     const int n = W->cols;
@@ -698,6 +838,10 @@ void ws_matmul(float *out, int ldo, const ws_tensor *W, const float *X, int ldx,
     }
     if (nt == 1) {
         matvec_typed(out, W, X, r0, r1, add);
+        return;
+    }
+    if (nt <= WS_REG_TOKENS) {
+        matmul_small_typed(out, ldo, W, X, ldx, r0, r1, nt, add);
         return;
     }
     for (int tb = 0; tb < nt; tb += WS_TOKEN_BLOCK) {

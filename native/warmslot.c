@@ -23,6 +23,18 @@
 #include "quant.h"
 #include "ws_simd.h"
 
+/*
+ * Query heads that share one KV head are processed together, up to WS_ATT_GROUP of
+ * them: each key and value is read (and converted from half) once for the group. The
+ * AVX-512 build has the registers for 4 heads' accumulators; with 16 registers more
+ * than 2 would spill. The grouping never changes a head's operations.
+ */
+#if WS_SIMD && defined(__AVX512F__)
+#define WS_ATT_GROUP 4
+#else
+#define WS_ATT_GROUP 2
+#endif
+
 /* ------------------------------------------------------------------------- */
 /* errors                                                                      */
 
@@ -305,7 +317,7 @@ struct ws_context {
     float *att;        /* [n_batch][q_dim]   attention output       */
     float *hb;         /* [n_batch][n_ff]    gate                   */
     float *hb2;        /* [n_batch][n_ff]    up                     */
-    float *scores;     /* [n_threads][2][n_ctx] attention weights   */
+    float *scores;     /* [n_threads][WS_ATT_GROUP][n_ctx] attention weights */
 
     int32_t *tok_slot; /* [n_batch] slot of each token of the chunk     */
     int32_t *tok_pos;  /* [n_batch] position of each token in its slot  */
@@ -527,7 +539,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->att = alloc_floats(nb * (size_t)ctx->q_dim, &ok);
     ctx->hb = alloc_floats(nb * (size_t)hp->n_ff, &ok);
     ctx->hb2 = alloc_floats(nb * (size_t)hp->n_ff, &ok);
-    ctx->scores = alloc_floats((size_t)params.n_threads * 2 * (size_t)params.n_ctx, &ok);
+    ctx->scores = alloc_floats((size_t)params.n_threads * WS_ATT_GROUP * (size_t)params.n_ctx, &ok);
     ctx->kbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     /* staging rows (floats: room for f32 too) only for a model with local layers */
     const size_t n_stage = hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0 ? nb * (size_t)ctx->kv_dim
@@ -677,30 +689,31 @@ static inline float dot_kv(const float *q, const uint8_t *key, int n, const int 
  * values are read once for the group. Every score and output element is the same sequence of operations as for
  * a head alone: score = (the `dot` sequence over the head dimension) * scale; the
  * softmax as below; out[d] = fmaf chain over positions in order. NH is a constant
- * at each call site (1 or 2), so the loops over heads unroll into registers. F16
- * (a constant too) reads the keys and values as halves, converted exactly to floats
- * before the same arithmetic.
+ * at each call site (1..WS_ATT_GROUP), so the loops over heads unroll into
+ * registers. F16 (a constant too) reads the keys and values as halves, converted
+ * exactly to floats before the same arithmetic.
  */
 static inline __attribute__((always_inline)) void
 attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t *const *vrow,
              int n, int t, int h0, const int NH, const int F16) {
     const int hd = ctx->head_dim;
-    const float *q[2];
-    float *out[2], *sc[2];
+    const float *q[WS_ATT_GROUP];
+    float *out[WS_ATT_GROUP], *sc[WS_ATT_GROUP];
     for (int h = 0; h < NH; h++) {
         q[h] = ctx->q + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
         out[h] = ctx->att + (size_t)t * ctx->q_dim + (size_t)(h0 + h) * hd;
-        sc[h] = ctx->scores + ((size_t)ith * 2 + (size_t)h) * ctx->params.n_ctx; /* [pos+1] */
+        sc[h] = ctx->scores + ((size_t)ith * WS_ATT_GROUP + (size_t)h) * ctx->params.n_ctx;
     }
     const float scale = ctx->attn_scale;
     const int n8 = n & ~7;
-    float mx[2] = {-INFINITY, -INFINITY};
+    float mx[WS_ATT_GROUP];
+    for (int h = 0; h < NH; h++) mx[h] = -INFINITY;
     int j = 0;
     if ((hd & 7) == 0) {
         /* four keys at a time, each loaded once for the heads of the group */
         for (; j + 4 <= n; j += 4) {
             const uint8_t *kr[4] = {krow[j], krow[j + 1], krow[j + 2], krow[j + 3]};
-            lanes8 a[2][4];
+            lanes8 a[WS_ATT_GROUP][4];
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < 4; i++) a[h][i] = l8_zero();
             for (int d = 0; d < hd; d += 8) {
@@ -711,12 +724,15 @@ attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t
                     for (int i = 0; i < 4; i++) a[h][i] = l8_fma(qv, kv[i], a[h][i]);
                 }
             }
-            for (int h = 0; h < NH; h++)
+            for (int h = 0; h < NH; h++) {
+                float s4[4];
+                l8_sum4(a[h][0], a[h][1], a[h][2], a[h][3], s4);
                 for (int i = 0; i < 4; i++) {
-                    const float sv = l8_sum(a[h][i]) * scale;
+                    const float sv = s4[i] * scale;
                     sc[h][j + i] = sv;
                     if (sv > mx[h]) mx[h] = sv;
                 }
+            }
         }
     }
     for (; j < n; j++)
@@ -743,11 +759,34 @@ attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t
         const float inv = 1.0f / sum;
         for (j = 0; j < n; j++) s[j] = s[j] * inv;
     }
-    /* out[d] = sum over j of w_j * v_j[d], accumulated in j order with fmaf: 32
-       dimensions at a time in registers, each value row loaded once for the group */
+    /* out[d] = sum over j of w_j * v_j[d], accumulated in j order with fmaf: 64 (16
+       lanes) or 32 dimensions at a time in registers, each value row loaded once for
+       the group (every lane its own chain: the width does not change the bits) */
     int d = 0;
+#if WS_SIMD && defined(__AVX512F__)
+    for (; d + 64 <= hd; d += 64) {
+        __m512 o[WS_ATT_GROUP][4];
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) o[h][i] = _mm512_setzero_ps();
+        for (j = 0; j < n; j++) {
+            const size_t vj = (size_t)d;
+            const uint8_t *v0 = vrow[j];
+            __m512 v[4];
+            for (int i = 0; i < 4; i++)
+                v[i] = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                 (const __m256i *)(const void *)(v0 + 2 * (vj + 16 * (size_t)i))))
+                           : _mm512_loadu_ps((const float *)(const void *)v0 + vj + 16 * (size_t)i);
+            for (int h = 0; h < NH; h++) {
+                const __m512 w = _mm512_set1_ps(sc[h][j]);
+                for (int i = 0; i < 4; i++) o[h][i] = _mm512_fmadd_ps(w, v[i], o[h][i]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(out[h] + d + 16 * i, o[h][i]);
+    }
+#endif
     for (; d + 32 <= hd; d += 32) {
-        lanes8 o[2][4];
+        lanes8 o[WS_ATT_GROUP][4];
         for (int h = 0; h < NH; h++)
             for (int i = 0; i < 4; i++) o[h][i] = l8_zero();
         for (j = 0; j < n; j++) {
@@ -786,17 +825,35 @@ static const uint8_t *stage_row(const ws_context *ctx, const void *stage, int t,
                ctx->kv_elem;
 }
 
-/* attention of the query heads of KV head `kvh` of the chunk's token t: in pairs, then
-   one. A local layer attends to positions pos - n_swa + 1 .. pos only; its positions
-   of this chunk are in the staging rows (the token of position q is t - (pos - q)),
-   the older ones in its ring. */
-static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int kvh) {
+/* query heads [h, he) of one token, all of one KV head, over the n key and value rows
+   kr, vr, in groups of at most WS_ATT_GROUP */
+static inline __attribute__((always_inline)) void
+attend_heads(ws_context *ctx, int ith, const uint8_t *const *kr, const uint8_t *const *vr, int n,
+             int t, int h, int he, const int F16) {
+    while (h < he) {
+        const int k = he - h < WS_ATT_GROUP ? he - h : WS_ATT_GROUP;
+        switch (k) {
+        case 1: attend_group(ctx, ith, kr, vr, n, t, h, 1, F16); break;
+#if WS_ATT_GROUP >= 4
+        case 3: attend_group(ctx, ith, kr, vr, n, t, h, 3, F16); break;
+        case 4: attend_group(ctx, ith, kr, vr, n, t, h, 4, F16); break;
+#endif
+        default: attend_group(ctx, ith, kr, vr, n, t, h, 2, F16); break;
+        }
+        h += k;
+    }
+}
+
+/* the key and value rows of KV head kvh that token t of the chunk attends to, in
+   position order, into kr, vr; their count. A local layer attends to positions
+   pos - n_swa + 1 .. pos only; its positions of this chunk are in the staging rows
+   (the token of position q is t - (pos - q)), the older ones in its ring. */
+static int attend_rows(ws_context *ctx, int slot, int layer, int pos, int t, int kvh,
+                       const uint8_t **kr, const uint8_t **vr) {
     const ws_hparams *hp = &ctx->model->hp;
     const int local = ws_layer_is_local(hp, layer);
     const int lo = local && pos >= hp->n_swa ? pos - hp->n_swa + 1 : 0;
     const int n = pos + 1 - lo;
-    const uint8_t **kr = ctx->rows + (size_t)ith * 2 * (size_t)ctx->params.n_ctx; /* [n] */
-    const uint8_t **vr = kr + ctx->params.n_ctx;                                   /* [n] */
     const int staged = local ? ctx->tok_first[t] : pos + 1; /* first staged position */
     int j = 0;
     if (staged > lo) {
@@ -819,15 +876,26 @@ static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t
         kr[j] = stage_row(ctx, ctx->kstage, tq, kvh);
         vr[j] = stage_row(ctx, ctx->vstage, tq, kvh);
     }
+    return n;
+}
+
+/* attention of query heads [h, he) of one token (any KV heads): for each KV head its
+   rows once, then its query heads in groups */
+static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t, int h,
+                   int he) {
+    const ws_hparams *hp = &ctx->model->hp;
     const int rep = hp->n_head / hp->n_head_kv;
-    int h = kvh * rep;
-    const int he = h + rep;
-    if (ctx->params.kv_type == WS_KV_F16) {
-        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, kr, vr, n, t, h, 2, 1);
-        if (h < he) attend_group(ctx, ith, kr, vr, n, t, h, 1, 1);
-    } else {
-        for (; h + 2 <= he; h += 2) attend_group(ctx, ith, kr, vr, n, t, h, 2, 0);
-        if (h < he) attend_group(ctx, ith, kr, vr, n, t, h, 1, 0);
+    const uint8_t **kr = ctx->rows + (size_t)ith * 2 * (size_t)ctx->params.n_ctx; /* [n] */
+    const uint8_t **vr = kr + ctx->params.n_ctx;                                   /* [n] */
+    while (h < he) {
+        const int kvh = h / rep;
+        const int ge = (kvh + 1) * rep < he ? (kvh + 1) * rep : he; /* this KV head's */
+        const int n = attend_rows(ctx, slot, layer, pos, t, kvh, kr, vr);
+        if (ctx->params.kv_type == WS_KV_F16)
+            attend_heads(ctx, ith, kr, vr, n, t, h, ge, 1);
+        else
+            attend_heads(ctx, ith, kr, vr, n, t, h, ge, 0);
+        h = ge;
     }
 }
 
@@ -948,11 +1016,14 @@ static void forward_worker(ws_context *ctx, int ith) {
         }
         pool_barrier(pool);
 
-        /* attention: one task per (token, KV head), its query heads together */
-        split_range(nt * hp->n_head_kv, ith, nth, 1, &a, &b);
-        for (int i = a; i < b; i++) {
-            const int t = i / hp->n_head_kv;
-            attend(ctx, ith, tslot[t], l, tpos[t], t, i % hp->n_head_kv);
+        /* attention: one task per (token, query head), split evenly over the threads;
+           a thread's consecutive heads of one token and KV head run together */
+        split_range(nt * hp->n_head, ith, nth, 1, &a, &b);
+        for (int i = a; i < b;) {
+            const int t = i / hp->n_head, h = i % hp->n_head;
+            const int he = b - i < hp->n_head - h ? h + (b - i) : hp->n_head;
+            attend(ctx, ith, tslot[t], l, tpos[t], t, h, he);
+            i += he - h;
         }
         pool_barrier(pool);
         if (local) ring_commit(ctx, l, ith, nth, nt);

@@ -105,6 +105,32 @@ static inline lanes8 l8_exp(lanes8 x) {
 }
 #endif
 
+/* the l8_sum of four accumulators at once: the same additions per value (the tree
+   of l8_sum, lane by lane), shared shuffles */
+static inline void l8_sum4(lanes8 a, lanes8 b, lanes8 c, lanes8 d, float out[4]) {
+#if WS_SIMD
+    const __m256 sab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
+                                     _mm256_permute2f128_ps(a, b, 0x31)); /* a: l0+l4.. | b */
+    const __m256 scd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20),
+                                     _mm256_permute2f128_ps(c, d, 0x31));
+    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(sab, scd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(sab, scd, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* t: [a.t0 a.t1 c.t0 c.t1 | b.t0 b.t1 d.t0 d.t1]; then t0 + t1 */
+    const __m256 u = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+    float v[8];
+    _mm256_storeu_ps(v, u);
+    out[0] = v[0];
+    out[1] = v[4];
+    out[2] = v[2];
+    out[3] = v[6];
+#else
+    out[0] = l8_sum(a);
+    out[1] = l8_sum(b);
+    out[2] = l8_sum(c);
+    out[3] = l8_sum(d);
+#endif
+}
+
 static inline float dot_tail(float acc, const float *w, const float *x, int k, int n) {
     for (; k < n; k++) acc = fmaf(w[k], x[k], acc);
     return acc;

@@ -1,8 +1,9 @@
 """The typed weight kernels: for every type, the build's unpacking equals the scalar
 unpacking and gguf's dequantizer bit for bit, and every product equals the canonical F32
 dot product over the unpacked row bit for bit, for 1..9 tokens (the one-token register
-path and the batch path), row counts that are not a multiple of the tile, and plain rows
-whose length is not a multiple of the SIMD width."""
+path, the register path of 2..8 tokens and the unpacked-rows batch path), row counts
+that are not a multiple of the tile, and plain rows whose length is not a multiple of the
+SIMD width."""
 
 from __future__ import annotations
 
