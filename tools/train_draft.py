@@ -74,11 +74,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=256, help="tokens per training window")
     p.add_argument("--top-k", type=int, default=32, help="teacher log-probs kept per position")
-    p.add_argument("--chat-shards", type=int, default=24)
-    p.add_argument("--code-shards", type=int, default=24)
-    p.add_argument("--chatpol-shards", type=int, default=0,
+    p.add_argument("--chat-shards", type=int, default=16)
+    p.add_argument("--code-shards", type=int, default=16)
+    p.add_argument("--chatpol-shards", type=int, default=2,
                    help="on-policy chat: questions the target writes, its own answers")
-    p.add_argument("--codepol-shards", type=int, default=0,
+    p.add_argument("--codepol-shards", type=int, default=1,
                    help="on-policy code: the target's continuations of file openings")
     p.add_argument("--prompt-tokens", type=int, default=128,
                    help="file opening of an on-policy code row (the benchmark's length)")
@@ -94,17 +94,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="token embeddings from the target's, projected on their top principal "
                    "directions, or random")
     p.add_argument("--loss", choices=("kl", "ce"), default="kl")
-    p.add_argument("--label-k", type=int, default=None,
-                   help="train on the teacher's label-k most likely ids (default: all kept)")
-    p.add_argument("--eval-rows", type=int, default=32, help="validation windows per kind")
-    p.add_argument("--head-frequent", type=int, default=0,
+    p.add_argument("--label-k", type=int, default=8,
+                   help="train on the teacher's label-k most likely ids (0: all kept)")
+    p.add_argument("--eval-rows", type=int, default=4, help="validation windows per kind")
+    p.add_argument("--head-frequent", type=int, default=4096,
                    help="train the output layer with a softmax over this many most frequent "
                    "ids plus the batch's teacher top-k (0: the full vocabulary)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--checkpoint-every", type=int, default=25)
     p.add_argument("--quick", action="store_true", help="tiny end-to-end run")
     args = p.parse_args(argv)
     if args.quick:
@@ -334,7 +334,7 @@ def batch_loss(model: Llama, data: dict[str, torch.Tensor], rows: torch.Tensor,
     kl: cross-entropy against the teacher's renormalised top-k (KL up to a constant),
     written as logsumexp - sum p_k * logit_k so no full log-softmax is materialised;
     ce: plain next-token cross-entropy on the same tokens.
-    label_k: only the teacher's label_k most likely ids, renormalised.
+    label_k: only the teacher's label_k most likely ids, renormalised (0/None: all).
     frequent (kl only): the softmax runs over these ids and every id in the rows'
     teacher top-k instead of the whole vocabulary (a candidate softmax: the tokens
     left out have no teacher probability here and are rarely proposed); the exported
@@ -345,8 +345,8 @@ def batch_loss(model: Llama, data: dict[str, torch.Tensor], rows: torch.Tensor,
     if loss == "ce":
         logits = F.linear(h, model.tok_embd.weight).float()
         return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    ids = data["ids"][rows, :, :label_k].long()
-    p = F.softmax(data["logp"][rows, :, :label_k].float(), dim=-1)
+    ids = data["ids"][rows, :, : label_k or None].long()
+    p = F.softmax(data["logp"][rows, :, : label_k or None].float(), dim=-1)
     if frequent is None:
         logits = F.linear(h, model.tok_embd.weight).float()
     else:
@@ -403,7 +403,7 @@ def train(args: argparse.Namespace, logf: Path) -> None:
                   for kind in kinds}
     valid = {kind: {k: v[: args.eval_rows]
                     for k, v in load_shards(args.work_dir, kind, range(n_valid)).items()}
-             for kind in kinds}
+             for kind, count in counts.items() if count > 0}
     frequent = frequent_ids(train_data, args.head_frequent, teacher_meta.n_vocab) \
         if args.head_frequent else None
     ckpt = checkpoint_path(args.work_dir)
@@ -431,8 +431,6 @@ def train(args: argparse.Namespace, logf: Path) -> None:
     log(logf, "draft", config=model.cfg.to_dict(), params=count_params(model),
         macs_per_token=macs_per_token(model.cfg),
         train_windows={k: int(v["tokens"].shape[0]) for k, v in train_data.items()})
-    if step == 0:
-        log(logf, "eval", step=0, **evaluate(model, valid))
     t0, running = time.time(), None
     model.train()
     while step < args.steps:
