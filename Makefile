@@ -140,12 +140,17 @@ models: $(DEPS_STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
 	OMP_WAIT_POLICY=PASSIVE $(PY) tools/train_models.py --out-dir models
 
-# distils a draft for SmolLM2-135M-Instruct from the target (tools/train_draft.py; about
-# 2 hours on 2 idle cores, resumable: shards and checkpoints in models/scratch/draft)
+# distils a draft for SmolLM2-135M-Instruct from the target (tools/train_draft.py; these
+# commands are the committed draft's recipe, see models/smollm2-draft.md; resumable:
+# shards and checkpoints in models/scratch/draft). Two phases: 200 steps with few
+# on-policy shards, then 180 more steps resumed with more of them.
 DRAFT_ARGS ?=
+DRAFT_TRAIN = OMP_NUM_THREADS=2 nice -n 10 $(PY) tools/train_draft.py $(DRAFT_ARGS)
 draft: $(DEPS_STAMP) $(SMOLLM2)
 	$(PY) -m pip install --quiet torch==2.13.0
-	OMP_NUM_THREADS=2 nice -n 19 $(PY) tools/train_draft.py $(DRAFT_ARGS)
+	$(DRAFT_TRAIN) --stage data --chatpol-shards 5 --codepol-shards 4
+	$(DRAFT_TRAIN) --stage train
+	$(DRAFT_TRAIN) --stage train --chatpol-shards 5 --codepol-shards 4 --steps 380
 
 clean:
 	rm -rf build inference_svc/core/_native*.so inference_svc/core/.built-* .pytest_cache

@@ -21,7 +21,7 @@ DRAFT = ROOT / "models" / "smollm2-draft.gguf"
 CODE = ('import os\n\n\ndef list_python_files(root):\n'
         '    """Return the .py files under root."""\n')
 CHAT_QUESTION = "How do I make a good cup of tea?"
-FLOOR = {"code": 0.010, "chat": 0.015}
+FLOOR = {"code": 0.018, "chat": 0.030}
 
 
 def tokenizer_fields(path: Path) -> dict[str, object]:
@@ -74,6 +74,44 @@ def test_greedy_speculation_is_target_greedy_for_every_n_max(decoder: SpecDecode
             == expected
         c = decoder.counters(0) - before
         accepted, drafted = accepted + c.n_accepted, drafted + c.n_drafted
-    # at least half the rate the committed draft was measured at (code 79/3809, chat
-    # 112/3719 over n_max 1..16): a broken export or a mismatched draft accepts ~nothing
+    # at least half the rate the committed draft was measured at (code 127/3540, chat
+    # 190/3162 over n_max 1..16): a broken export or a mismatched draft accepts ~nothing
     assert accepted / drafted > FLOOR[domain], (accepted, drafted)
+
+
+def test_core_rollouts_label_every_position_with_the_cores_own_top_k() -> None:
+    """The on-policy training rows (tools/teacher.py): a greedy row takes the argmax at
+    every generated position, a chat row's question ends with <|im_end|> and the forced
+    assistant header, and every label is the top-k of the core decoding the row alone."""
+    pytest.importorskip("torch")
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from teacher import core_rollouts, top_k_np
+
+    with Model.load(TARGET) as tm:
+        tok = tm.tokenizer
+        start, end = tok.data.tokens.index("<|im_start|>"), tok.data.tokens.index("<|im_end|>")
+        opening = [*tok.encode("\n"), start, *tok.encode("assistant\n")]
+        prompt = [start, *tok.encode("user\nHow")]
+        rng = np.random.default_rng(5)
+        tokens, top = core_rollouts(tm, [prompt, prompt], 72, 0.0, 4, rng,
+                                    question=(end, opening, 0.8))
+        assert tokens.shape == (2, 72) and top.ids.shape == (2, 71, 4)
+        for row, ids, logp in zip(tokens.tolist(), top.ids.numpy(), top.logp.numpy(),
+                                  strict=True):
+            assert row[: len(prompt)] == prompt
+            q_end = row.index(end, len(prompt))
+            assert q_end - len(prompt) <= 48  # the question's cap
+            answer = q_end + 1 + len(opening)
+            assert row[q_end + 1 : answer] == opening
+            # greedy after the header: each token is the previous position's top-1
+            assert row[answer:] == ids[answer - 1 :, 0].tolist()
+            with Context(tm, n_slots=1, n_ctx=96, n_threads=1) as ctx:
+                ref_ids, ref_logp = top_k_np(ctx.decode(0, row[:-1], logits_all=True), 4)
+            assert (ids == ref_ids).all()
+            assert np.abs(logp.astype(np.float32) - ref_logp.astype(np.float32)).max() < 1e-2
+        # the two questions were sampled, so the rows differ
+        assert tokens[0].tolist() != tokens[1].tolist()

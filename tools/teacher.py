@@ -4,14 +4,19 @@ The GGUF's weights are dequantized once into :class:`llama_torch.Llama` (the
 GGUF ``llama`` layout: adjacent-pair RoPE, so no Q/K permutation is involved).
 Besides the plain forward it offers batched sampling with a KV cache, keeping
 the teacher's top-k log-probabilities at every position, so that generated text
-comes with its soft labels at no extra cost.
+comes with its soft labels at no extra cost. :func:`core_rollouts` runs the
+target in the C core instead (the service's own arithmetic, f16 KV cache
+included): the on-policy data, continuations exactly as speculation will verify
+them, several rows per core pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from gguf_io import read_gguf
@@ -121,3 +126,98 @@ def teacher_top_k(model: Llama, windows: torch.Tensor, k_keep: int) -> TopK:
     for block in model.blocks:
         h = block(h, cos, sin)
     return top_k(F.linear(model.out_norm(h), model.tok_embd.weight), k_keep)
+
+
+# ------------------------------------------------ on-policy rollouts with the C core
+
+
+def top_k_np(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row-wise k most likely ids (most likely first) and their log-probabilities."""
+    logits = logits.astype(np.float64)
+    lse = logits.max(-1, keepdims=True)
+    lse = lse + np.log(np.exp(logits - lse).sum(-1, keepdims=True))
+    part = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    vals = np.take_along_axis(logits, part, -1)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    ids = np.take_along_axis(part, order, -1)
+    return ids.astype(np.int32), (np.take_along_axis(vals, order, -1) - lse).astype(np.float16)
+
+
+def pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; otherwise the benchmark's sampler settings: temperature,
+    top-k 40, min-p 0.05, top-p 0.95."""
+    if temperature == 0.0:
+        return int(np.argmax(logits))
+    cand = np.argpartition(-logits, 39)[:40]
+    cand = cand[np.argsort(-logits[cand], kind="stable")]
+    z = logits[cand].astype(np.float64) / temperature
+    p = np.exp(z - z[0])
+    p = p[p >= 0.05]
+    p /= p.sum()
+    keep = int(np.searchsorted(np.cumsum(p), 0.95) + 1)
+    p = p[:keep] / p[:keep].sum()
+    return int(cand[rng.choice(len(p), p=p)])
+
+
+@dataclass
+class Turn:
+    """Where one rollout is: tokens so far, tokens it must take next, sampling mode."""
+
+    tokens: list[int]
+    forced: list[int]
+    temperature: float
+    question_left: int = 0  # >0: still writing the user question (sampled, capped)
+
+
+def core_rollouts(model: Any, prompts: list[list[int]], n_total: int, temperature: float,
+                  k_keep: int, rng: np.random.Generator, n_threads: int = 1,
+                  question: tuple[int, list[int], float] | None = None) -> tuple[
+                      torch.Tensor, TopK]:
+    """Continuations of prompts by the target as the C core computes it (the benchmark's
+    arithmetic), n_total tokens per row, with its top-k log-probabilities at every
+    position but the last. The rows advance together, one token each per core pass.
+
+    question = (end id, opening, question temperature): each prompt ends inside a user
+    turn; the target first writes the question at that temperature (at most 48
+    tokens, closed by the end id), then the opening (the assistant header) is forced,
+    then the answer follows at temperature.
+    """
+    from inference_svc.core import Context
+
+    n = len(prompts)
+    ids = np.zeros((n, n_total, k_keep), dtype=np.int32)
+    logp = np.zeros((n, n_total, k_keep), dtype=np.float16)
+    turns = [Turn(list(p), [], question[2] if question else temperature,
+                  48 if question else 0) for p in prompts]
+    with Context(model, n_slots=n, n_ctx=n_total + 8, n_threads=n_threads) as ctx:
+        last = np.empty((n, model.n_vocab), dtype=np.float32)
+        for s, p in enumerate(prompts):
+            lg = ctx.decode(s, p, logits_all=True)
+            ids[s, : len(p)], logp[s, : len(p)] = top_k_np(lg, k_keep)
+            last[s] = lg[-1]
+        pos = len(prompts[0])
+        if any(len(p) != pos for p in prompts):
+            raise ValueError("prompts of one rollout batch must have the same length")
+        while pos < n_total:
+            nxt = []
+            for s, turn in enumerate(turns):
+                if turn.forced:
+                    tok = turn.forced.pop(0)
+                else:
+                    tok = pick(last[s], turn.temperature, rng)
+                    if turn.question_left > 0 and question is not None:
+                        turn.question_left -= 1
+                        end, opening, _ = question
+                        if tok == end or turn.question_left == 0:
+                            turn.forced = ([] if tok == end else [end]) + list(opening)
+                            turn.question_left, turn.temperature = 0, temperature
+                turn.tokens.append(tok)
+                nxt.append(tok)
+            pos += 1
+            if pos == n_total:
+                break
+            last = ctx.decode_multi(list(range(n)), nxt)
+            ids[:, pos - 1], logp[:, pos - 1] = top_k_np(last, k_keep)
+    tokens = torch.tensor([t.tokens for t in turns], dtype=torch.int32)
+    return tokens, TopK(torch.from_numpy(ids[:, : n_total - 1]),
+                        torch.from_numpy(logp[:, : n_total - 1]))

@@ -4,12 +4,16 @@
 
 Stage ``data`` runs the target (a torch port of its GGUF, dequantized once) as
 teacher and stores its top-k next-token log-probabilities, in shards under
---work-dir, on two kinds of text:
+--work-dir, on four kinds of text:
 
 - chat: conversations the target samples itself from the chat template (a
   shared system turn and a user turn opened by a starter word; it writes the
   question and, after ``<|im_end|>``, usually the answer and further turns);
-- code: windows of the training split of the Python standard library sources.
+- code: windows of the training split of the Python standard library sources;
+- chatpol / codepol (on-policy): what speculative decoding is measured on, the
+  target's own continuations computed by the C core (greedy in even shards,
+  sampled at --temperature in odd ones) of chat prompts whose user question the
+  target wrote, and of the first --prompt-tokens tokens of training files.
 
 Stage ``train`` fits the draft to those distributions (soft cross-entropy on
 the renormalised top-k, ``--loss kl``; or plain next-token cross-entropy on the
@@ -46,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402, N812
 from corpus import load_corpus  # noqa: E402
 from gguf_io import write_gguf  # noqa: E402
 from llama_torch import Llama, LlamaConfig, count_params, gguf_tensors, macs_per_token  # noqa: E402
-from teacher import load_teacher, sample_batch, teacher_top_k  # noqa: E402
+from teacher import core_rollouts, load_teacher, sample_batch, teacher_top_k  # noqa: E402
 
 from inference_svc.core.gguf_file import TokenizerData  # noqa: E402
 from inference_svc.core.tokenizer import Tokenizer  # noqa: E402
@@ -70,8 +74,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ctx", type=int, default=256, help="tokens per training window")
     p.add_argument("--top-k", type=int, default=32, help="teacher log-probs kept per position")
-    p.add_argument("--chat-shards", type=int, default=24)
-    p.add_argument("--code-shards", type=int, default=24)
+    p.add_argument("--chat-shards", type=int, default=16)
+    p.add_argument("--code-shards", type=int, default=16)
+    p.add_argument("--chatpol-shards", type=int, default=2,
+                   help="on-policy chat: questions the target writes, its own answers")
+    p.add_argument("--codepol-shards", type=int, default=1,
+                   help="on-policy code: the target's continuations of file openings")
+    p.add_argument("--prompt-tokens", type=int, default=128,
+                   help="file opening of an on-policy code row (the benchmark's length)")
     p.add_argument("--shard-rows", type=int, default=32, help="windows per shard")
     p.add_argument("--valid-shards", type=int, default=1, help="of each kind, held out")
     p.add_argument("--temperature", type=float, default=0.8, help="chat sampling")
@@ -84,11 +94,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="token embeddings from the target's, projected on their top principal "
                    "directions, or random")
     p.add_argument("--loss", choices=("kl", "ce"), default="kl")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--label-k", type=int, default=8,
+                   help="train on the teacher's label-k most likely ids (0: all kept)")
+    p.add_argument("--eval-rows", type=int, default=4, help="validation windows per kind")
+    p.add_argument("--head-frequent", type=int, default=4096,
+                   help="train the output layer with a softmax over this many most frequent "
+                   "ids plus the batch's teacher top-k (0: the full vocabulary)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--checkpoint-every", type=int, default=25)
     p.add_argument("--quick", action="store_true", help="tiny end-to-end run")
     args = p.parse_args(argv)
     if args.quick:
@@ -145,6 +161,38 @@ def code_stream(tok: Tokenizer, eot: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+def file_openings(tok: Tokenizer, seed: int, length: int, count: int) -> list[list[int]]:
+    """The first `length` tokens of `count` training files that long, in a seeded order
+    (the benchmark's code prompts are the openings of the validation files)."""
+    files = sorted(load_corpus(CORPUS_SEED).train, key=lambda f: f.rel)
+    order = np.random.default_rng(seed).permutation(len(files))
+    out = []
+    for i in order:
+        ids = tok.encode(files[i].text)
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == count:
+            break
+    return out
+
+
+def on_policy_shard(args: argparse.Namespace, tok: Tokenizer, model: object, kind: str,
+                    i: int, openings: list[list[int]] | None) -> tuple[torch.Tensor, object]:
+    """Even shards greedy (what temperature-0 speculation verifies), odd ones sampled at
+    --temperature; rows are the target's own continuations computed by the C core."""
+    temp = 0.0 if i % 2 == 0 else args.temperature
+    rng = np.random.default_rng(args.seed * 100_003 + i * 2 + (kind == "codepol") + 7_000)
+    if kind == "chatpol":
+        start, end = special_id(tok, "<|im_start|>"), special_id(tok, "<|im_end|>")
+        prefix = chat_prefix(tok, STARTERS[i % len(STARTERS)])
+        opening = [*tok.encode("\n"), start, *tok.encode("assistant\n")]
+        return core_rollouts(model, [prefix] * args.shard_rows, args.ctx + 1, temp, args.top_k,
+                             rng, args.threads, question=(end, opening, args.temperature))
+    assert openings is not None
+    rows = openings[i * args.shard_rows : (i + 1) * args.shard_rows]
+    return core_rollouts(model, rows, args.ctx + 1, temp, args.top_k, rng, args.threads)
+
+
 def shard_path(work: Path, kind: str, i: int) -> Path:
     return work / "data" / f"{kind}_{i:04d}.pt"
 
@@ -163,7 +211,9 @@ def check_teacher(teacher: Llama, target: Path, tok: Tokenizer, logf: Path) -> N
     with Model.load(target) as model:
         for text in texts:
             ids = tok.encode(text)
-            with Context(model, n_slots=1, n_ctx=64, n_threads=1) as ctx:
+            # an f32 KV cache: the comparison is of the arithmetic, not of the f16 rounding
+            # of keys and values the service's default cache adds
+            with Context(model, n_slots=1, n_ctx=64, n_threads=1, kv_type="f32") as ctx:
                 ref = ctx.decode(0, ids, logits_all=True)
             got = teacher(torch.tensor([ids]))[0].numpy()
             worst = max(worst, float(np.abs(got - ref).max()))
@@ -180,15 +230,27 @@ def make_data(args: argparse.Namespace, logf: Path) -> None:
     teacher = load_teacher(args.target)
     check_teacher(teacher, args.target, tok, logf)
     stream: np.ndarray | None = None
-    # interleaved so that a run stopped early still has both kinds
-    for i in range(max(args.chat_shards, args.code_shards)):
-        for kind, count in (("chat", args.chat_shards), ("code", args.code_shards)):
+    openings: list[list[int]] | None = None
+    core_model = None
+    counts = (("chat", args.chat_shards), ("code", args.code_shards),
+              ("chatpol", args.chatpol_shards), ("codepol", args.codepol_shards))
+    # interleaved so that a run stopped early has every kind
+    for i in range(max(c for _, c in counts)):
+        for kind, count in counts:
             path = shard_path(args.work_dir, kind, i)
             if i >= count or path.exists():
                 continue
             t0 = time.time()
             gen = torch.Generator().manual_seed(args.seed * 100_003 + i * 2 + (kind == "code"))
-            if kind == "chat":
+            if kind in ("chatpol", "codepol"):
+                if core_model is None:
+                    from inference_svc.core import Model
+                    core_model = Model.load(args.target)
+                if kind == "codepol" and openings is None:
+                    openings = file_openings(tok, args.seed, args.prompt_tokens,
+                                             args.codepol_shards * args.shard_rows)
+                tokens, top = on_policy_shard(args, tok, core_model, kind, i, openings)
+            elif kind == "chat":
                 prefix = chat_prefix(tok, STARTERS[i % len(STARTERS)])
                 tokens, top = sample_batch(teacher, prefix, args.shard_rows,
                                            args.ctx + 1 - len(prefix), args.temperature,
@@ -207,7 +269,7 @@ def make_data(args: argparse.Namespace, logf: Path) -> None:
             n = tokens.shape[0] * (tokens.shape[1] - 1)
             log(logf, "shard", kind=kind, index=i, tokens=n,
                 tokens_per_s=round(n / (time.time() - t0), 1))
-            if kind == "chat" and i < 2:
+            if kind in ("chat", "chatpol") and i < 2:
                 log(logf, "chat_sample", text=tok.decode(tokens[0].tolist()))
 
 
@@ -255,27 +317,48 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
 
 
+def hidden(model: Llama, idx: torch.Tensor) -> torch.Tensor:
+    """The normalised last hidden state (B, T, n_embd): the input of the output layer."""
+    t = idx.shape[1]
+    x = model.tok_embd(idx)
+    for block in model.blocks:
+        x = block(x, model.rope_cos[:t], model.rope_sin[:t])
+    return model.out_norm(x)
+
+
 def batch_loss(model: Llama, data: dict[str, torch.Tensor], rows: torch.Tensor,
-               loss: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean loss over the rows' positions, and the draft's argmax at each position.
+               loss: str, frequent: torch.Tensor | None = None,
+               label_k: int | None = None) -> torch.Tensor:
+    """Mean loss over the rows' positions.
 
     kl: cross-entropy against the teacher's renormalised top-k (KL up to a constant),
     written as logsumexp - sum p_k * logit_k so no full log-softmax is materialised;
     ce: plain next-token cross-entropy on the same tokens.
+    label_k: only the teacher's label_k most likely ids, renormalised (0/None: all).
+    frequent (kl only): the softmax runs over these ids and every id in the rows'
+    teacher top-k instead of the whole vocabulary (a candidate softmax: the tokens
+    left out have no teacher probability here and are rarely proposed); the exported
+    draft keeps the full tied output layer.
     """
     tokens = data["tokens"][rows].long()
-    logits = model(tokens[:, :-1]).float()
-    if loss == "kl":
-        ids, logp = data["ids"][rows].long(), data["logp"][rows].float()
-        p = F.softmax(logp, dim=-1)
-        value = (torch.logsumexp(logits, dim=-1) - (p * logits.gather(-1, ids)).sum(-1)).mean()
+    h = hidden(model, tokens[:, :-1])
+    if loss == "ce":
+        logits = F.linear(h, model.tok_embd.weight).float()
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    ids = data["ids"][rows, :, : label_k or None].long()
+    p = F.softmax(data["logp"][rows, :, : label_k or None].float(), dim=-1)
+    if frequent is None:
+        logits = F.linear(h, model.tok_embd.weight).float()
     else:
-        value = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    return value, logits.detach().argmax(-1)
+        cand, inv = torch.unique(torch.cat([frequent, ids.flatten()]), return_inverse=True)
+        ids = inv[len(frequent):].view_as(ids)
+        logits = F.linear(h, model.tok_embd.weight[cand]).float()
+    return (torch.logsumexp(logits, dim=-1) - (p * logits.gather(-1, ids)).sum(-1)).mean()
 
 
 @torch.no_grad()
 def evaluate(model: Llama, valid: dict[str, dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Full-vocabulary soft cross-entropy and top-1 agreement with the teacher."""
     model.eval()
     out: dict[str, float] = {}
     for kind, data in valid.items():
@@ -283,13 +366,27 @@ def evaluate(model: Llama, valid: dict[str, dict[str, torch.Tensor]]) -> dict[st
         losses, agrees = [], []
         for s in range(0, n, 8):
             rows = torch.arange(s, min(s + 8, n))
-            value, argmax = batch_loss(model, data, rows, "kl")
+            tokens = data["tokens"][rows].long()
+            logits = F.linear(hidden(model, tokens[:, :-1]), model.tok_embd.weight).float()
+            ids, logp = data["ids"][rows].long(), data["logp"][rows].float()
+            p = F.softmax(logp, dim=-1)
+            value = (torch.logsumexp(logits, -1) - (p * logits.gather(-1, ids)).sum(-1)).mean()
             losses.append(float(value) * len(rows))
-            agrees.append(float((argmax == data["ids"][rows][..., 0]).float().mean()) * len(rows))
+            agrees.append(float((logits.argmax(-1) == ids[..., 0]).float().mean()) * len(rows))
         out[f"{kind}_soft_ce"] = round(sum(losses) / n, 4)
         out[f"{kind}_top1_agree"] = round(sum(agrees) / n, 4)
     model.train()
     return out
+
+
+def frequent_ids(train_data: dict[str, dict[str, torch.Tensor]], n: int,
+                 n_vocab: int) -> torch.Tensor:
+    """The n ids most often the teacher's top-1 in the training data (ties by id)."""
+    counts = torch.zeros(n_vocab, dtype=torch.long)
+    for data in train_data.values():
+        counts += torch.bincount(data["ids"][..., 0].flatten().long(), minlength=n_vocab)
+    order = torch.argsort(-counts, stable=True)
+    return order[:n].sort().values
 
 
 def checkpoint_path(work: Path) -> Path:
@@ -299,9 +396,16 @@ def checkpoint_path(work: Path) -> Path:
 def train(args: argparse.Namespace, logf: Path) -> None:
     teacher_meta = gguf_config(args.target)
     n_valid = args.valid_shards
-    train_data = {kind: load_shards(args.work_dir, kind, range(n_valid, count))
-                  for kind, count in (("chat", args.chat_shards), ("code", args.code_shards))}
-    valid = {kind: load_shards(args.work_dir, kind, range(n_valid)) for kind in ("chat", "code")}
+    counts = {"chat": args.chat_shards, "code": args.code_shards,
+              "chatpol": args.chatpol_shards, "codepol": args.codepol_shards}
+    kinds = [kind for kind, count in counts.items() if count > n_valid]
+    train_data = {kind: load_shards(args.work_dir, kind, range(n_valid, counts[kind]))
+                  for kind in kinds}
+    valid = {kind: {k: v[: args.eval_rows]
+                    for k, v in load_shards(args.work_dir, kind, range(n_valid)).items()}
+             for kind, count in counts.items() if count > 0}
+    frequent = frequent_ids(train_data, args.head_frequent, teacher_meta.n_vocab) \
+        if args.head_frequent else None
     ckpt = checkpoint_path(args.work_dir)
     if ckpt.exists():
         state = torch.load(ckpt)
@@ -327,20 +431,17 @@ def train(args: argparse.Namespace, logf: Path) -> None:
     log(logf, "draft", config=model.cfg.to_dict(), params=count_params(model),
         macs_per_token=macs_per_token(model.cfg),
         train_windows={k: int(v["tokens"].shape[0]) for k, v in train_data.items()})
-    if step == 0:
-        log(logf, "eval", step=0, **evaluate(model, valid))
-    kinds = list(train_data)
     t0, running = time.time(), None
     model.train()
     while step < args.steps:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         total = torch.zeros(())
-        for kind in kinds:  # half of each batch from each kind
+        for kind in kinds:  # an equal share of each batch from each kind
             data = train_data[kind]
             rows = torch.from_numpy(rng.integers(0, data["tokens"].shape[0],
                                                  size=args.batch // len(kinds)))
-            value, _ = batch_loss(model, data, rows, args.loss)
+            value = batch_loss(model, data, rows, args.loss, frequent, args.label_k)
             total = total + value / len(kinds)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
