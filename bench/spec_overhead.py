@@ -31,7 +31,7 @@ from inference_svc.core import Model  # noqa: E402
 from inference_svc.core.speculative import SamplingParams, SpecParams  # noqa: E402
 from inference_svc.engine import Engine  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
-from inference_svc.types import Chunk, Finished, GenerateParams  # noqa: E402
+from inference_svc.types import GenerateParams  # noqa: E402
 
 
 def main() -> None:
@@ -52,17 +52,7 @@ def main() -> None:
     prompt = chat_prompts(tm.tokenizer, args.question + 1)[args.question]
     job = engine.generate(GenerateParams(tuple(prompt), args.new_tokens, 0, False,
                                          SamplingParams(), None, spec))
-    toks: list[int] = []
-    timings = None
-    while timings is None:
-        item = job.out.get(timeout=3600)
-        if isinstance(item, BaseException):
-            raise item
-        chunk = item.last if isinstance(item, Finished) else item
-        if isinstance(chunk, Chunk):
-            toks += chunk.tokens
-        if isinstance(item, Finished):
-            timings = item.timings
+    toks, timings = job.collect(timeout=3600)
     engine.close()
     print(json.dumps({"mode": args.mode, "new_tokens": args.new_tokens, "tokens": toks,
                       "draft_n": timings.draft_n, "n_steps": timings.n_steps,

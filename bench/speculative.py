@@ -56,7 +56,7 @@ from inference_svc.core.speculative import (  # noqa: E402
 )
 from inference_svc.engine import Engine  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
-from inference_svc.types import Chunk, Finished, GenerateParams  # noqa: E402
+from inference_svc.types import GenerateParams  # noqa: E402
 
 SLOTS = 4
 HOT = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
@@ -102,19 +102,9 @@ class EngineRunner:
                 self.spec if r.speculative else None)))
         outs = []
         for job in jobs:
-            toks: list[int] = []
-            while True:
-                item = job.out.get(timeout=900)
-                if isinstance(item, BaseException):
-                    raise item
-                chunk = item.last if isinstance(item, Finished) else item
-                if isinstance(chunk, Chunk):
-                    toks += chunk.tokens
-                if isinstance(item, Finished):
-                    t = item.timings
-                    outs.append(Out(toks, t.predicted_per_second, t.draft_n,
-                                    t.draft_n_accepted, t.n_steps))
-                    break
+            toks, t = job.collect(timeout=900)
+            outs.append(Out(toks, t.predicted_per_second, t.draft_n, t.draft_n_accepted,
+                            t.n_steps))
         return outs
 
     def close(self) -> None:

@@ -110,6 +110,20 @@ class GenJob(Job):
         self.out.put(exc)
         self.ended.set()
 
+    def collect(self, timeout: float) -> tuple[list[int], Timings]:
+        """Reads the whole output (for callers that do not stream it): every token and
+        the timings; raises the job's error. Each read waits at most `timeout` s."""
+        toks: list[int] = []
+        while True:
+            item = self.out.get(timeout=timeout)
+            if isinstance(item, BaseException):
+                raise item
+            chunk = item.last if isinstance(item, Finished) else item
+            if isinstance(chunk, Chunk):
+                toks += chunk.tokens
+            if isinstance(item, Finished):
+                return toks, item.timings
+
     def prefix_hint(self) -> Sequence[int]:
         # a session's prompt continues the session: it is no prefix of any slot
         return self.params.prompt if self.params.cache_prompt and not self.session else ()

@@ -14,9 +14,9 @@ import grpc
 import pytest
 
 from inference_svc.client import InferenceClient, make_request
-from inference_svc.core.speculative import SamplingParams, SpecParams, StepResult
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
+from tests.enginekit import EngineHold, record_step_batches
 from tests.fixtures.servicekit import (
     SLOW,
     Reference,
@@ -281,32 +281,15 @@ def test_batched_sampled_steps_match_single_runs(client: InferenceClient, server
     assert len(alone[0]) == len(alone[1]) == 60
 
     engine = server._engine
-    assert engine is not None and engine.dec is not None
-    batched: list[list[int]] = []
-    step_batch = engine.dec.step_batch
-
-    def counted(slots: list[int], samplings: list[SamplingParams], specs: list[SpecParams],
-                max_new: list[int]) -> list[StepResult]:
-        batched.append(list(slots))
-        return step_batch(slots, samplings, specs, max_new)
-
-    monkeypatch.setattr(engine.dec, "step_batch", counted)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(30)
-
-    holder = threading.Thread(target=engine.call, args=(hold,))
-    holder.start()
+    assert engine is not None
+    batched = record_step_batches(engine, monkeypatch)
+    hold = EngineHold(engine)
     together: dict[int, list[int]] = {}
     try:
-        assert held.wait(10), "the engine never ran the hold"
         streams = {s: client.generate_stream(req(s)) for s in (0, 1)}
         wait_for(lambda: sample(server, "warmslot_queue_depth") == 2, "the requests never queued")
     finally:
-        release.set()
-        holder.join(30)
+        hold.release()
 
     def run(slot: int) -> None:
         together[slot] = [t for r in streams[slot] for t in r.tokens]

@@ -7,7 +7,6 @@ sampled tokens at the first two positions follow the target's law (chi-square)."
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,11 +20,11 @@ from inference_svc.core.speculative import (
     SamplingParams,
     SpecDecoder,
     SpecParams,
-    StepResult,
 )
 from inference_svc.engine import Engine, GenJob
 from inference_svc.metrics import Metrics
-from inference_svc.types import Chunk, Finished, GenerateParams
+from inference_svc.types import GenerateParams
+from tests.enginekit import EngineHold, record_step_batches
 from tests.test_speculative import chi2_pvalue, exact_dist
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,16 +98,7 @@ def test_greedy_batched_speculation_is_target_greedy_for_every_n_max(
 
 
 def collect(job: GenJob) -> list[int]:
-    toks: list[int] = []
-    while True:
-        item = job.out.get(timeout=300)
-        if isinstance(item, BaseException):
-            raise item
-        chunk = item.last if isinstance(item, Finished) else item
-        if isinstance(chunk, Chunk):
-            toks += chunk.tokens
-        if isinstance(item, Finished):
-            return toks
+    return job.collect(timeout=300)[0]
 
 
 def test_engine_steps_slots_together_as_one_at_a_time(
@@ -130,33 +120,16 @@ def test_engine_steps_slots_together_as_one_at_a_time(
     engine = Engine(cfg, tm, dm, Metrics())
     try:
         alone = [collect(engine.generate(r)) for r in reqs]
-        sizes: list[int] = []
-        step_batch = engine.dec.step_batch
-
-        def counted(slots: list[int], samplings: list[SamplingParams], specs: list[SpecParams],
-                    max_new: list[int]) -> list[StepResult]:
-            sizes.append(len(slots))
-            return step_batch(slots, samplings, specs, max_new)
-
-        monkeypatch.setattr(engine.dec, "step_batch", counted)
-        held, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            held.set()
-            release.wait(30)
-
-        holder = threading.Thread(target=engine.call, args=(hold,))
-        holder.start()
-        assert held.wait(30)
+        batches = record_step_batches(engine, monkeypatch)
+        hold = EngineHold(engine)
         jobs = [engine.generate(r) for r in reqs]
-        release.set()
-        holder.join(30)
+        hold.release()
         together = [collect(j) for j in jobs]
     finally:
         engine.close()
     assert together == alone
     assert all(len(t) == 16 for t in together)
-    assert sizes.count(3) >= 8  # the three decoded in shared passes
+    assert [len(b) for b in batches].count(3) >= 8  # the three decoded in shared passes
     for dec in open_decoder(models, n_slots=1, n_ctx=256):
         assert dec.generate(0, ps[0], 16, GREEDY, NO_SPEC) == alone[0]
 
