@@ -35,7 +35,7 @@ from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import ROOT, ServerProcess, running_server
 from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS, weed_binary
 from tests.snapkit import blob, sha
-from tests.test_snapshot_service import put_requests, status_of
+from tests.test_snapshot_service import commit_draft, put_requests, stage_target, status_of
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -209,10 +209,10 @@ def test_last_complete_save_wins(client: SnapshotClient, stub: pb_grpc.SnapshotS
     ta, da, tb, db = blob(1, 3000), blob(2, 300), blob(3, 4000), blob(4, 400)
 
     def stage(t: bytes) -> None:
-        stub.Put(iter(put_requests("s", pb.PART_TARGET, t, draft_follows=True)), timeout=30)
+        stage_target(stub, "s", t, 30)
 
     def commit(d: bytes, t: bytes) -> None:
-        stub.Put(iter(put_requests("s", pb.PART_DRAFT, d, target_sha256=sha(t))), timeout=30)
+        commit_draft(stub, "s", d, t, 30)
 
     stage(ta)
     stage(tb)

@@ -51,6 +51,20 @@ def put_requests(name: str, part: int, data: bytes, *, digest: str | None = None
                                              for i in range(0, len(data), chunk)]
 
 
+def stage_target(stub: pb_grpc.SnapshotStub, name: str, target: bytes,
+                 timeout: float) -> None:
+    """Puts a target that waits for its draft (staged, not yet visible)."""
+    stub.Put(iter(put_requests(name, pb.PART_TARGET, target, draft_follows=True)),
+             timeout=timeout)
+
+
+def commit_draft(stub: pb_grpc.SnapshotStub, name: str, draft: bytes, target: bytes,
+                 timeout: float) -> None:
+    """Puts the draft that commits the staged `target` with it."""
+    stub.Put(iter(put_requests(name, pb.PART_DRAFT, draft, target_sha256=sha(target))),
+             timeout=timeout)
+
+
 def status_of(fn: object) -> grpc.StatusCode:
     try:
         fn()  # type: ignore[operator]
@@ -414,10 +428,10 @@ def test_last_complete_save_wins(client: SnapshotClient, stub: pb_grpc.SnapshotS
     ta, da, tb, db = blob(1, 3000), blob(2, 300), blob(3, 4000), blob(4, 400)
 
     def stage(t: bytes) -> None:
-        stub.Put(iter(put_requests("s", pb.PART_TARGET, t, draft_follows=True)), timeout=20)
+        stage_target(stub, "s", t, 20)
 
     def commit(d: bytes, t: bytes) -> None:
-        stub.Put(iter(put_requests("s", pb.PART_DRAFT, d, target_sha256=sha(t))), timeout=20)
+        commit_draft(stub, "s", d, t, 20)
 
     # A starts, B starts, B completes, A completes: A's pair survives
     stage(ta)
