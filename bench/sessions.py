@@ -58,6 +58,7 @@ from tests.resumekit import InferenceProcess, source_tokens  # noqa: E402
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DRAFT = ROOT / "models" / "smollm2-draft.gguf"
 TARGET_SPEEDUP = 5.0
+TURN_TIMEOUT_S = 3600.0
 N_MAX = 8
 # the draft proposes n_max tokens at every step: acceptance is compared on every turn
 # (the SmolLM2 draft rarely reaches the service's default confidence of 0.75)
@@ -104,7 +105,9 @@ class Run:
         out: list[int] = []
         first = last = None
         t0 = time.perf_counter()
-        for resp in self.proc.client.generate_stream(req):
+        # the turns queue behind each other (more clients than slots): the bound is the
+        # servers' --max-queue-wait, not the client library's default deadline
+        for resp in self.proc.client.generate_stream(req, timeout=TURN_TIMEOUT_S):
             if first is None and resp.tokens:
                 first = time.perf_counter()
             out += list(resp.tokens)
@@ -156,7 +159,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="warmslot-bench-sessions-"))
     common = ("--model", str(a.model), "--draft", str(a.draft), "--ctx", str(ctx),
               "--threads", str(a.threads), "--no-auto-save", "--stream-interval-ms", "0",
-              "--max-queue-wait", "3600", "--max-queue", str(4 * a.clients))
+              "--max-queue-wait", str(int(TURN_TIMEOUT_S)), "--max-queue", str(4 * a.clients))
     procs: list[InferenceProcess] = []
     anomalies: list[str] = []
     t_start = time.time()
