@@ -5,6 +5,7 @@ credentials and buckets."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from botocore.config import Config
 from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.config import SnapshotConfig, parse_config
-from snapshot_svc.errors import InvalidArgument, NotFound, Unavailable
+from snapshot_svc.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.records import Part, PartMeta
@@ -90,19 +91,29 @@ def s3_config(fs: SeaweedFS, prefix: str, replica: str = "r1", **extra: Any) -> 
             "replica_id": replica, **extra}
 
 
-@pytest.fixture(params=["local", "s3"])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SnapshotServer]:
-    """The same service on either backend (8 MiB parts at most, as in
-    test_snapshot_service.py, plus room for multipart uploads on S3)."""
-    if request.param == "local":
-        with running_server(tmp_path / "data", max_snapshot_bytes=64 << 20) as srv:
+BACKENDS = ("local", "s3")
+
+
+@contextlib.contextmanager
+def serve_on(backend: str, request: pytest.FixtureRequest, tmp_path: Path,
+             **extra: Any) -> Iterator[SnapshotServer]:
+    """The same service on either backend (64 MiB parts at most: room for multipart
+    uploads on S3); `extra` is more of its config."""
+    if backend == "local":
+        with running_server(tmp_path / "data", max_snapshot_bytes=64 << 20, **extra) as srv:
             yield srv
         return
     fs = request.getfixturevalue("s3env")
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     with running_server(None, max_snapshot_bytes=64 << 20,
-                        **s3_config(fs, prefix, gc_grace_s=3600)) as srv:
+                        **s3_config(fs, prefix, gc_grace_s=3600), **extra) as srv:
         srv.test_prefix = prefix  # type: ignore[attr-defined]
+        yield srv
+
+
+@pytest.fixture(params=BACKENDS)
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SnapshotServer]:
+    with serve_on(request.param, request, tmp_path) as srv:
         yield srv
 
 
@@ -137,6 +148,36 @@ def stored(server: SnapshotServer) -> dict[str, int]:
 
 def raw_s3_of(server: SnapshotServer) -> Any:
     return server.store.s3  # type: ignore[attr-defined]
+
+
+def overwrite_stored(server: SnapshotServer, data: bytes) -> None:
+    """Replaces the bytes of the only stored part behind the service's back: a file
+    written in the data directory, an object put through the S3 API."""
+    s = server.store
+    if hasattr(s, "blobs"):
+        [path] = list(s.blobs.iterdir())
+        path.write_bytes(data)
+        return
+    prefix = f"{server.test_prefix}/blobs/"  # type: ignore[attr-defined]
+    [obj] = raw_s3_of(server).list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]
+    raw_s3_of(server).put_object(Bucket=BUCKET, Key=obj["Key"], Body=data)
+
+
+def raw_get(stub: pb_grpc.SnapshotStub, name: str,
+            client_checks: bool) -> tuple[int, grpc.StatusCode, str]:
+    """(data bytes received, status code, details) of a Get through generated stubs."""
+    received = 0
+    req = pb.GetRequest(name=name, part=pb.PART_TARGET, client_checks_sha256=client_checks)
+    try:
+        for msg in stub.Get(req, timeout=30):
+            received += len(msg.chunk)
+    except grpc.RpcError as exc:
+        return received, exc.code(), exc.details()
+    return received, grpc.StatusCode.OK, ""
+
+
+def sample(server: SnapshotServer, metric: str, **labels: str) -> float:
+    return server.metrics.registry.get_sample_value(metric, labels) or 0.0
 
 
 def collect(server: SnapshotServer) -> None:
@@ -260,22 +301,83 @@ def test_draft_for_another_target_is_refused(client: SnapshotClient,
     assert (got.target, got.draft) == (t, d2)
 
 
-# --- S3 only -------------------------------------------------------------------------------
+DAMAGED_SIZE = 2 * MAX_CHUNK_BYTES + 12345  # three chunks
 
 
-def test_damaged_object_is_data_loss(s3env: SeaweedFS) -> None:
-    prefix = f"t-{uuid.uuid4().hex[:12]}"
-    with running_server(None, **s3_config(s3env, prefix)) as srv, \
-            SnapshotClient(srv.address, timeout=30) as c:
-        t = blob(1, 100_000)
+def damaged_copy(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[len(out) // 2] ^= 1
+    return bytes(out)
+
+
+def server_mismatch(t: bytes, damaged: bytes) -> str:
+    return (f"the stored target of 's': SHA-256 mismatch (manifest {sha(t)}, stored bytes "
+            f"{sha(damaged)})")
+
+
+def test_damaged_part_is_data_loss_checked_once(server: SnapshotServer,
+                                                stub: pb_grpc.SnapshotStub) -> None:
+    t = blob(1, DAMAGED_SIZE)
+    damaged = damaged_copy(t)
+    with SnapshotClient(server.address, timeout=30) as c:
         c.put("s", t)
-        [key] = keys(s3env, f"{prefix}/blobs/")
-        damaged = bytearray(t)
-        damaged[50_000] ^= 1
-        raw_s3(s3env).put_object(Bucket=BUCKET, Key=f"{prefix}/blobs/{key}", Body=bytes(damaged))
-        with pytest.raises(Exception, match="SHA-256 mismatch") as err:
+        overwrite_stored(server, damaged)
+        # protocol 2: the client checks, so the server streams the stored bytes unhashed
+        assert c.protocol == 2
+        with pytest.raises(DataLoss) as err:
             c.get("s")
-        assert err.value.code == grpc.StatusCode.DATA_LOSS  # type: ignore[attr-defined]
+        assert err.value.message == "target of 's': SHA-256 mismatch"
+    assert raw_get(stub, "s", client_checks=True) == (DAMAGED_SIZE, grpc.StatusCode.OK, "")
+    failures = "warmslot_snapshot_digest_failures_total"
+    assert sample(server, failures) == 0.0
+    assert sample(server, "warmslot_snapshot_gets_total", part="target", code="OK") == 2.0
+    # protocol 1, or any client that does not say it checks: the server checks and
+    # ends the stream with DATA_LOSS instead of the last chunk
+    with SnapshotClient(server.address, timeout=30, max_protocol=1) as old:
+        assert old.protocol == 1
+        with pytest.raises(DataLoss) as err:
+            old.get("s")
+        assert err.value.message == server_mismatch(t, damaged)
+    assert raw_get(stub, "s", client_checks=False) == (
+        2 * MAX_CHUNK_BYTES, grpc.StatusCode.DATA_LOSS, server_mismatch(t, damaged))
+    assert sample(server, failures) == 2.0
+    assert sample(server, "warmslot_snapshot_gets_total", part="target",
+                  code="DATA_LOSS") == 2.0
+    # a short part: DATA_LOSS before any data, for every client
+    overwrite_stored(server, t[:-1])
+    for max_protocol in (1, 2):
+        with SnapshotClient(server.address, timeout=30, max_protocol=max_protocol) as c:
+            with pytest.raises(DataLoss) as err:
+                c.get("s")
+            assert err.value.message == (f"the stored target of 's' is {DAMAGED_SIZE - 1} "
+                                         f"bytes, expected {DAMAGED_SIZE}")
+    overwrite_stored(server, t)  # the right bytes again: served to both
+    for max_protocol in (1, 2):
+        with SnapshotClient(server.address, timeout=30, max_protocol=max_protocol) as c:
+            assert c.get("s").target == t
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_protocol_1_server_checks_for_every_client(backend: str, request: pytest.FixtureRequest,
+                                                     tmp_path: Path) -> None:
+    """A server at --max-protocol 1 predates client checks: it checks every Get."""
+    t = blob(2, DAMAGED_SIZE)
+    damaged = damaged_copy(t)
+    with serve_on(backend, request, tmp_path, max_protocol=1) as srv, \
+            grpc.insecure_channel(srv.address) as ch, \
+            SnapshotClient(srv.address, timeout=30) as c:
+        c.put("s", t)
+        overwrite_stored(srv, damaged)
+        assert c.protocol == 1
+        with pytest.raises(DataLoss) as err:
+            c.get("s")
+        assert err.value.message == server_mismatch(t, damaged)
+        assert raw_get(pb_grpc.SnapshotStub(ch), "s", client_checks=True) == (
+            2 * MAX_CHUNK_BYTES, grpc.StatusCode.DATA_LOSS, server_mismatch(t, damaged))
+        assert sample(srv, "warmslot_snapshot_digest_failures_total") == 2.0
+
+
+# --- S3 only -------------------------------------------------------------------------------
 
 
 def test_replicas_serve_each_others_sessions(s3env: SeaweedFS) -> None:
