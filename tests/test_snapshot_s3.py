@@ -290,29 +290,17 @@ def test_staged_target_is_invisible_until_its_draft_commits(
 
 def test_last_complete_save_wins(client: SnapshotClient, stub: pb_grpc.SnapshotStub,
                                  server: SnapshotServer) -> None:
-    ta, da, tb, db = blob(1, 3000), blob(2, 300), blob(3, 4000), blob(4, 400)
-
-    def stage(t: bytes) -> None:
-        stage_target(stub, "s", t, 30)
-
-    def commit(d: bytes, t: bytes) -> None:
-        commit_draft(stub, "s", d, t, 30)
-
-    # A starts, B starts, B completes, A completes: A's pair survives
-    stage(ta)
-    stage(tb)
-    commit(db, tb)
-    commit(da, ta)
-    got = client.get("s")
-    assert (got.target, got.draft) == (ta, da)
-    # B starts, A starts, A completes, B completes: B's pair survives
-    stage(tb)
-    stage(ta)
-    commit(da, ta)
-    commit(db, tb)
-    got = client.get("s")
-    assert (got.target, got.draft) == (tb, db)
-    assert stored_blobs(server) == sorted([sha(tb), sha(db)])
+    a, b = (blob(1, 3000), blob(2, 300)), (blob(3, 4000), blob(4, 400))
+    # first starts, second starts, second completes, first completes: the first's pair
+    # survives (A then B, then B then A)
+    for (t1, d1), (t2, d2) in ((a, b), (b, a)):
+        stage_target(stub, "s", t1, 30)
+        stage_target(stub, "s", t2, 30)
+        commit_draft(stub, "s", d2, t2, 30)
+        commit_draft(stub, "s", d1, t1, 30)
+        got = client.get("s")
+        assert (got.target, got.draft) == (t1, d1)
+    assert stored_blobs(server) == sorted([sha(b[0]), sha(b[1])])
 
 
 @pytest.mark.parametrize("size", [2 * MAX_CHUNK_BYTES, PART_BYTES + MAX_CHUNK_BYTES])
