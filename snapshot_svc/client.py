@@ -23,7 +23,8 @@ Behaviour:
   naming the target's SHA-256, commits both at once; readers never see one
   without the other. Without a draft the target replaces the snapshot alone.
 - Every byte is checked: the client sends size and SHA-256, the server verifies
-  before it commits; `get` verifies what it receives (DataLoss on mismatch).
+  before it commits; `get` verifies what it receives (DataLoss on mismatch), at
+  protocol 2 in place of the server (GetRequest.client_checks_sha256).
 - Every call has a deadline: `timeout` seconds, plus size / `min_rate` for data
   transfers (a Get learns its size from its header: until then `timeout` alone),
   and it ends by it even when the server stopped reading or sending (DeadlineExceeded).
@@ -459,8 +460,12 @@ class SnapshotClient:
         The size is known only once the header arrives, so the gRPC deadline allows for
         the largest snapshot; a watchdog holds the call to `timeout` until the header
         and to `timeout` + its real size / `min_rate` after it."""
-        req = pb.GetRequest(name=name, part=int(part), target_sha256=target_sha256)
-        size_bound = self.server_info(deadline).max_snapshot_bytes or DEFAULT_MAX_SNAPSHOT_BYTES
+        info = self.server_info(deadline)
+        # this client checks every part's digest (below); at protocol 2 it says so and
+        # the server does not hash the part a second time
+        req = pb.GetRequest(name=name, part=int(part), target_sha256=target_sha256,
+                            client_checks_sha256=info.protocol >= 2)
+        size_bound = info.max_snapshot_bytes or DEFAULT_MAX_SNAPSHOT_BYTES
 
         def fetch(timeout: float) -> tuple[memoryview, pb.GetHeader, str]:
             start = time.monotonic()

@@ -25,7 +25,8 @@ class Metrics:
         self.bytes_sent = Counter("warmslot_snapshot_sent_bytes", "Data bytes sent by Get",
                                   ["part"], registry=r)
         self.digest_failures = Counter("warmslot_snapshot_digest_failures",
-                                       "Puts refused for a size or SHA-256 mismatch", registry=r)
+                                       "Puts refused, or Gets ended, for a size or SHA-256 "
+                                       "mismatch", registry=r)
         self.rpcs = Counter("warmslot_snapshot_rpcs", "Calls by method and status code",
                             ["method", "code"], registry=r)
         self.put_seconds = Histogram("warmslot_snapshot_put_seconds",

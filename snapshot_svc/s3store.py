@@ -13,8 +13,9 @@ Layout under `s3://bucket/prefix/`:
   before the upload is completed; on any failure the multipart upload is aborted (or
   the completed object deleted), so no part is left behind.
 - Every upload has an object of its own, named by the replica and a random id, and
-  the manifest records each part's SHA-256 (checked again on every Get as the bytes
-  stream out). Replicas therefore never write, overwrite or delete an object another
+  the manifest records each part's SHA-256 (checked again on every Get, as on the
+  local backend: by the client when it says it checks, else by the Get handler).
+  Replicas therefore never write, overwrite or delete an object another
   replica's commit may still name.
 - The manifest, one PutObject (atomic in S3), is the commit point: it names the
   target's and the draft's objects, so a reader sees both parts of one save or

@@ -28,6 +28,7 @@ from snapshot_svc.backend import Backend
 from snapshot_svc.clientlib import auth, metrics_http, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
+from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     Cancelled,
     DataLoss,
@@ -41,7 +42,7 @@ from snapshot_svc.logs import configure_logging, log_event
 from snapshot_svc.metrics import Metrics
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
-from snapshot_svc.records import Part, PartMeta, SnapshotInfo
+from snapshot_svc.records import Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.storage import Store
 from snapshot_svc.wire import SERVICE_NAME, add_snapshot_servicer
 
@@ -215,6 +216,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
              context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
+        digest: StreamDigest | None = None
         try:
             part = self._part(request.part)
             label = part.label
@@ -223,6 +225,10 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 request.target_sha256)
             info = snap.part(part)
             assert info is not None
+            # the digest is checked once end to end: by a client that says it checks,
+            # else here (protocol 1 knows no such client)
+            if not (request.client_checks_sha256 and self.drafts):
+                digest = StreamDigest()
             try:
                 draft_sha = snap.draft.sha256 if (part is Part.TARGET and snap.draft
                                                   and self.drafts) else ""
@@ -236,6 +242,10 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                     if not data:
                         raise DataLoss(f"the stored {label} of {snap.name!r} is truncated")
                     remaining -= len(data)
+                    if digest is not None:
+                        digest.update(data)
+                        if not remaining:  # before the last chunk: a mismatch sends none
+                            self._check_stored(digest, info, snap.name)
                     yield data  # framed as GetResponse{chunk} by wire.py
             finally:
                 reader.close()
@@ -249,8 +259,19 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             code = "CANCELLED"
             raise
         finally:
+            if digest is not None:
+                digest.close()
             self.metrics.gets.labels(label, code).inc()
             self.metrics.get_seconds.labels(label).observe(time.perf_counter() - t0)
+
+    def _check_stored(self, digest: StreamDigest, info: PartInfo, name: str) -> None:
+        """DATA_LOSS (counted) when the bytes read from the store are not the ones the
+        manifest names."""
+        got = digest.hexdigest()
+        if got != info.sha256:
+            self.metrics.digest_failures.inc()
+            raise DataLoss(f"the stored {info.part.label} of {name!r}: SHA-256 mismatch "
+                           f"(manifest {info.sha256}, stored bytes {got})")
 
     def Stat(self, request: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
         info = self._visible(self.store.stat(tenants.stored_name(auth.CURRENT.get(),

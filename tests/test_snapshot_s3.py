@@ -1,10 +1,14 @@
 """The snapshot service on its two backends (a local directory and the S3 API on a real
-SeaweedFS started on 127.0.0.1), and what only the S3 backend does: replicas sharing a
-bucket, garbage collection, a crash mid multipart upload, the store going away,
-credentials and buckets."""
+SeaweedFS started on 127.0.0.1): one conformance suite of what both must do alike
+(round trips, Stat/List/Delete, paired commits, integrity), run on each; then what only
+the S3 backend does: replicas sharing a bucket, garbage collection, a crash mid
+multipart upload, the store going away, credentials and buckets. What only the local
+backend does (spare files, disk full, the data-dir lock...) is in
+test_snapshot_service.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +29,7 @@ from botocore.config import Config
 from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.config import SnapshotConfig, parse_config
-from snapshot_svc.errors import InvalidArgument, NotFound, Unavailable
+from snapshot_svc.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.records import Part, PartMeta
@@ -90,19 +94,29 @@ def s3_config(fs: SeaweedFS, prefix: str, replica: str = "r1", **extra: Any) -> 
             "replica_id": replica, **extra}
 
 
-@pytest.fixture(params=["local", "s3"])
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SnapshotServer]:
-    """The same service on either backend (8 MiB parts at most, as in
-    test_snapshot_service.py, plus room for multipart uploads on S3)."""
-    if request.param == "local":
-        with running_server(tmp_path / "data", max_snapshot_bytes=64 << 20) as srv:
+BACKENDS = ("local", "s3")
+
+
+@contextlib.contextmanager
+def serve_on(backend: str, request: pytest.FixtureRequest, tmp_path: Path,
+             **extra: Any) -> Iterator[SnapshotServer]:
+    """The same service on either backend (64 MiB parts at most: room for multipart
+    uploads on S3); `extra` is more of its config."""
+    if backend == "local":
+        with running_server(tmp_path / "data", max_snapshot_bytes=64 << 20, **extra) as srv:
             yield srv
         return
     fs = request.getfixturevalue("s3env")
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     with running_server(None, max_snapshot_bytes=64 << 20,
-                        **s3_config(fs, prefix, gc_grace_s=3600)) as srv:
+                        **s3_config(fs, prefix, gc_grace_s=3600), **extra) as srv:
         srv.test_prefix = prefix  # type: ignore[attr-defined]
+        yield srv
+
+
+@pytest.fixture(params=BACKENDS)
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SnapshotServer]:
+    with serve_on(request.param, request, tmp_path) as srv:
         yield srv
 
 
@@ -139,6 +153,36 @@ def raw_s3_of(server: SnapshotServer) -> Any:
     return server.store.s3  # type: ignore[attr-defined]
 
 
+def overwrite_stored(server: SnapshotServer, data: bytes) -> None:
+    """Replaces the bytes of the only stored part behind the service's back: a file
+    written in the data directory, an object put through the S3 API."""
+    s = server.store
+    if hasattr(s, "blobs"):
+        [path] = list(s.blobs.iterdir())
+        path.write_bytes(data)
+        return
+    prefix = f"{server.test_prefix}/blobs/"  # type: ignore[attr-defined]
+    [obj] = raw_s3_of(server).list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]
+    raw_s3_of(server).put_object(Bucket=BUCKET, Key=obj["Key"], Body=data)
+
+
+def raw_get(stub: pb_grpc.SnapshotStub, name: str,
+            client_checks: bool) -> tuple[int, grpc.StatusCode, str]:
+    """(data bytes received, status code, details) of a Get through generated stubs."""
+    received = 0
+    req = pb.GetRequest(name=name, part=pb.PART_TARGET, client_checks_sha256=client_checks)
+    try:
+        for msg in stub.Get(req, timeout=30):
+            received += len(msg.chunk)
+    except grpc.RpcError as exc:
+        return received, exc.code(), exc.details()
+    return received, grpc.StatusCode.OK, ""
+
+
+def sample(server: SnapshotServer, metric: str, **labels: str) -> float:
+    return server.metrics.registry.get_sample_value(metric, labels) or 0.0
+
+
 def collect(server: SnapshotServer) -> None:
     """S3: two garbage-collection sweeps with no grace (removes every unreferenced
     object); the local store frees blobs at once."""
@@ -149,31 +193,69 @@ def collect(server: SnapshotServer) -> None:
         server.store.collect_garbage()  # type: ignore[attr-defined]
 
 
+def stored_blobs(server: SnapshotServer) -> list[str]:
+    """The SHA-256 of every stored blob's bytes, sorted, once unreferenced ones are
+    collected (`collect`)."""
+    s = server.store
+    if hasattr(s, "blobs"):  # content-addressed: each file is named by its bytes' digest
+        files = {p.name: sha(p.read_bytes()) for p in s.blobs.iterdir()}
+        assert all(name == digest for name, digest in files.items()), files
+        return sorted(files)
+    collect(server)
+    prefix = f"{server.test_prefix}/blobs/"  # type: ignore[attr-defined]
+    objs = raw_s3_of(server).list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", [])
+    return sorted(sha(raw_s3_of(server).get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read())
+                  for o in objs)
+
+
 # --- the service on both backends ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, MAX_CHUNK_BYTES + 1, PART_BYTES, 2 * PART_BYTES + 12345])
-def test_round_trip_is_byte_identical(client: SnapshotClient, size: int) -> None:
-    target, draft = blob(size, size), blob(size + 1, 1000)
-    meta = PartMeta(1, "fp-target", 42)
-    res = client.put("s", target, draft, meta, PartMeta(1, "fp-draft", 42))
-    assert res.target.size == size and res.draft is not None
-    got = client.get("s")
-    assert bytes(got.target) == target and bytes(got.draft or b"") == draft
-    assert got.info.target.meta == meta and got.info.target.sha256 == sha(target)
+@pytest.mark.parametrize("size", [0, 1, MAX_CHUNK_BYTES - 1, MAX_CHUNK_BYTES,
+                                  MAX_CHUNK_BYTES + 1, 3 * MAX_CHUNK_BYTES + 12345, PART_BYTES,
+                                  2 * PART_BYTES + 12345])
+def test_round_trip_is_byte_identical(client: SnapshotClient, server: SnapshotServer,
+                                      size: int) -> None:
+    target, draft = blob(1, size), blob(2, size // 3 + 7)
+    tm = PartMeta(format_version=1, fingerprint="f" * 64, n_tokens=4000)
+    dm = PartMeta(format_version=1, fingerprint="d" * 64, n_tokens=4000)
+    res = client.put("session-1", target, draft, tm, dm)
+    assert res.protocol == 2 and not res.draft_skipped
+    assert res.target.size == size and res.target.sha256 == sha(target)
+    assert res.draft is not None and res.draft.size == len(draft)
+    assert res.draft.target_sha256 == sha(target)
+
+    got = client.get("session-1")
+    assert got.target == target and got.draft == draft
     assert got.info.commit_id == res.commit_id
+    assert got.info.target.sha256 == sha(target)
+    assert got.info.target.meta == tm and got.info.draft is not None and got.info.draft.meta == dm
+    # the stored blobs are the uploaded bytes, verbatim; nothing staged or unfinished
+    assert stored_blobs(server) == sorted([sha(target), sha(draft)])
+    assert stored(server)["staged"] == 0
 
 
 def test_stat_list_delete(client: SnapshotClient, server: SnapshotServer) -> None:
-    a, ad, b = blob(1, 1000), blob(2, 100), blob(3, 2000)
+    a, ad, b, c = blob(1, 1000), blob(2, 100), blob(3, 2000), blob(4, 3000)
+    t0 = int(time.time() * 1000)
     client.put("auto-h-slot0", a, ad, PartMeta(1, "fpa", 42), PartMeta(1, "fpd", 42))
     client.put("auto-h-slot1", b, None, PartMeta(1, "fpa", 7))
-    client.put("manual", blob(4, 3000))
+    client.put("manual", c)
     st = client.stat("auto-h-slot0")
-    assert (st.target.size, st.target.meta.n_tokens, st.draft and st.draft.size) == (1000, 42, 100)
-    assert [s.name for s in client.list("auto-")] == ["auto-h-slot0", "auto-h-slot1"]
+    assert st.name == "auto-h-slot0" and st.created_unix_ms >= t0
+    assert (st.target.size, st.target.sha256, st.target.meta) == (1000, sha(a),
+                                                                  PartMeta(1, "fpa", 42))
+    assert st.draft is not None
+    assert (st.draft.size, st.draft.sha256, st.draft.target_sha256) == (100, sha(ad), sha(a))
+    assert st.draft.meta == PartMeta(1, "fpd", 42)
+    assert st.total_bytes == 1100
+
     assert [s.name for s in client.list()] == ["auto-h-slot0", "auto-h-slot1", "manual"]
+    assert [s.name for s in client.list("auto-")] == ["auto-h-slot0", "auto-h-slot1"]
+    assert [s.name for s in client.list("auto-h-slot1")] == ["auto-h-slot1"]
+    assert client.list("zzz") == []
     assert server.store.usage() == (3, 1000 + 100 + 2000 + 3000)
+
     assert client.delete("auto-h-slot0") == 1100
     with pytest.raises(NotFound):
         client.stat("auto-h-slot0")
@@ -182,9 +264,10 @@ def test_stat_list_delete(client: SnapshotClient, server: SnapshotServer) -> Non
     with pytest.raises(NotFound):
         client.delete("auto-h-slot0")
     assert [s.name for s in client.list()] == ["auto-h-slot1", "manual"]
+    assert stored_blobs(server) == sorted([sha(b), sha(c)])
     client.delete("auto-h-slot1")
     client.delete("manual")
-    collect(server)
+    assert stored_blobs(server) == []
     assert stored(server) == {"blobs": 0, "manifests": 0, "staged": 0}
 
 
@@ -192,10 +275,10 @@ def test_staged_target_is_invisible_until_its_draft_commits(
         client: SnapshotClient, stub: pb_grpc.SnapshotStub) -> None:
     old_t, old_d = blob(1, 1000), blob(2, 100)
     client.put("s", old_t, old_d)
-    new_t, new_d = blob(3, PART_BYTES + 5), blob(4, 200)
+    new_t, new_d = blob(3, PART_BYTES + 5), blob(4, 200)  # a multipart upload on S3
     r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new_t, draft_follows=True)), timeout=30)
     assert not r.committed
-    got = client.get("s")
+    got = client.get("s")  # still the old pair
     assert (got.target, got.draft) == (old_t, old_d)
     assert client.stat("s").target.sha256 == sha(old_t)
     r2 = stub.Put(iter(put_requests("s", pb.PART_DRAFT, new_d, target_sha256=sha(new_t))),
@@ -205,77 +288,182 @@ def test_staged_target_is_invisible_until_its_draft_commits(
     assert (got.target, got.draft) == (new_t, new_d)
 
 
-def test_last_complete_save_wins(client: SnapshotClient, stub: pb_grpc.SnapshotStub) -> None:
-    ta, da, tb, db = blob(1, 3000), blob(2, 300), blob(3, 4000), blob(4, 400)
-
-    def stage(t: bytes) -> None:
-        stage_target(stub, "s", t, 30)
-
-    def commit(d: bytes, t: bytes) -> None:
-        commit_draft(stub, "s", d, t, 30)
-
-    stage(ta)
-    stage(tb)
-    commit(db, tb)
-    commit(da, ta)
-    got = client.get("s")
-    assert (got.target, got.draft) == (ta, da)
+def test_last_complete_save_wins(client: SnapshotClient, stub: pb_grpc.SnapshotStub,
+                                 server: SnapshotServer) -> None:
+    a, b = (blob(1, 3000), blob(2, 300)), (blob(3, 4000), blob(4, 400))
+    # first starts, second starts, second completes, first completes: the first's pair
+    # survives (A then B, then B then A)
+    for (t1, d1), (t2, d2) in ((a, b), (b, a)):
+        stage_target(stub, "s", t1, 30)
+        stage_target(stub, "s", t2, 30)
+        commit_draft(stub, "s", d2, t2, 30)
+        commit_draft(stub, "s", d1, t1, 30)
+        got = client.get("s")
+        assert (got.target, got.draft) == (t1, d1)
+    assert stored_blobs(server) == sorted([sha(b[0]), sha(b[1])])
 
 
-def test_wrong_digest_and_failed_pair_store_nothing(
-        client: SnapshotClient, server: SnapshotServer, stub: pb_grpc.SnapshotStub) -> None:
+@pytest.mark.parametrize("size", [2 * MAX_CHUNK_BYTES, PART_BYTES + MAX_CHUNK_BYTES])
+def test_wrong_digest_is_data_loss_and_stores_nothing(client: SnapshotClient,
+                                                      server: SnapshotServer,
+                                                      stub: pb_grpc.SnapshotStub,
+                                                      size: int) -> None:
+    """`size`: PART_BYTES + MAX_CHUNK_BYTES is a multipart upload on S3."""
     old_t, old_d = blob(1, 3000), blob(2, 300)
     client.put("s", old_t, old_d)
-    collect(server)
     before = stored(server)
-    new = blob(3, PART_BYTES + MAX_CHUNK_BYTES)  # a multipart upload on S3
+    new = blob(3, size)
+    # a chunk corrupted in transit (the last one): the header carries the digest of the
+    # real bytes
     reqs = put_requests("s", pb.PART_TARGET, new)
     reqs[-1] = pb.PutRequest(chunk=b"\x00" + reqs[-1].chunk[1:])
     with pytest.raises(grpc.RpcError) as err:
         stub.Put(iter(reqs), timeout=30)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     assert "SHA-256 mismatch" in err.value.details()
-    # a paired save whose draft fails: its staged target goes with it
-    r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new, draft_follows=True)), timeout=30)
-    assert not r.committed
+    # a header whose digest is simply wrong
+    assert status_of(lambda: stub.Put(iter(put_requests("s", pb.PART_TARGET, new,
+                                                        digest="0" * 64)), timeout=30)) \
+        == grpc.StatusCode.DATA_LOSS
+    # a wrong draft digest does not break the saved pair either
     reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
-                        target_sha256=sha(new))
+                        target_sha256=sha(old_t))
     assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) == grpc.StatusCode.DATA_LOSS
+
     assert stored(server) == before
+    assert stored_blobs(server) == sorted([sha(old_t), sha(old_d)])
+    got = client.get("s")
+    assert got.target == old_t and got.draft == old_d
+    assert server.metrics.registry.get_sample_value(
+        "warmslot_snapshot_digest_failures_total") == 3.0
+
+
+def test_failed_paired_put_removes_its_staged_target_at_once(
+        client: SnapshotClient, server: SnapshotServer, stub: pb_grpc.SnapshotStub) -> None:
+    """A paired save whose draft fails leaves nothing of the new target behind (not
+    until the staged target expires: the stage TTL is 300 s here)."""
+    old_t, old_d = blob(1, 3000), blob(2, 300)
+    client.put("s", old_t, old_d)
+    before = stored(server)
+    new_t = blob(3, PART_BYTES + MAX_CHUNK_BYTES + 7)  # a multipart upload on S3
+    r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new_t, draft_follows=True)),
+                 timeout=30)
+    assert not r.committed
+    assert stored_blobs(server) == sorted([sha(old_t), sha(old_d), sha(new_t)])
+    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
+                        target_sha256=sha(new_t))
+    assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) == grpc.StatusCode.DATA_LOSS
+    assert stored(server) == before  # at once: no garbage collection in between
+    assert stored_blobs(server) == sorted([sha(old_t), sha(old_d)])
     got = client.get("s")
     assert (got.target, got.draft) == (old_t, old_d)
+    # a draft naming the dropped target is refused: the failed save is over
+    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), target_sha256=sha(new_t))
+    assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) \
+        == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_draft_for_another_target_is_refused(client: SnapshotClient,
+def test_draft_for_another_target_is_refused(client: SnapshotClient, server: SnapshotServer,
                                              stub: pb_grpc.SnapshotStub) -> None:
     t, d = blob(1, 1000), blob(2, 100)
     client.put("s", t, d)
+    before = stored(server)
     reqs = put_requests("s", pb.PART_DRAFT, blob(3, 100), target_sha256=sha(b"not it"))
-    assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) \
-        == grpc.StatusCode.FAILED_PRECONDITION
-    d2 = blob(4, 150)  # a new draft for the current target replaces the draft
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Put(iter(reqs), timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stored(server) == before
+    assert stored_blobs(server) == sorted([sha(t), sha(d)])
+    # a new draft for the current target is accepted (and replaces the old draft)
+    d2 = blob(4, 150)
     r = stub.Put(iter(put_requests("s", pb.PART_DRAFT, d2, target_sha256=sha(t))), timeout=30)
     assert r.committed
     got = client.get("s")
     assert (got.target, got.draft) == (t, d2)
+    # a reader holding another target gets NOT_FOUND for the draft
+    with pytest.raises(NotFound, match="newer save"):
+        client.get_part("s", Part.DRAFT, target_sha256=sha(b"old target"))
+    data, info = client.get_part("s", Part.DRAFT, target_sha256=sha(t))
+    assert data == d2 and info.target_sha256 == sha(t)
+
+
+DAMAGED_SIZE = 2 * MAX_CHUNK_BYTES + 12345  # three chunks
+
+
+def damaged_copy(data: bytes) -> bytes:
+    out = bytearray(data)
+    out[len(out) // 2] ^= 1
+    return bytes(out)
+
+
+def server_mismatch(t: bytes, damaged: bytes) -> str:
+    return (f"the stored target of 's': SHA-256 mismatch (manifest {sha(t)}, stored bytes "
+            f"{sha(damaged)})")
+
+
+def test_damaged_part_is_data_loss_checked_once(server: SnapshotServer,
+                                                stub: pb_grpc.SnapshotStub) -> None:
+    t = blob(1, DAMAGED_SIZE)
+    damaged = damaged_copy(t)
+    with SnapshotClient(server.address, timeout=30) as c:
+        c.put("s", t)
+        overwrite_stored(server, damaged)
+        # protocol 2: the client checks, so the server streams the stored bytes unhashed
+        assert c.protocol == 2
+        with pytest.raises(DataLoss) as err:
+            c.get("s")
+        assert err.value.message == "target of 's': SHA-256 mismatch"
+    assert raw_get(stub, "s", client_checks=True) == (DAMAGED_SIZE, grpc.StatusCode.OK, "")
+    failures = "warmslot_snapshot_digest_failures_total"
+    assert sample(server, failures) == 0.0
+    assert sample(server, "warmslot_snapshot_gets_total", part="target", code="OK") == 2.0
+    # protocol 1, or any client that does not say it checks: the server checks and
+    # ends the stream with DATA_LOSS instead of the last chunk
+    with SnapshotClient(server.address, timeout=30, max_protocol=1) as old:
+        assert old.protocol == 1
+        with pytest.raises(DataLoss) as err:
+            old.get("s")
+        assert err.value.message == server_mismatch(t, damaged)
+    assert raw_get(stub, "s", client_checks=False) == (
+        2 * MAX_CHUNK_BYTES, grpc.StatusCode.DATA_LOSS, server_mismatch(t, damaged))
+    assert sample(server, failures) == 2.0
+    assert sample(server, "warmslot_snapshot_gets_total", part="target",
+                  code="DATA_LOSS") == 2.0
+    # a short part: DATA_LOSS before any data, for every client
+    overwrite_stored(server, t[:-1])
+    for max_protocol in (1, 2):
+        with SnapshotClient(server.address, timeout=30, max_protocol=max_protocol) as c:
+            with pytest.raises(DataLoss) as err:
+                c.get("s")
+            assert err.value.message == (f"the stored target of 's' is {DAMAGED_SIZE - 1} "
+                                         f"bytes, expected {DAMAGED_SIZE}")
+    overwrite_stored(server, t)  # the right bytes again: served to both
+    for max_protocol in (1, 2):
+        with SnapshotClient(server.address, timeout=30, max_protocol=max_protocol) as c:
+            assert c.get("s").target == t
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_protocol_1_server_checks_for_every_client(backend: str, request: pytest.FixtureRequest,
+                                                     tmp_path: Path) -> None:
+    """A server at --max-protocol 1 predates client checks: it checks every Get."""
+    t = blob(2, DAMAGED_SIZE)
+    damaged = damaged_copy(t)
+    with serve_on(backend, request, tmp_path, max_protocol=1) as srv, \
+            grpc.insecure_channel(srv.address) as ch, \
+            SnapshotClient(srv.address, timeout=30) as c:
+        c.put("s", t)
+        overwrite_stored(srv, damaged)
+        assert c.protocol == 1
+        with pytest.raises(DataLoss) as err:
+            c.get("s")
+        assert err.value.message == server_mismatch(t, damaged)
+        assert raw_get(pb_grpc.SnapshotStub(ch), "s", client_checks=True) == (
+            2 * MAX_CHUNK_BYTES, grpc.StatusCode.DATA_LOSS, server_mismatch(t, damaged))
+        assert sample(srv, "warmslot_snapshot_digest_failures_total") == 2.0
 
 
 # --- S3 only -------------------------------------------------------------------------------
-
-
-def test_damaged_object_is_data_loss(s3env: SeaweedFS) -> None:
-    prefix = f"t-{uuid.uuid4().hex[:12]}"
-    with running_server(None, **s3_config(s3env, prefix)) as srv, \
-            SnapshotClient(srv.address, timeout=30) as c:
-        t = blob(1, 100_000)
-        c.put("s", t)
-        [key] = keys(s3env, f"{prefix}/blobs/")
-        damaged = bytearray(t)
-        damaged[50_000] ^= 1
-        raw_s3(s3env).put_object(Bucket=BUCKET, Key=f"{prefix}/blobs/{key}", Body=bytes(damaged))
-        with pytest.raises(Exception, match="SHA-256 mismatch") as err:
-            c.get("s")
-        assert err.value.code == grpc.StatusCode.DATA_LOSS  # type: ignore[attr-defined]
 
 
 def test_replicas_serve_each_others_sessions(s3env: SeaweedFS) -> None:

@@ -1,5 +1,8 @@
-"""The snapshot service against a real server on 127.0.0.1: round trips, integrity,
-paired commits, limits, Stat/List/Delete, start-up sweep, shutdown, operations."""
+"""The snapshot service on its local backend against a real server on 127.0.0.1: what
+only that backend does or what needs no second backend (receive buffers, the stream
+checks, limits and disk full, concurrent writers, shared content, start-up sweep,
+shutdown, operations). What both backends must do alike is the conformance suite in
+test_snapshot_s3.py, run on each."""
 
 from __future__ import annotations
 
@@ -101,29 +104,6 @@ def stored_files(server: SnapshotServer) -> dict[str, list[str]]:
 # --- round trips -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, MAX_CHUNK_BYTES - 1, MAX_CHUNK_BYTES,
-                                  MAX_CHUNK_BYTES + 1, 3 * MAX_CHUNK_BYTES + 12345])
-def test_round_trip_is_byte_identical(client: SnapshotClient, server: SnapshotServer,
-                                      size: int) -> None:
-    target, draft = blob(1, size), blob(2, size // 3 + 7)
-    tm = PartMeta(format_version=1, fingerprint="f" * 64, n_tokens=4000)
-    dm = PartMeta(format_version=1, fingerprint="d" * 64, n_tokens=4000)
-    res = client.put("session-1", target, draft, tm, dm)
-    assert res.protocol == 2 and not res.draft_skipped
-    assert res.target.size == size and res.target.sha256 == sha(target)
-    assert res.draft is not None and res.draft.size == len(draft)
-    assert res.draft.target_sha256 == sha(target)
-
-    got = client.get("session-1")
-    assert got.target == target and got.draft == draft
-    assert got.info.commit_id == res.commit_id
-    assert got.info.target.meta == tm and got.info.draft is not None and got.info.draft.meta == dm
-    # the blobs on disk are the uploaded bytes, verbatim
-    assert (server.store.blobs / sha(target)).read_bytes() == target
-    assert (server.store.blobs / sha(draft)).read_bytes() == draft
-    assert stored_files(server)["tmp"] == []
-
-
 def test_get_results_are_read_only_and_never_reused_while_held(
         client: SnapshotClient) -> None:
     a, b = blob(1, 3 * MAX_CHUNK_BYTES + 1), blob(2, 3 * MAX_CHUNK_BYTES + 1)
@@ -218,60 +198,6 @@ def test_raw_protobuf_client_interoperates(stub: pb_grpc.SnapshotStub,
 
 
 # --- integrity ---------------------------------------------------------------------------
-
-
-def test_wrong_digest_is_data_loss_and_stores_nothing(client: SnapshotClient,
-                                                      server: SnapshotServer,
-                                                      stub: pb_grpc.SnapshotStub) -> None:
-    old_t, old_d = blob(1, 3000), blob(2, 300)
-    client.put("s", old_t, old_d)
-    before = stored_files(server)
-    new = blob(3, 2 * MAX_CHUNK_BYTES)
-    # a chunk corrupted in transit: the header carries the digest of the real bytes
-    reqs = put_requests("s", pb.PART_TARGET, new)
-    reqs[2] = pb.PutRequest(chunk=b"\x00" + reqs[2].chunk[1:])
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Put(iter(reqs), timeout=20)
-    assert err.value.code() == grpc.StatusCode.DATA_LOSS
-    assert "SHA-256 mismatch" in err.value.details()
-    # a header whose digest is simply wrong
-    assert status_of(lambda: stub.Put(iter(put_requests("s", pb.PART_TARGET, new,
-                                                        digest="0" * 64)), timeout=20)) \
-        == grpc.StatusCode.DATA_LOSS
-    # a wrong draft digest does not break the saved pair either
-    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
-                        target_sha256=sha(old_t))
-    assert status_of(lambda: stub.Put(iter(reqs), timeout=20)) == grpc.StatusCode.DATA_LOSS
-
-    assert stored_files(server) == before
-    got = client.get("s")
-    assert got.target == old_t and got.draft == old_d
-    assert server.metrics.registry.get_sample_value(
-        "warmslot_snapshot_digest_failures_total") == 3.0
-
-
-def test_failed_paired_put_removes_its_staged_target_at_once(
-        client: SnapshotClient, server: SnapshotServer, stub: pb_grpc.SnapshotStub) -> None:
-    """A paired save whose draft fails leaves nothing of the new target behind (not
-    until the staged target expires: the stage TTL is 300 s here)."""
-    old_t, old_d = blob(1, 3000), blob(2, 300)
-    client.put("s", old_t, old_d)
-    before = stored_files(server)
-    new_t = blob(3, 2 * MAX_CHUNK_BYTES + 7)
-    r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new_t, draft_follows=True)),
-                 timeout=20)
-    assert not r.committed
-    assert stored_files(server)["blobs"] == sorted([sha(old_t), sha(old_d), sha(new_t)])
-    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
-                        target_sha256=sha(new_t))
-    assert status_of(lambda: stub.Put(iter(reqs), timeout=20)) == grpc.StatusCode.DATA_LOSS
-    assert stored_files(server) == before
-    got = client.get("s")
-    assert (got.target, got.draft) == (old_t, old_d)
-    # a draft naming the dropped target is refused: the failed save is over
-    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), target_sha256=sha(new_t))
-    assert status_of(lambda: stub.Put(iter(reqs), timeout=20)) \
-        == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_truncated_and_overlong_streams(client: SnapshotClient, server: SnapshotServer,
@@ -406,50 +332,6 @@ def test_disk_too_full_for_the_declared_size_is_refused_before_the_data(
 # --- paired commit -----------------------------------------------------------------------
 
 
-def test_staged_target_is_invisible_until_its_draft_commits(
-        client: SnapshotClient, stub: pb_grpc.SnapshotStub) -> None:
-    old_t, old_d = blob(1, 1000), blob(2, 100)
-    client.put("s", old_t, old_d)
-    new_t, new_d = blob(3, 2000), blob(4, 200)
-    r = stub.Put(iter(put_requests("s", pb.PART_TARGET, new_t, draft_follows=True)), timeout=20)
-    assert not r.committed
-    got = client.get("s")  # still the old pair
-    assert (got.target, got.draft) == (old_t, old_d)
-    assert client.stat("s").target.sha256 == sha(old_t)
-    r2 = stub.Put(iter(put_requests("s", pb.PART_DRAFT, new_d, target_sha256=sha(new_t))),
-                  timeout=20)
-    assert r2.committed and r2.has_draft and r2.commit_id == r.commit_id
-    got = client.get("s")
-    assert (got.target, got.draft) == (new_t, new_d)
-
-
-def test_last_complete_save_wins(client: SnapshotClient, stub: pb_grpc.SnapshotStub,
-                                 server: SnapshotServer) -> None:
-    ta, da, tb, db = blob(1, 3000), blob(2, 300), blob(3, 4000), blob(4, 400)
-
-    def stage(t: bytes) -> None:
-        stage_target(stub, "s", t, 20)
-
-    def commit(d: bytes, t: bytes) -> None:
-        commit_draft(stub, "s", d, t, 20)
-
-    # A starts, B starts, B completes, A completes: A's pair survives
-    stage(ta)
-    stage(tb)
-    commit(db, tb)
-    commit(da, ta)
-    got = client.get("s")
-    assert (got.target, got.draft) == (ta, da)
-    # B starts, A starts, A completes, B completes: B's pair survives
-    stage(tb)
-    stage(ta)
-    commit(da, ta)
-    commit(db, tb)
-    got = client.get("s")
-    assert (got.target, got.draft) == (tb, db)
-    assert stored_files(server)["blobs"] == sorted([sha(tb), sha(db)])
-
-
 def test_concurrent_saves_of_one_name_leave_a_consistent_pair(
         server: SnapshotServer) -> None:
     """Four writers save pairs under one name while a reader checks every read."""
@@ -505,28 +387,6 @@ def test_concurrent_saves_of_one_name_leave_a_consistent_pair(
         "tmp": []}
 
 
-def test_draft_for_another_target_is_refused(client: SnapshotClient, server: SnapshotServer,
-                                             stub: pb_grpc.SnapshotStub) -> None:
-    t, d = blob(1, 1000), blob(2, 100)
-    client.put("s", t, d)
-    before = stored_files(server)
-    reqs = put_requests("s", pb.PART_DRAFT, blob(3, 100), target_sha256=sha(b"not it"))
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Put(iter(reqs), timeout=20)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert stored_files(server) == before
-    # a new draft for the current target is accepted (and replaces the old draft)
-    d2 = blob(4, 150)
-    r = stub.Put(iter(put_requests("s", pb.PART_DRAFT, d2, target_sha256=sha(t))), timeout=20)
-    assert r.committed
-    assert client.get("s").draft == d2
-    # a reader holding another target gets NOT_FOUND for the draft
-    with pytest.raises(NotFound, match="newer save"):
-        client.get_part("s", Part.DRAFT, target_sha256=sha(b"old target"))
-    data, info = client.get_part("s", Part.DRAFT, target_sha256=sha(t))
-    assert data == d2 and info.target_sha256 == sha(t)
-
-
 def test_staged_target_expires(tmp_path: Path) -> None:
     with running_server(tmp_path / "d", stage_ttl_s=0.2) as srv, \
             grpc.insecure_channel(srv.address) as ch:
@@ -540,55 +400,7 @@ def test_staged_target_expires(tmp_path: Path) -> None:
         assert stored_files(srv) == {"blobs": [], "manifests": [], "tmp": []}
 
 
-# --- reads of damaged data -----------------------------------------------------------------
-
-
-def test_damaged_blob_is_data_loss(client: SnapshotClient, server: SnapshotServer) -> None:
-    t = blob(1, 100_000)
-    client.put("s", t)
-    path = server.store.blobs / sha(t)
-    damaged = bytearray(t)
-    damaged[50_000] ^= 1
-    path.write_bytes(damaged)
-    with pytest.raises(DataLoss, match="SHA-256 mismatch"):
-        client.get("s")
-    path.write_bytes(t[:-1])
-    with pytest.raises(DataLoss, match="is 99999 bytes, expected 100000"):
-        client.get("s")
-
-
-# --- Stat / List / Delete ------------------------------------------------------------------
-
-
-def test_stat_list_delete(client: SnapshotClient, server: SnapshotServer) -> None:
-    a, ad, b, c = blob(1, 1000), blob(2, 100), blob(3, 2000), blob(4, 3000)
-    t0 = int(time.time() * 1000)
-    client.put("auto-h-slot0", a, ad, PartMeta(1, "fpa", 42), PartMeta(1, "fpd", 42))
-    client.put("auto-h-slot1", b, None, PartMeta(1, "fpa", 7))
-    client.put("manual", c)
-    st = client.stat("auto-h-slot0")
-    assert st.name == "auto-h-slot0" and st.created_unix_ms >= t0
-    assert (st.target.size, st.target.sha256, st.target.meta) == (1000, sha(a),
-                                                                  PartMeta(1, "fpa", 42))
-    assert st.draft is not None
-    assert (st.draft.size, st.draft.sha256, st.draft.target_sha256) == (100, sha(ad), sha(a))
-    assert st.draft.meta == PartMeta(1, "fpd", 42)
-    assert st.total_bytes == 1100
-
-    assert [s.name for s in client.list()] == ["auto-h-slot0", "auto-h-slot1", "manual"]
-    assert [s.name for s in client.list("auto-")] == ["auto-h-slot0", "auto-h-slot1"]
-    assert [s.name for s in client.list("auto-h-slot1")] == ["auto-h-slot1"]
-    assert client.list("zzz") == []
-
-    assert client.delete("auto-h-slot0") == 1100
-    with pytest.raises(NotFound):
-        client.stat("auto-h-slot0")
-    with pytest.raises(NotFound):
-        client.get("auto-h-slot0")
-    with pytest.raises(NotFound):
-        client.delete("auto-h-slot0")
-    assert [s.name for s in client.list()] == ["auto-h-slot1", "manual"]
-    assert stored_files(server)["blobs"] == sorted([sha(b), sha(c)])
+# --- shared content ------------------------------------------------------------------------
 
 
 def test_shared_content_is_freed_with_its_last_reference(client: SnapshotClient,
