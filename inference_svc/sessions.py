@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from inference_svc import log, slotfile
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import DataLoss, NotFound
+from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
 from inference_svc.scheduler import Job
 from inference_svc.session_listing import (
@@ -109,10 +110,12 @@ class SessionHost:
     and `save_all` on the caller's."""
 
     def __init__(self, engine: Engine, slots: SlotManager, ram_bytes: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, fallback: Fallback | None = None) -> None:
         self.engine = engine
         self.slots = slots
         self.store: SlotStore | None = slots.store
+        # where the stop puts the sessions the store does not take (and finds them again)
+        self.fallback = fallback if slots.store is not None else None
         self.ram_bytes = ram_bytes
         self.metrics = metrics
         self.log = log.get()
@@ -160,8 +163,11 @@ class SessionHost:
                 if self.engine.session_resident(k) or self._held(k) or self.store is None:
                     return
                 t0 = time.perf_counter()
+                # a copy a stop left in the local fallback is newer than the store's
+                source = (self.fallback.store if self.fallback is not None
+                          and self.fallback.has(k) else self.store)
                 try:
-                    prepared = prepare_restore(self.store, k, self.slots.target_spec,
+                    prepared = prepare_restore(source, k, self.slots.target_spec,
                                                self.slots.draft_spec, deadline)
                 except NotFound:
                     return
@@ -345,19 +351,24 @@ class SessionHost:
     def evict(self, slot: int, key: str) -> None:
         """Captures the slot's state as session `key` into the RAM tier (engine thread).
         An empty slot holds nothing to keep."""
+        held = self._capture(slot, key)
+        if held is not None:
+            self._put(held)
+            self.metrics.session_evictions.labels("slot_to_ram").inc()
+
+    def _capture(self, slot: int, key: str) -> Held | None:
+        """The slot's state as session `key` (engine thread); None when it is empty."""
         eng = self.engine
         if eng.n_tokens(slot) == 0:
-            return
+            return None
         state = eng.capture(slot)
         t = slotfile.target_from_core(state.target, self.slots.target_spec)
         size = len(state.target) + (len(state.draft) if state.draft is not None else 0)
         with self._lock:
             version = self._ver.get(key, 0)
-        held = Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
+        return Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
                     size, eng.slot_last_used_ms(slot), TIER_RAM, version=version,
                     raw_target=state.target)
-        self._put(held)
-        self.metrics.session_evictions.labels("slot_to_ram").inc()
 
     def _put(self, held: Held) -> None:
         """Puts a session captured from its slot into the RAM tier without ever holding
@@ -465,21 +476,24 @@ class SessionHost:
         self._gauges()
 
     def _write_loop(self) -> None:
-        """Removes the older store copies of sessions whose state was lost, and retries
-        the sessions the store did not take."""
+        """Moves the sessions a stop left in the local fallback to the store (retried
+        while it is down), removes the older store copies of sessions whose state was
+        lost, and retries the sessions the store did not take."""
         self._count_stored()
+        fallback_left = not self._upload_fallback()
         while True:
             with self._lock:
-                while True:
-                    if self._closed:
-                        return
-                    stale = next(iter(self._stale), None)
-                    held = self._next_to_write() if stale is None else None
-                    if stale is not None or held is not None:
-                        break
-                    self._lock.wait()
+                if self._closed:
+                    return
+                stale = next(iter(self._stale), None)
+                held = self._next_to_write() if stale is None else None
                 if held is not None:
                     held.writing = True
+                elif stale is None:
+                    self._lock.wait(SPILL_RETRY_S if fallback_left else None)
+                    if fallback_left and not self._closed:
+                        fallback_left = not self._upload_fallback()
+                    continue
             if stale is not None:
                 ok = self._remove_stale(stale, None)
             else:
@@ -488,6 +502,46 @@ class SessionHost:
             if not ok:
                 with self._lock:
                     self._lock.wait(SPILL_RETRY_S)
+
+    def _upload_fallback(self) -> bool:
+        """Copies each session the local fallback holds into the store and removes it
+        there; True when none is left to copy. One this replica has taken up meanwhile
+        (read, resident, held, lost) is left alone: its newer state replaces both
+        copies when it is written to the store."""
+        fb, store = self.fallback, self.store
+        if fb is None or store is None:
+            return True
+        try:
+            names = [i.name for i in fb.store.list(SESSION_PREFIX)]
+        except Exception as exc:  # noqa: BLE001 - retried
+            self.log.warning("local fallback of the sessions not readable", extra=log.fields(
+                fallback=fb.describe(), error=str(exc)))
+            return False
+        for k in names:
+            if from_store_name(k) is None:
+                continue
+            with self._key_lock(k):  # no turn reads it while it moves
+                with self._lock:
+                    if self._closed:
+                        return True
+                    taken = (k in self._ver or k in self._ram or k in self._staged
+                             or k in self._lost)
+                if taken or self.engine.session_resident(k):
+                    continue
+                try:
+                    stored = fb.store.load(k)
+                    store.save(k, stored.target, stored.draft)
+                except Exception as exc:  # noqa: BLE001 - kept locally, retried
+                    self.log.info("session fallback upload failed, kept locally",
+                                  extra=log.fields(session=k, fallback=fb.describe(),
+                                                   error=str(exc)))
+                    return False
+                fb.discard(k)
+                with self._lock:
+                    self._in_store.add(k)
+            self.log.info("session fallback uploaded", extra=log.fields(
+                session=k, store=store.describe()))
+        return True
 
     def _remove_stale(self, k: str, deadline: float | None) -> bool:
         """Deletes the older store copy of a session whose state was lost."""
@@ -532,6 +586,8 @@ class SessionHost:
             with self._lock:
                 self._writing.discard(k)
                 self._lock.notify_all()
+        if self.fallback is not None:
+            self.fallback.discard(k)  # older than what the store now holds
         with self._lock:
             self._in_store.add(k)
             undo = held.deleted
@@ -542,9 +598,11 @@ class SessionHost:
         return True
 
     def _delete_stored(self, key: str, deadline: float | None) -> bool:
+        """Removes the session's copies from the local fallback and the store."""
         if self.store is None:
             return False
-        removed = self.store.delete(key, deadline=deadline)
+        removed = self.fallback.discard(key) if self.fallback is not None else False
+        removed = self.store.delete(key, deadline=deadline) or removed
         with self._lock:
             self._in_store.discard(key)
             self._store_ver.pop(key, None)
@@ -558,6 +616,9 @@ class SessionHost:
         prefix = SESSION_PREFIX if owner is None else SessionKey(owner, "x").store_name[:-1]
         if self.store is not None:
             for r in list_stored(self.store, prefix):
+                rows[r.key] = r
+        if self.fallback is not None:  # newer than the store's copies
+            for r in list_stored(self.fallback.store, prefix):
                 rows[r.key] = r
         with self._lock:
             ram = [(h.key, h.n_tokens, h.last_used_ms) for h in self._ram.values()]
@@ -622,37 +683,80 @@ class SessionHost:
 
     def save_all(self, deadline: float | None) -> tuple[int, int]:
         """At stop, once no request runs: every session in a slot or in RAM goes to the
-        store (a slot's is then erased, so its auto-save does not keep it too).
-        (saved, failed); without a store, (0, 0): sessions end with the process."""
+        store (a slot's is then erased, so its auto-save does not keep it too), each
+        write ending by `deadline`; one the store does not take goes to the local
+        fallback, and once the store failed (or the time is up) the rest go straight
+        there. (saved, failed): saved in the store or the fallback; without a store,
+        (0, 0): sessions end with the process."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
         self._writer.join(timeout=30)
         if self.store is None:
             return 0, 0
-        saved = failed = 0
+        saved = failed = to_fallback = 0
+        store_down = False
+
+        def save(held: Held) -> None:
+            nonlocal saved, failed, to_fallback, store_down
+            if deadline is not None and time.monotonic() >= deadline:
+                store_down = True
+            if not store_down and self._write(held, deadline):
+                saved += 1
+                return
+            store_down = True
+            if self._write_fallback(held):
+                saved += 1
+                to_fallback += 1
+            else:
+                failed += 1
+
+        with self._lock:
+            stale = list(self._stale)
+        for k in stale:  # never left to come back at the next start
+            if not self._remove_stale(k, deadline):
+                self.log.error("older copy of a lost session left in the store",
+                               extra=log.fields(session=k))
+        # one captured state at a time, outside the RAM tier
         for k, _n, slot, _busy, _last in self.engine.resident_sessions():
             try:
-                self.engine.call(lambda s=slot, key=k: self.evict(s, key))
-                self.engine.call(lambda s=slot: self.engine.unbind_slot(s))
+                held = self.engine.call(lambda s=slot, key=k: self._capture(s, key))
             except Exception as exc:  # noqa: BLE001 - one session must not cost the others
                 self.log.error("session not saved at stop", extra=log.fields(
                     session=k, error=str(exc)))
                 failed += 1
+                continue
+            if held is not None:
+                save(held)
+            self.engine.call(lambda s=slot: self.engine.unbind_slot(s))
         with self._lock:
             todo = [h for h in self._ram.values() if not h.in_store]
-            stale = list(self._stale)
-        for k in stale:  # never left to come back at the next start
-            if not self._remove_stale(k, deadline):
-                self.log.error("older copy of a lost session left in the store", extra=log.fields(
-                    session=k))
         for held in todo:
-            if self._write(held, deadline):
-                saved += 1
-            else:
-                failed += 1
-        self.log.info("sessions saved", extra=log.fields(saved=saved, failed=failed))
+            save(held)
+        self.log.info("sessions saved", extra=log.fields(
+            saved=saved, to_fallback=to_fallback, failed=failed))
         return saved, failed
+
+    def _write_fallback(self, held: Held) -> bool:
+        """Writes a session to the local fallback at stop (the store did not take it)."""
+        fb = self.fallback
+        if fb is None:
+            self.log.error("session not saved at stop: the store did not take it and "
+                           "there is no local fallback", extra=log.fields(session=held.key))
+            return False
+        assert held.raw_target is not None
+        try:
+            enc = encode_slot(held.raw_target, held.draft, self.slots.target_spec,
+                              self.slots.draft_spec)
+            fb.store.save(held.key, enc.target, enc.draft, target_sha256=enc.target_sha256)
+        except Exception as exc:  # noqa: BLE001 - counted as failed
+            self.log.error("session not saved at stop, also not to the local fallback",
+                           extra=log.fields(session=held.key, fallback=fb.describe(),
+                                            error=str(exc)))
+            return False
+        self.log.warning("session kept in the local fallback: the store did not take it",
+                         extra=log.fields(session=held.key, fallback=fb.describe()))
+        return True
 
     def close(self) -> None:
         with self._lock:
