@@ -665,9 +665,10 @@ class SessionHost:
                 self._turns.pop(k, None)
             if self.store is not None:
                 stored = 0
-                if not n:
-                    stored = next((r.n_tokens for r in list_stored(self.store, k)
-                                   if r.key == key), 0)
+                if not n:  # the fallback's copy is the newer one
+                    stores = [self.fallback.store] if self.fallback is not None else []
+                    stored = next((r.n_tokens for s in (*stores, self.store)
+                                   for r in list_stored(s, k) if r.key == key), 0)
                 if self._delete_stored(k, deadline):
                     tiers.append(TIER_STORE)
                     n = n or stored

@@ -147,3 +147,28 @@ def test_deleting_a_lost_session_clears_its_report(
         assert (r.n_tokens, list(r.removed_from)) == (0, [])
         _, t = turn(c, "a", p[2])
         assert (t.session_tier, t.cache_n) == (NEW, 0)
+
+
+def test_a_session_that_cannot_be_moved_out_of_its_slot_reports_the_loss(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(config(slot_save_path=tmp_path)) as srv, client(srv) as c:
+        p = prompts(c)
+        turn(c, "a", p[0])
+        eng = srv._engine
+        assert eng is not None
+        real = eng.capture
+
+        def failing(slot: int) -> object:
+            monkeypatch.setattr(eng, "capture", real)
+            raise RuntimeError("injected capture failure")
+
+        monkeypatch.setattr(eng, "capture", failing)
+        assert failed_turn(c, "b", p[1]).code() == grpc.StatusCode.INTERNAL
+        assert listed(c) == {}
+        err = failed_turn(c, "a", p[2])
+        assert err.code() == grpc.StatusCode.DATA_LOSS
+        assert err.details().startswith(
+            f"session 'a' lost its state of {len(p[0]) + N} tokens: moving it out of slot 0 "
+            "failed (injected capture failure), and no other copy of it was kept;")
+        _, t = turn(c, "b", p[1])
+        assert (t.session_tier, t.cache_n) == (NEW, 0)

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from inference_svc import sessions
+from inference_svc.errors import Unavailable
 from inference_svc.server import Server
 from inference_svc.sessions import Held, SessionHost
 from tests.fixtures.servicekit import running
+from tests.resumekit import wait_until
 from tests.test_sessions import RAM, SLOT, STORE, N, client, config, listed, store_files, turn
 
 PROMPT_LEN = 12
@@ -93,3 +98,33 @@ def test_a_session_bigger_than_the_tier_goes_to_the_store_itself(tmp_path: Path)
     assert rows == {"a": (n, STORE), "b": (n, STORE), "c": (n, SLOT)}
     assert files == ["session~~a", "session~~a.drft", "session~~b",
                                            "session~~b.drft"]
+
+
+def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one exception: a full tier and a store that refuses writes keep the session in
+    RAM (never lost); once the store takes writes again the tier is back within bound."""
+    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 0.05)
+    size = session_size(tmp_path)
+    n = PROMPT_LEN + N
+    with running(config(slot_save_path=tmp_path / "s")) as srv, client(srv) as c:
+        seen = watch(srv, 2 * size - 1)
+        h = host(srv)
+        store = h.store
+        assert store is not None
+        real = store.save
+
+        def refused(*args: object, **kw: object) -> int:
+            raise Unavailable("injected: the store is down")
+
+        prompt = list(range(10, 10 + PROMPT_LEN))
+        turn(c, "a", prompt)
+        turn(c, "b", prompt)
+        monkeypatch.setattr(store, "save", refused)
+        turn(c, "c", prompt)
+        assert (seen, h._ram_used) == ([size, 2 * size], 2 * size)
+        assert listed(c) == {"a": (n, RAM), "b": (n, RAM), "c": (n, SLOT)}
+        monkeypatch.setattr(store, "save", real)
+        wait_until(lambda: h._ram_used == size)
+        assert listed(c) == {"a": (n, STORE), "b": (n, RAM), "c": (n, SLOT)}
+        assert store_files(tmp_path / "s") == ["session~~a", "session~~a.drft"]
