@@ -598,11 +598,13 @@ class SessionHost:
         return True
 
     def _delete_stored(self, key: str, deadline: float | None) -> bool:
-        """Removes the session's copies from the local fallback and the store."""
+        """Removes the session's copies from the store and the local fallback (in that
+        order: a store that fails leaves both, for the retry)."""
         if self.store is None:
             return False
-        removed = self.fallback.discard(key) if self.fallback is not None else False
-        removed = self.store.delete(key, deadline=deadline) or removed
+        removed = self.store.delete(key, deadline=deadline)
+        if self.fallback is not None:
+            removed = self.fallback.discard(key) or removed
         with self._lock:
             self._in_store.discard(key)
             self._store_ver.pop(key, None)

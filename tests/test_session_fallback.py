@@ -128,3 +128,31 @@ def test_a_session_taken_from_the_fallback_is_never_overwritten_by_its_older_cop
             assert files(local) == []
         finally:
             snap.stop(grace=0)
+
+
+def test_deleting_a_session_held_in_the_fallback(tmp_path: Path) -> None:
+    port = free_port()
+    addr, fallback = f"127.0.0.1:{port}", tmp_path / "fallback"
+    local = fallback / "fb"
+    snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+    with inference(addr, fallback) as srv, client(srv) as c:
+        snap.start()
+        p = prompts(c)
+        turn(c, "a", p[0])
+        snap.stop(grace=0)
+    assert files(local) == ["session~~a", "session~~a.drft"]
+    with inference(addr, fallback) as srv, client(srv) as c:
+        # the store down: the delete fails whole, the fallback copy stays for the retry
+        with pytest.raises(grpc.RpcError) as err:
+            c.delete_session("a")
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert files(local) == ["session~~a", "session~~a.drft"]
+        snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+        snap.start()
+        try:
+            r = c.delete_session("a")
+            assert (r.n_tokens, list(r.removed_from)) == (len(p[0]) + N, [STORE])
+            assert files(local) == [] and stored(addr) == []
+            assert listed(c) == {}
+        finally:
+            snap.stop(grace=0)
