@@ -60,6 +60,7 @@ from inference_svc.store import SlotStore
 from snapshot_svc.clientlib import auth
 
 SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt
+ENGINE_WRITE_S = 5.0  # bound of the store writes that make room in the RAM tier
 _KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
 
 
@@ -136,6 +137,7 @@ class SessionHost:
         self._writing: set[str] = set()  # sessions being written: one write at a time each
         self._lost: dict[str, str] = {}  # sessions whose state was lost: the report
         self._stale: set[str] = set()  # of those, the ones whose older store copy remains
+        self._write_failed: float | None = None  # time.monotonic() of the last failed write
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="warmslot-sessions",
                                         daemon=True)
@@ -374,8 +376,11 @@ class SessionHost:
         """Puts a session captured from its slot into the RAM tier without ever holding
         more than its bound: the least recently used sessions there (none a waiting turn
         needs) are written to the store first until it fits; when it cannot fit that
-        way, it goes to the store itself. Only when the store does not take it either is
-        it kept beyond the bound (logged; the writer retries it), rather than lost."""
+        way, it goes to the store itself. Those writes run on the calling (engine)
+        thread, each ending within ENGINE_WRITE_S. Only when the store does not take
+        them (or failed a write less than SPILL_RETRY_S ago: the engine does not wait on
+        a store that is down) is the session kept beyond the bound (logged; the writer
+        retries it), rather than lost."""
         with self._lock:
             old = self._ram.pop(held.key, None)
             if old is not None:
@@ -383,7 +388,7 @@ class SessionHost:
                 old.deleted = old.writing  # an older write in flight must not land last
             need = self._ram_used + held.size - self.ram_bytes
             victims: list[Held] = []
-            if need > 0 and held.size <= self.ram_bytes:
+            if need > 0 and held.size <= self.ram_bytes and not self._store_failing():
                 free = sorted((h for h in self._ram.values()
                                if not h.writing and self._reserved[h.key] <= 0),
                               key=lambda h: h.last_used_ms)
@@ -396,30 +401,39 @@ class SessionHost:
                     victims = []  # they would not make room: the session goes down itself
             for h in victims:
                 h.writing = True
+        deadline = time.monotonic() + ENGINE_WRITE_S
         for h in victims:
-            self._spill(h, None)
+            self._spill(h, deadline)
         with self._lock:
             fits = self._ram_used + held.size <= self.ram_bytes
-            if fits:
-                self._ram[held.key] = held
+            direct = not fits and not self._store_failing()
+            if fits or not direct:
+                self._ram[held.key] = held  # beyond the bound when it does not fit
                 self._ram_used += held.size
             else:  # found by a turn while it is written, outside the tier's bound
                 held.writing = True
                 self._staged[held.key] = held
             self._lock.notify_all()
-        if not fits and not self._spill(held, None):
+        kept = not fits and not direct
+        if direct and not self._spill(held, deadline):
             with self._lock:
-                keep = self._staged.get(held.key) is held  # no turn has taken it meanwhile
-                if keep:
+                kept = self._staged.get(held.key) is held  # no turn has taken it meanwhile
+                if kept:
                     del self._staged[held.key]
                     self._ram[held.key] = held
                     self._ram_used += held.size
-            if keep:
-                self.log.warning("session kept in RAM beyond --session-ram-mb: the store "
-                                 "did not take it", extra=log.fields(
-                                     session=held.key, ram_used=self._ram_used,
-                                     ram_bytes=self.ram_bytes))
+                    self._lock.notify_all()
+        if kept:
+            self.log.warning("session kept in RAM beyond --session-ram-mb: the store did "
+                             "not take it", extra=log.fields(
+                                 session=held.key, ram_used=self._ram_used,
+                                 ram_bytes=self.ram_bytes))
         self._gauges()
+
+    def _store_failing(self) -> bool:
+        """Under the lock: the store failed a write less than SPILL_RETRY_S ago."""
+        return (self._write_failed is not None
+                and time.monotonic() - self._write_failed < SPILL_RETRY_S)
 
     # ------------------------------------------------------------ the writer
 
@@ -486,11 +500,12 @@ class SessionHost:
                 if self._closed:
                     return
                 stale = next(iter(self._stale), None)
-                held = self._next_to_write() if stale is None else None
+                failing = self._store_failing()  # then its pause is kept
+                held = self._next_to_write() if stale is None and not failing else None
                 if held is not None:
                     held.writing = True
                 elif stale is None:
-                    self._lock.wait(SPILL_RETRY_S if fallback_left else None)
+                    self._lock.wait(SPILL_RETRY_S if fallback_left or failing else None)
                     if fallback_left and not self._closed:
                         fallback_left = not self._upload_fallback()
                     continue
@@ -499,9 +514,11 @@ class SessionHost:
             else:
                 assert held is not None
                 ok = self._spill(held, None)
-            if not ok:
+            if not ok:  # a pause, whatever wakes the writer meanwhile
+                until = time.monotonic() + SPILL_RETRY_S
                 with self._lock:
-                    self._lock.wait(SPILL_RETRY_S)
+                    while not self._closed and (left := until - time.monotonic()) > 0:
+                        self._lock.wait(left)
 
     def _upload_fallback(self) -> bool:
         """Copies each session the local fallback holds into the store and removes it
@@ -581,11 +598,15 @@ class SessionHost:
         except Exception as exc:  # noqa: BLE001 - kept in RAM, retried
             self.log.warning("session not written to the store", extra=log.fields(
                 session=k, error=str(exc)))
+            with self._lock:
+                self._write_failed = time.monotonic()
             return False
         finally:
             with self._lock:
                 self._writing.discard(k)
                 self._lock.notify_all()
+        with self._lock:
+            self._write_failed = None
         if self.fallback is not None:
             self.fallback.discard(k)  # older than what the store now holds
         with self._lock:

@@ -128,3 +128,32 @@ def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
         wait_until(lambda: h._ram_used == size)
         assert listed(c) == {"a": (n, STORE), "b": (n, RAM), "c": (n, SLOT)}
         assert store_files(tmp_path / "s") == ["session~~a", "session~~a.drft"]
+
+
+def test_the_engine_does_not_wait_on_a_store_that_just_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed write, evictions within SPILL_RETRY_S try no store write on the
+    engine thread: the session is kept beyond the bound at once."""
+    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 600.0)  # the writer does not retry
+    size = session_size(tmp_path)
+    with running(config(slot_save_path=tmp_path / "s")) as srv, client(srv) as c:
+        seen = watch(srv, 2 * size - 1)
+        h = host(srv)
+        store = h.store
+        assert store is not None
+        real = store.save
+        calls: list[str] = []
+
+        def refused(name: str, *args: object, **kw: object) -> int:
+            calls.append(name)
+            raise Unavailable("injected: the store is down")
+
+        prompt = list(range(10, 10 + PROMPT_LEN))
+        turn(c, "a", prompt)
+        turn(c, "b", prompt)
+        monkeypatch.setattr(store, "save", refused)
+        turn(c, "c", prompt)  # one write tried (a, to make room for b), refused
+        turn(c, "d", prompt)  # none tried: c is kept at once
+        assert calls == ["session~~a"]
+        assert (seen, h._ram_used) == ([size, 2 * size, 3 * size], 3 * size)
+        monkeypatch.setattr(store, "save", real)
