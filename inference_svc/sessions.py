@@ -223,7 +223,14 @@ class SessionHost:
             if turn is None or turn.job() is not job:
                 return
             del self._turns[k]
-        if not self.engine.session_resident(k) and not self._held(k):
+        if self.engine.session_resident(k):
+            if isinstance(job, GenJob) and job.timings.prompt_n == 0:
+                # refused before it touched the slot (too long for the context): the
+                # session still holds the state the turn started from
+                with self._lock:
+                    if self._turns.get(k) is None:
+                        self._ver[k] = turn.version
+        elif not self._held(k):
             self._state_lost(k, turn.version, turn.n_tokens,
                              f"a turn of it failed in slot {job.slot} and emptied the slot")
 

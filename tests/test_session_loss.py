@@ -172,3 +172,21 @@ def test_a_session_that_cannot_be_moved_out_of_its_slot_reports_the_loss(
             "failed (injected capture failure), and no other copy of it was kept;")
         _, t = turn(c, "b", p[1])
         assert (t.session_tier, t.cache_n) == (NEW, 0)
+
+
+def test_a_refused_turn_keeps_the_store_copy_current(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn refused before it touched the slot (too long for the context) leaves the
+    session at the store's state: a failure after it still continues from the store."""
+    with running(config(slot_save_path=tmp_path, session_ram_mb=0)) as srv, \
+            client(srv) as c:
+        p = prompts(c)
+        turn(c, "a", p[0])
+        turn(c, "b", p[1])  # a to the store
+        with pytest.raises(grpc.RpcError) as err:
+            turn(c, "a", p[2], n=250)  # restored, then refused: it exceeds the context
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        fail_next_prefill(srv, monkeypatch)
+        assert failed_turn(c, "a", p[2]).code() == grpc.StatusCode.INTERNAL
+        _, t = turn(c, "a", p[3])
+        assert (t.session_tier, t.cache_n, t.prompt_n) == (STORE, len(p[0]) + N, len(p[3]))
