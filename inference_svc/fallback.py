@@ -11,6 +11,10 @@ A file here is newer than the store's copy of the same name: it was written by t
 last stop, after the store's copy. So at start-up pending files go to the store first
 (or, with the store still down, are restored from here), and a later successful save
 of the name to the store, or a stop that finds the slot empty, removes the file here.
+The stop also writes here the sessions (`session~<owner>~<name>`) the store did not
+take; those are not `pending()` auto-saves: the session host (inference_svc.sessions)
+reads them, lists them and uploads them itself, so that an older copy never lands in
+the store after a newer state of the same session.
 Files are slot files in a `LocalStore` (the same bytes, atomic writes) in a
 subdirectory named after the instance, so replicas may share the directory (a
 store's start-up sweep of temporary files never meets another replica's save).

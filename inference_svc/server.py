@@ -355,10 +355,10 @@ class Server:
                             chat.load_template(cfg.chat_template, engine.tokenizer))
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
+        fallback = self._open_fallback()  # the auto-save's and the sessions'
         engine.sessions = self._sessions = SessionHost(engine, slots, cfg.session_ram_mb << 20,
-                                                       self.metrics)
+                                                       self.metrics, fallback)
         if store is not None and cfg.auto_save:
-            fallback = self._open_fallback()
             rep = autosave.restore_all(slots, cfg.instance_id, cfg.restore_timeout, fallback)
             self.log.info("auto-restore done", extra=log.fields(
                 instance_id=cfg.instance_id, restored=rep.restored, cold=rep.cold,

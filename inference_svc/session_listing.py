@@ -1,19 +1,15 @@
 """Which sessions a slot store holds, and the rows ListSessions returns.
 
-The SlotStore interface has no listing: a local directory is read (each target file's
-fixed header gives its token count), a snapshot service (or a fail-over set of them)
-is asked for its List.
+The store's own `list` gives the names and token counts (SlotStore protocol).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from inference_svc import slotfile
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.session_names import SESSION_PREFIX, SessionKey, from_store_name
-from inference_svc.store import LocalStore, SlotStore
+from inference_svc.store import SlotStore
 
 TIER_NEW, TIER_SLOT, TIER_RAM, TIER_STORE = (pb.SESSION_TIER_NEW, pb.SESSION_TIER_SLOT,
                                             pb.SESSION_TIER_RAM, pb.SESSION_TIER_STORE)
@@ -36,45 +32,11 @@ class SessionRow:
 
 
 def list_stored(store: SlotStore, prefix: str = SESSION_PREFIX) -> list[SessionRow]:
-    """The sessions a store holds under names starting with `prefix`. The SlotStore
-    interface has no listing: the local directory is read, a snapshot service (or a
-    fail-over set of them) asked for its List."""
+    """The sessions a store holds under names starting with `prefix` (names that are not
+    sessions', and files that are not slot files, left out)."""
     rows: list[SessionRow] = []
-    for name, n_tokens, ms in _stored_names(store, prefix):
-        key = from_store_name(name)
-        if key is not None:
-            rows.append(SessionRow(key, n_tokens, TIER_STORE, ms))
+    for info in store.list(prefix):
+        key = from_store_name(info.name)
+        if key is not None and info.n_tokens >= 0:
+            rows.append(SessionRow(key, info.n_tokens, TIER_STORE, info.modified_unix_ms))
     return rows
-
-
-def _stored_names(store: object, prefix: str) -> list[tuple[str, int, int]]:
-    if isinstance(store, LocalStore):
-        return _local_names(store.dir, prefix)
-    failover = getattr(store, "_failover", None)
-    if failover is not None:  # FailoverStore: the first replica that answers
-        return failover("list", lambda s: _stored_names(s, prefix))
-    current = getattr(store, "_current", None)
-    if current is not None:  # SnapshotStore
-        return [(i.name, i.target.meta.n_tokens, i.created_unix_ms)
-                for i in current().list(prefix)]
-    return []
-
-
-def _local_names(directory: Path, prefix: str) -> list[tuple[str, int, int]]:
-    out = []
-    for p in directory.glob(f"{glob_escape(prefix)}*"):
-        if p.name.endswith(".drft") or not p.is_file():
-            continue
-        try:
-            with open(p, "rb") as f:
-                head = f.read(4096)
-            n = slotfile.read_meta(head).n_tokens
-            ms = int(p.stat().st_mtime * 1000)
-        except (OSError, slotfile.SlotFileError):
-            continue
-        out.append((p.name, n, ms))
-    return out
-
-
-def glob_escape(s: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in s)

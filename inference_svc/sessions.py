@@ -3,10 +3,11 @@
 A session is *resident* while it is bound to a slot (the scheduler binds it,
 inference_svc.scheduler). When another job needs that slot, the engine captures
 the session's whole state (target KV, draft KV, speculative state and RNG) into
-the host-memory tier (`--session-ram-mb`); a background writer moves the least
-recently used sessions from there to the slot store (local directory or snapshot
-service) under `session~<owner>~<name>` (inference_svc.session_names) whenever
-the tier holds more than its bound, and every session goes to the store at stop.
+the host-memory tier (`--session-ram-mb`). The tier never holds more bytes than its
+bound: before a session goes in, the least recently used ones are written to the slot
+store (local directory or snapshot service) under `session~<owner>~<name>`
+(inference_svc.session_names) until it fits, or the session goes to the store itself
+when it cannot fit; every session goes to the store at stop.
 A session's next turn restores it from whichever tier holds it, so the turn
 processes only its new tokens. A session found in the store is read and checked
 (model fingerprint, digests, fit, as RestoreSlot) on the request's own thread
@@ -14,18 +15,28 @@ before the request queues, so the engine thread only applies checked state.
 
 Without a store the host-memory tier is the last one: a session pushed out of it
 is dropped (logged, counted as `dropped`).
+
+A conversation never silently goes back in time. Each state of a session has a version;
+the host knows which version the store holds. When a turn fails and its slot is emptied
+(or a displaced session's state cannot be captured), the session continues from the
+store only if the store holds the very state the turn started from; otherwise its state
+is lost: the older copy in the store is removed, and the session's next turn gets
+DATA_LOSS naming it (after which the name starts a new conversation).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from inference_svc import log, slotfile
 from inference_svc.engine import Engine, GenJob
-from inference_svc.errors import NotFound
+from inference_svc.errors import DataLoss, NotFound
+from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
 from inference_svc.scheduler import Job
 from inference_svc.session_listing import (
@@ -49,6 +60,7 @@ from inference_svc.store import SlotStore
 from snapshot_svc.clientlib import auth
 
 SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt
+ENGINE_WRITE_S = 5.0  # bound of the store writes that make room in the RAM tier
 _KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
 
 
@@ -77,10 +89,20 @@ class Held:
     size: int  # bytes held
     last_used_ms: int
     origin: int  # TIER_RAM (captured from a slot) or TIER_STORE (read from the store)
+    version: int = 0  # the session's state version it holds
     raw_target: memoryview | None = None  # captured WSKV state, to encode for the store
     in_store: bool = False  # the store holds this very state: nothing to write
     writing: bool = False  # the writer is storing it
     deleted: bool = False  # DeleteSession removed it (a write in flight is undone)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What a running turn of a session started from."""
+
+    job: weakref.ref[Job]
+    version: int  # the state's version at the turn's start (0: empty)
+    n_tokens: int  # its tokens
 
 
 class SessionHost:
@@ -89,20 +111,33 @@ class SessionHost:
     and `save_all` on the caller's."""
 
     def __init__(self, engine: Engine, slots: SlotManager, ram_bytes: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, fallback: Fallback | None = None) -> None:
         self.engine = engine
         self.slots = slots
         self.store: SlotStore | None = slots.store
+        # where the stop puts the sessions the store does not take (and finds them again)
+        self.fallback = fallback if slots.store is not None else None
         self.ram_bytes = ram_bytes
         self.metrics = metrics
         self.log = log.get()
         self._lock = threading.Condition()
-        self._ram: dict[str, Held] = {}
-        self._ram_used = 0
+        self._ram: dict[str, Held] = {}  # the RAM tier
+        self._ram_used = 0  # its bytes: at most ram_bytes (see _put for the one exception)
+        # read from the store (or written there while a turn of it waited) for a waiting
+        # turn: held for that turn only, outside the tier's bound
+        self._staged: dict[str, Held] = {}
         self._reserved: collections.Counter[str] = collections.Counter()  # jobs per session
         self._reserving: set[int] = set()  # id() of the jobs holding a reservation
         self._in_store: set[str] = set()  # store names of sessions this replica knows there
         self._key_locks = [threading.Lock() for _ in range(_KEY_LOCKS)]
+        self._versions = itertools.count(1)
+        self._ver: dict[str, int] = {}  # the version of each session's newest state
+        self._store_ver: dict[str, tuple[int, int]] = {}  # the store's copy: version, tokens
+        self._turns: dict[str, Turn] = {}  # each session's running (or last) turn
+        self._writing: set[str] = set()  # sessions being written: one write at a time each
+        self._lost: dict[str, str] = {}  # sessions whose state was lost: the report
+        self._stale: set[str] = set()  # of those, the ones whose older store copy remains
+        self._write_failed: float | None = None  # time.monotonic() of the last failed write
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="warmslot-sessions",
                                         daemon=True)
@@ -116,8 +151,8 @@ class SessionHost:
     def prepare(self, job: GenJob, name: str, deadline: float | None) -> None:
         """Names the job's session (the caller's), reserves it (its state stays in RAM
         until the job is admitted or fails) and, when neither a slot nor the RAM tier
-        holds it, reads it from the store into the RAM tier, checked. A session found
-        nowhere is a new one."""
+        holds it, reads it from the store, checked, for the job. A session found
+        nowhere is a new one; one whose state was lost gets DataLoss (once)."""
         key = caller_key(name)
         job.session, job.session_name = key.store_name, key.name
         k = key.store_name
@@ -126,36 +161,131 @@ class SessionHost:
                 self._reserved[k] += 1
                 self._reserving.add(id(job))
             try:
-                if self.engine.session_resident(k) or self._has_ram(k) or self.store is None:
+                self._report_loss(k, deadline)
+                if self.engine.session_resident(k) or self._held(k) or self.store is None:
                     return
                 t0 = time.perf_counter()
+                # a copy a stop left in the local fallback is newer than the store's
+                source = (self.fallback.store if self.fallback is not None
+                          and self.fallback.has(k) else self.store)
                 try:
-                    prepared = prepare_restore(self.store, k, self.slots.target_spec,
+                    prepared = prepare_restore(source, k, self.slots.target_spec,
                                                self.slots.draft_spec, deadline)
                 except NotFound:
                     return
-                self._put(Held(k, prepared.target_parts, prepared.draft_state,
-                               prepared.draft_note, prepared.n_tokens, prepared.n_read,
-                               int(time.time() * 1000), TIER_STORE, in_store=True))
+                with self._lock:
+                    v = next(self._versions)
+                    self._staged[k] = Held(
+                        k, prepared.target_parts, prepared.draft_state, prepared.draft_note,
+                        prepared.n_tokens, prepared.n_read, int(time.time() * 1000),
+                        TIER_STORE, version=v, in_store=True)
+                    self._ver[k] = v
+                    self._store_ver[k] = (v, prepared.n_tokens)
+                    self._in_store.add(k)
                 # the read and checks count in the turn's restore time
                 job.timings.session_restore_ms = 1e3 * (time.perf_counter() - t0)
             except BaseException:
                 self.release(job)
                 raise
 
+    def _report_loss(self, k: str, deadline: float | None) -> None:
+        """DataLoss for a session whose state was lost, once its older store copy is
+        removed (removed here when the writer has not yet; while that fails, every
+        turn gets DataLoss, so the copy is never continued)."""
+        with self._lock:
+            msg = self._lost.get(k)
+            stale = k in self._stale
+        if msg is None:
+            return
+        if stale:
+            try:
+                self._delete_stored(k, deadline)
+            except Exception as exc:  # noqa: BLE001 - reported with the loss
+                raise DataLoss(f"{msg}; its older copy could not be removed from the store "
+                               f"yet ({exc})") from exc
+            with self._lock:
+                self._stale.discard(k)
+        with self._lock:
+            self._lost.pop(k, None)
+        raise DataLoss(msg)
+
     def release(self, job: Job) -> None:
-        """Ends the job's reservation of its session (idempotent)."""
+        """Ends the job's reservation of its session (idempotent). Called when the job
+        fails: a turn whose failure emptied its slot leaves the session at the state
+        the store holds when that is the state the turn started from; otherwise the
+        session's state is lost (see `_state_lost`)."""
+        self._unreserve(job)
+        k = job.session
+        if k is None:
+            return
+        with self._lock:
+            turn = self._turns.get(k)
+            if turn is None or turn.job() is not job:
+                return
+            del self._turns[k]
+        if self.engine.session_resident(k):
+            if isinstance(job, GenJob) and job.timings.prompt_n == 0:
+                # refused before it touched the slot (too long for the context): the
+                # session still holds the state the turn started from
+                with self._lock:
+                    if self._turns.get(k) is None:
+                        self._ver[k] = turn.version
+        elif not self._held(k):
+            self._state_lost(k, turn.version, turn.n_tokens,
+                             f"a turn of it failed in slot {job.slot} and emptied the slot")
+
+    def _unreserve(self, job: Job) -> None:
         with self._lock:
             if id(job) in self._reserving and job.session is not None:
                 self._reserving.discard(id(job))
                 self._reserved[job.session] -= 1
                 if self._reserved[job.session] <= 0:
                     del self._reserved[job.session]
+                    staged = self._staged.get(job.session)
+                    if staged is not None and not staged.writing:
+                        del self._staged[job.session]  # the store holds it
                 self._lock.notify_all()
 
-    def _has_ram(self, key: str) -> bool:
+    def _held(self, key: str) -> bool:
         with self._lock:
-            return key in self._ram
+            return key in self._ram or key in self._staged
+
+    def _state_lost(self, k: str, version: int, n_tokens: int, what: str) -> None:
+        """Session `k`'s state of `version` (n_tokens) is gone from its slot. The store's
+        copy is then its newest valid state if it is that very version; otherwise the
+        conversation cannot continue: the older copy is removed (by the writer, or by
+        the next turn) and the next turn gets DataLoss naming the session."""
+        key = from_store_name(k)
+        name = key.name if key is not None else k
+        with self._lock:
+            stored = self._store_ver.get(k)
+            if version == 0 or (stored is not None and stored[0] == version):
+                # it held nothing yet, or the store holds the state the turn started from
+                if version == 0:
+                    self._ver.pop(k, None)
+                else:
+                    self._ver[k] = version
+                lost = False
+            else:
+                self._ver.pop(k, None)
+                self._store_ver.pop(k, None)
+                older = (f"the store held an older state of {stored[1]} tokens, removed "
+                         "rather than continued" if stored is not None
+                         else "no other copy of it was kept")
+                msg = (f"session {name!r} lost its state of {n_tokens} tokens: {what}, "
+                       f"and {older}; the conversation must start again (this turn was "
+                       "not run; the next one starts a new session of that name)")
+                self._lost[k] = msg
+                if self.store is not None:
+                    self._stale.add(k)
+                self._lock.notify_all()
+                lost = True
+        if lost:
+            self.log.error("session state lost", extra=log.fields(
+                session=name, n_tokens=n_tokens, reason=what))
+        else:
+            self.log.warning("session turn failed: it continues from its previous state",
+                             extra=log.fields(session=name, n_tokens=n_tokens, reason=what))
 
     # ------------------------------------------------------------ engine thread
 
@@ -163,25 +293,50 @@ class SessionHost:
         """At a job's start, on the engine thread: moves the displaced session to the
         RAM tier, then brings the job's own session into the slot (from RAM, or read
         from the store by `prepare`; a new session starts empty). Sets the job's
-        session timings."""
+        session timings. DataLoss for a session whose state was lost."""
         t0 = time.perf_counter()
         slot = job.slot
         if job.evict is not None:
-            self.evict(slot, job.evict)
+            displaced = job.evict
+            try:
+                self.evict(slot, displaced)
+            except Exception as exc:
+                self._state_lost(displaced, self._ver.get(displaced, 0),
+                                 self.engine.n_tokens(slot),
+                                 f"moving it out of slot {slot} failed ({exc})")
+                raise
             if job.session is None:
                 # the slot goes to a request without a session: nothing of the displaced
                 # session may stay there
                 self.engine.reset(slot)
         if job.session is None:
             return
+        k = job.session
         try:
             if job.resident:
                 tier = TIER_SLOT
+                with self._lock:
+                    v0 = self._ver.get(k, 0)
+                n0 = self.engine.n_tokens(slot)
             else:
                 with self._lock:
-                    held = self._ram.pop(job.session, None)
+                    msg = self._lost.get(k)
+                    if msg is not None and k not in self._stale:
+                        del self._lost[k]  # reported now
+                if msg is not None:
+                    raise DataLoss(msg)
+                with self._lock:
+                    held = self._ram.pop(k, None)
                     if held is not None:
                         self._ram_used -= held.size
+                    else:
+                        held = self._staged.pop(k, None)
+                v0 = held.version if held is not None else 0
+                n0 = held.n_tokens if held is not None else 0
+            with self._lock:  # from here on the slot holds the turn's state
+                self._ver[k] = next(self._versions)
+                self._turns[k] = Turn(weakref.ref(job), v0, n0)
+            if not job.resident:
                 if held is None:
                     self.engine.reset(slot)
                     tier = TIER_NEW
@@ -190,7 +345,7 @@ class SessionHost:
                         held.parts, held.n_tokens, held.draft, held.draft_note, held.size))
                     tier = held.origin
         finally:
-            self.release(job)
+            self._unreserve(job)
         assert isinstance(job, GenJob)
         tm = job.timings
         tm.session_tier = tier
@@ -205,34 +360,118 @@ class SessionHost:
     def evict(self, slot: int, key: str) -> None:
         """Captures the slot's state as session `key` into the RAM tier (engine thread).
         An empty slot holds nothing to keep."""
+        held = self._capture(slot, key)
+        if held is not None:
+            self._put(held)
+            self.metrics.session_evictions.labels("slot_to_ram").inc()
+
+    def _capture(self, slot: int, key: str) -> Held | None:
+        """The slot's state as session `key` (engine thread); None when it is empty."""
         eng = self.engine
         if eng.n_tokens(slot) == 0:
-            return
+            return None
         state = eng.capture(slot)
         t = slotfile.target_from_core(state.target, self.slots.target_spec)
         size = len(state.target) + (len(state.draft) if state.draft is not None else 0)
-        held = Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
-                    size, eng.slot_last_used_ms(slot), TIER_RAM, raw_target=state.target)
-        self._put(held)
-        self.metrics.session_evictions.labels("slot_to_ram").inc()
+        with self._lock:
+            version = self._ver.get(key, 0)
+        return Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
+                    size, eng.slot_last_used_ms(slot), TIER_RAM, version=version,
+                    raw_target=state.target)
 
     def _put(self, held: Held) -> None:
+        """Puts a session captured from its slot into the RAM tier without ever holding
+        more than its bound: the least recently used sessions there (none a waiting turn
+        needs) are written to the store first until it fits; when it cannot fit that
+        way, it goes to the store itself. Those writes run on the calling (engine)
+        thread, each ending within ENGINE_WRITE_S. Only when the store does not take
+        them (or failed a write less than SPILL_RETRY_S ago: the engine does not wait on
+        a store that is down) is the session kept beyond the bound (logged; the writer
+        retries it), rather than lost."""
         with self._lock:
             old = self._ram.pop(held.key, None)
             if old is not None:
                 self._ram_used -= old.size
                 old.deleted = old.writing  # an older write in flight must not land last
-            self._ram[held.key] = held
-            self._ram_used += held.size
+            need = self._ram_used + held.size - self.ram_bytes
+            victims: list[Held] = []
+            if need > 0 and held.size <= self.ram_bytes and not self._store_failing():
+                free = sorted((h for h in self._ram.values()
+                               if not h.writing and self._reserved[h.key] <= 0),
+                              key=lambda h: h.last_used_ms)
+                for h in free:
+                    if need <= 0:
+                        break
+                    victims.append(h)
+                    need -= h.size
+                if need > 0:
+                    victims = []  # they would not make room: the session goes down itself
+            for h in victims:
+                h.writing = True
+        deadline = time.monotonic() + ENGINE_WRITE_S
+        for h in victims:
+            self._spill(h, deadline)
+        with self._lock:
+            fits = self._ram_used + held.size <= self.ram_bytes
+            direct = not fits and not self._store_failing()
+            if fits or not direct:
+                self._ram[held.key] = held  # beyond the bound when it does not fit
+                self._ram_used += held.size
+            else:  # found by a turn while it is written, outside the tier's bound
+                held.writing = True
+                self._staged[held.key] = held
             self._lock.notify_all()
+        kept = not fits and not direct
+        if direct and not self._spill(held, deadline):
+            with self._lock:
+                kept = self._staged.get(held.key) is held  # no turn has taken it meanwhile
+                if kept:
+                    del self._staged[held.key]
+                    self._ram[held.key] = held
+                    self._ram_used += held.size
+                    self._lock.notify_all()
+        if kept:
+            self.log.warning("session kept in RAM beyond --session-ram-mb: the store did "
+                             "not take it", extra=log.fields(
+                                 session=held.key, ram_used=self._ram_used,
+                                 ram_bytes=self.ram_bytes))
         self._gauges()
+
+    def _store_failing(self) -> bool:
+        """Under the lock: the store failed a write less than SPILL_RETRY_S ago."""
+        return (self._write_failed is not None
+                and time.monotonic() - self._write_failed < SPILL_RETRY_S)
 
     # ------------------------------------------------------------ the writer
 
+    def _spill(self, held: Held, deadline: float | None) -> bool:
+        """Writes a session of the RAM tier (or one staged because it did not fit) to the
+        store and lets go of it, unless a waiting turn needs it (then it stays staged
+        for that turn). False (logged) when the store did not take it: it stays."""
+        ok = held.in_store or self._write(held, deadline)
+        k = held.key
+        with self._lock:
+            held.writing = False
+            if ok:
+                wanted = self._reserved[k] > 0 and self.store is not None
+                if self._ram.get(k) is held:
+                    del self._ram[k]
+                    self._ram_used -= held.size
+                    if wanted:
+                        self._staged[k] = held
+                elif self._staged.get(k) is held and not wanted:
+                    del self._staged[k]
+                held.in_store = self.store is not None
+            self._lock.notify_all()
+        if ok:
+            self.metrics.session_evictions.labels(
+                "ram_to_store" if self.store is not None else "dropped").inc()
+        self._gauges()
+        return ok
+
     def _next_to_write(self) -> Held | None:
-        """Under the lock: the least recently used session the RAM tier must let go
-        of, None when it holds no more than its bound (or every candidate is reserved
-        or being written)."""
+        """Under the lock: the least recently used session held beyond the tier's bound
+        (kept there because the store did not take it), None when there is none."""
         if self._ram_used <= self.ram_bytes:
             return None
         writing = sum(h.size for h in self._ram.values() if h.writing)
@@ -258,32 +497,92 @@ class SessionHost:
         self._gauges()
 
     def _write_loop(self) -> None:
+        """Moves the sessions a stop left in the local fallback to the store (retried
+        while it is down), removes the older store copies of sessions whose state was
+        lost, and retries the sessions the store did not take."""
         self._count_stored()
+        fallback_left = not self._upload_fallback()
         while True:
             with self._lock:
-                while not self._closed and (held := self._next_to_write()) is None:
-                    self._lock.wait()
                 if self._closed:
                     return
-                held.writing = True
-            ok = self._write(held, None) if not held.in_store else True
-            with self._lock:
-                held.writing = False
-                if ok and self._ram.get(held.key) is held:
-                    del self._ram[held.key]
-                    self._ram_used -= held.size
-                self._lock.notify_all()
-            if ok:
-                self.metrics.session_evictions.labels(
-                    "ram_to_store" if self.store is not None else "dropped").inc()
-            self._gauges()
-            if not ok:
+                stale = next(iter(self._stale), None)
+                failing = self._store_failing()  # then its pause is kept
+                held = self._next_to_write() if stale is None and not failing else None
+                if held is not None:
+                    held.writing = True
+                elif stale is None:
+                    self._lock.wait(SPILL_RETRY_S if fallback_left or failing else None)
+                    if fallback_left and not self._closed:
+                        fallback_left = not self._upload_fallback()
+                    continue
+            if stale is not None:
+                ok = self._remove_stale(stale, None)
+            else:
+                assert held is not None
+                ok = self._spill(held, None)
+            if not ok:  # a pause, whatever wakes the writer meanwhile
+                until = time.monotonic() + SPILL_RETRY_S
                 with self._lock:
-                    self._lock.wait(SPILL_RETRY_S)
+                    while not self._closed and (left := until - time.monotonic()) > 0:
+                        self._lock.wait(left)
+
+    def _upload_fallback(self) -> bool:
+        """Copies each session the local fallback holds into the store and removes it
+        there; True when none is left to copy. One this replica has taken up meanwhile
+        (read, resident, held, lost) is left alone: its newer state replaces both
+        copies when it is written to the store."""
+        fb, store = self.fallback, self.store
+        if fb is None or store is None:
+            return True
+        try:
+            names = [i.name for i in fb.store.list(SESSION_PREFIX)]
+        except Exception as exc:  # noqa: BLE001 - retried
+            self.log.warning("local fallback of the sessions not readable", extra=log.fields(
+                fallback=fb.describe(), error=str(exc)))
+            return False
+        for k in names:
+            if from_store_name(k) is None:
+                continue
+            with self._key_lock(k):  # no turn reads it while it moves
+                with self._lock:
+                    if self._closed:
+                        return True
+                    taken = (k in self._ver or k in self._ram or k in self._staged
+                             or k in self._lost)
+                if taken or self.engine.session_resident(k):
+                    continue
+                try:
+                    stored = fb.store.load(k)
+                    store.save(k, stored.target, stored.draft)
+                except Exception as exc:  # noqa: BLE001 - kept locally, retried
+                    self.log.info("session fallback upload failed, kept locally",
+                                  extra=log.fields(session=k, fallback=fb.describe(),
+                                                   error=str(exc)))
+                    return False
+                fb.discard(k)
+                with self._lock:
+                    self._in_store.add(k)
+            self.log.info("session fallback uploaded", extra=log.fields(
+                session=k, store=store.describe()))
+        return True
+
+    def _remove_stale(self, k: str, deadline: float | None) -> bool:
+        """Deletes the older store copy of a session whose state was lost."""
+        try:
+            self._delete_stored(k, deadline)
+        except Exception as exc:  # noqa: BLE001 - retried; turns get DataLoss meanwhile
+            self.log.warning("older copy of a lost session not removed from the store",
+                             extra=log.fields(session=k, error=str(exc)))
+            return False
+        with self._lock:
+            self._stale.discard(k)
+        return True
 
     def _write(self, held: Held, deadline: float | None) -> bool:
         """Stores a session held in RAM; False (logged) when the store did not take it.
-        Without a store the session is dropped (True)."""
+        Without a store the session is dropped (True). One write of a session at a
+        time, and never one older than the store's copy, so the newest lands last."""
         store = self.store
         if store is None:
             self.log.warning("session dropped: the RAM tier is full and no store is "
@@ -291,28 +590,52 @@ class SessionHost:
                                                             n_tokens=held.n_tokens))
             return True
         assert held.raw_target is not None
+        k = held.key
+        with self._lock:
+            while k in self._writing:
+                self._lock.wait()
+            if self._store_ver.get(k, (0, 0))[0] > held.version:
+                return True  # a newer state of it is there already
+            self._writing.add(k)
         try:
             enc = encode_slot(held.raw_target, held.draft, self.slots.target_spec,
                               self.slots.draft_spec)
-            store.save(held.key, enc.target, enc.draft, target_sha256=enc.target_sha256,
+            store.save(k, enc.target, enc.draft, target_sha256=enc.target_sha256,
                        deadline=deadline)
         except Exception as exc:  # noqa: BLE001 - kept in RAM, retried
             self.log.warning("session not written to the store", extra=log.fields(
-                session=held.key, error=str(exc)))
+                session=k, error=str(exc)))
+            with self._lock:
+                self._write_failed = time.monotonic()
             return False
+        finally:
+            with self._lock:
+                self._writing.discard(k)
+                self._lock.notify_all()
         with self._lock:
-            self._in_store.add(held.key)
+            self._write_failed = None
+        if self.fallback is not None:
+            self.fallback.discard(k)  # older than what the store now holds
+        with self._lock:
+            self._in_store.add(k)
             undo = held.deleted
+            if not undo:
+                self._store_ver[k] = (held.version, held.n_tokens)
         if undo:  # deleted while it was being written: it must not come back
-            self._delete_stored(held.key, deadline)
+            self._delete_stored(k, deadline)
         return True
 
     def _delete_stored(self, key: str, deadline: float | None) -> bool:
+        """Removes the session's copies from the store and the local fallback (in that
+        order: a store that fails leaves both, for the retry)."""
         if self.store is None:
             return False
         removed = self.store.delete(key, deadline=deadline)
+        if self.fallback is not None:
+            removed = self.fallback.discard(key) or removed
         with self._lock:
             self._in_store.discard(key)
+            self._store_ver.pop(key, None)
         return removed
 
     # ------------------------------------------------------------ list, delete
@@ -324,8 +647,16 @@ class SessionHost:
         if self.store is not None:
             for r in list_stored(self.store, prefix):
                 rows[r.key] = r
+        if self.fallback is not None:  # newer than the store's copies
+            for r in list_stored(self.fallback.store, prefix):
+                rows[r.key] = r
         with self._lock:
             ram = [(h.key, h.n_tokens, h.last_used_ms) for h in self._ram.values()]
+            lost = set(self._lost)
+        for k in lost:  # its older store copy is no state of it
+            key = from_store_name(k)
+            if key is not None:
+                rows.pop(key, None)
         for k, n, last in ram:
             key = from_store_name(k)
             if key is not None and k.startswith(prefix):
@@ -355,16 +686,24 @@ class SessionHost:
                     held.deleted = True
                     tiers.append(TIER_RAM)
                     n = n or held.n_tokens
+                staged = self._staged.pop(k, None)
+                if staged is not None:
+                    staged.deleted = True
+                was_lost = self._lost.pop(k, None) is not None
+                self._stale.discard(k)
+                self._ver.pop(k, None)
+                self._turns.pop(k, None)
             if self.store is not None:
                 stored = 0
-                if not n:
-                    stored = next((r.n_tokens for r in list_stored(self.store, k)
-                                   if r.key == key), 0)
+                if not n:  # the fallback's copy is the newer one
+                    stores = [self.fallback.store] if self.fallback is not None else []
+                    stored = next((r.n_tokens for s in (*stores, self.store)
+                                   for r in list_stored(s, k) if r.key == key), 0)
                 if self._delete_stored(k, deadline):
                     tiers.append(TIER_STORE)
                     n = n or stored
         self._gauges()
-        if not tiers:
+        if not tiers and not was_lost:
             raise NotFound(f"no session {key.name!r}")
         self.log.info("session deleted", extra=log.fields(
             session=key.name, owner=key.owner or None, n_tokens=n,
@@ -375,32 +714,80 @@ class SessionHost:
 
     def save_all(self, deadline: float | None) -> tuple[int, int]:
         """At stop, once no request runs: every session in a slot or in RAM goes to the
-        store (a slot's is then erased, so its auto-save does not keep it too).
-        (saved, failed); without a store, (0, 0): sessions end with the process."""
+        store (a slot's is then erased, so its auto-save does not keep it too), each
+        write ending by `deadline`; one the store does not take goes to the local
+        fallback, and once the store failed (or the time is up) the rest go straight
+        there. (saved, failed): saved in the store or the fallback; without a store,
+        (0, 0): sessions end with the process."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
         self._writer.join(timeout=30)
         if self.store is None:
             return 0, 0
-        saved = failed = 0
+        saved = failed = to_fallback = 0
+        store_down = False
+
+        def save(held: Held) -> None:
+            nonlocal saved, failed, to_fallback, store_down
+            if deadline is not None and time.monotonic() >= deadline:
+                store_down = True
+            if not store_down and self._write(held, deadline):
+                saved += 1
+                return
+            store_down = True
+            if self._write_fallback(held):
+                saved += 1
+                to_fallback += 1
+            else:
+                failed += 1
+
+        with self._lock:
+            stale = list(self._stale)
+        for k in stale:  # never left to come back at the next start
+            if not self._remove_stale(k, deadline):
+                self.log.error("older copy of a lost session left in the store",
+                               extra=log.fields(session=k))
+        # one captured state at a time, outside the RAM tier
         for k, _n, slot, _busy, _last in self.engine.resident_sessions():
             try:
-                self.engine.call(lambda s=slot, key=k: self.evict(s, key))
-                self.engine.call(lambda s=slot: self.engine.unbind_slot(s))
+                held = self.engine.call(lambda s=slot, key=k: self._capture(s, key))
             except Exception as exc:  # noqa: BLE001 - one session must not cost the others
                 self.log.error("session not saved at stop", extra=log.fields(
                     session=k, error=str(exc)))
                 failed += 1
+                continue
+            if held is not None:
+                save(held)
+            self.engine.call(lambda s=slot: self.engine.unbind_slot(s))
         with self._lock:
             todo = [h for h in self._ram.values() if not h.in_store]
         for held in todo:
-            if self._write(held, deadline):
-                saved += 1
-            else:
-                failed += 1
-        self.log.info("sessions saved", extra=log.fields(saved=saved, failed=failed))
+            save(held)
+        self.log.info("sessions saved", extra=log.fields(
+            saved=saved, to_fallback=to_fallback, failed=failed))
         return saved, failed
+
+    def _write_fallback(self, held: Held) -> bool:
+        """Writes a session to the local fallback at stop (the store did not take it)."""
+        fb = self.fallback
+        if fb is None:
+            self.log.error("session not saved at stop: the store did not take it and "
+                           "there is no local fallback", extra=log.fields(session=held.key))
+            return False
+        assert held.raw_target is not None
+        try:
+            enc = encode_slot(held.raw_target, held.draft, self.slots.target_spec,
+                              self.slots.draft_spec)
+            fb.store.save(held.key, enc.target, enc.draft, target_sha256=enc.target_sha256)
+        except Exception as exc:  # noqa: BLE001 - counted as failed
+            self.log.error("session not saved at stop, also not to the local fallback",
+                           extra=log.fields(session=held.key, fallback=fb.describe(),
+                                            error=str(exc)))
+            return False
+        self.log.warning("session kept in the local fallback: the store did not take it",
+                         extra=log.fields(session=held.key, fallback=fb.describe()))
+        return True
 
     def close(self) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from inference_svc import errors, log
 from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.store import Buffer, StoredSlot
+from inference_svc.store import Buffer, StoredInfo, StoredSlot
 
 T = TypeVar("T")
 
@@ -86,6 +86,9 @@ class FailoverStore:
 
     def delete(self, name: str, *, deadline: float | None = None) -> bool:
         return self._failover("delete", lambda s: s.delete(name, deadline=deadline))
+
+    def list(self, prefix: str) -> list[StoredInfo]:
+        return self._failover("list", lambda s: s.list(prefix))
 
     def close(self) -> None:
         for s in self.stores:

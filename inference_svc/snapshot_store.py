@@ -34,7 +34,7 @@ import grpc
 
 from inference_svc import errors, log, slotfile
 from inference_svc.names import validate_name
-from inference_svc.store import Buffer, StoredSlot
+from inference_svc.store import Buffer, StoredInfo, StoredSlot
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
 from snapshot_svc import errors as snap_errors
 from snapshot_svc.client import SnapshotClient
@@ -187,6 +187,16 @@ class SnapshotStore:
         except snap_errors.SnapshotError as exc:
             raise self._error(exc, name, "delete") from exc
         return True
+
+    def list(self, prefix: str) -> list[StoredInfo]:
+        """The service's List of names starting with `prefix`, with the token count the
+        service recorded for each target (bounded by the client's timeout and retries)."""
+        client = self._current()
+        try:
+            infos = client.list(prefix)
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, prefix + "*", "list") from exc
+        return [StoredInfo(i.name, i.target.meta.n_tokens, i.created_unix_ms) for i in infos]
 
     # --- lifecycle --------------------------------------------------------------------
 

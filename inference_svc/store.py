@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from inference_svc import slotfile
 from inference_svc.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from inference_svc.names import DRAFT_SUFFIX, validate_name
 from snapshot_svc.clientlib.files import fsync_dir
 
 Buffer = bytes | memoryview  # a slot file's bytes, whoever holds them
 LOCAL_MAX_NAME_BYTES = 255 - len(DRAFT_SUFFIX)  # `<name>.drft` must be a valid file name
+_HEAD_READ = 4096  # bytes read for a target file's fixed header (more than any version's)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,15 @@ class StoredSlot:
     # hex SHA-256 of `target` without its digest trailer, when the store computed it while
     # reading (the file's own check then needs no second pass)
     target_body_sha256: str | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class StoredInfo:
+    """One name a store holds, as `SlotStore.list` reports it."""
+
+    name: str
+    n_tokens: int  # from the target file's fixed header (-1: not a readable slot file)
+    modified_unix_ms: int  # when the store last wrote the name
 
 
 class SlotStore(Protocol):
@@ -62,6 +73,12 @@ class SlotStore(Protocol):
     def delete(self, name: str, *, deadline: float | None = None) -> bool:
         """Removes both files of the name; False when there was nothing to remove.
         `deadline` (time.monotonic()): a remote store gives up by then."""
+        ...
+
+    def list(self, prefix: str) -> list[StoredInfo]:
+        """Every name held whose target file starts with `prefix` (the store's own files
+        and draft sidecars are not names), sorted by name. A remote store's call is
+        bounded by its own timeout; Unavailable when it cannot answer."""
         ...
 
 
@@ -248,3 +265,34 @@ class LocalStore:
             except OSError as exc:
                 raise Unavailable(f"cannot delete {name!r} in {self.dir}: {exc}") from exc
         return removed
+
+    def list(self, prefix: str) -> list[StoredInfo]:
+        """The names in the directory starting with `prefix`, each with the token count
+        of its target file's header (-1 when it is no slot file) and its mtime."""
+        out = []
+        with self._lock:
+            try:
+                paths = list(self.dir.glob(f"{_glob_escape(prefix)}*"))
+            except OSError as exc:
+                raise Unavailable(f"cannot list {self.dir}: {exc}") from exc
+            for p in paths:
+                if self._reserved(p.name):
+                    continue
+                try:
+                    if not p.is_file():
+                        continue
+                    with open(p, "rb") as f:
+                        head = f.read(_HEAD_READ)
+                    ms = int(p.stat().st_mtime * 1000)
+                except OSError:
+                    continue  # removed meanwhile
+                try:
+                    n = slotfile.read_meta(head).n_tokens
+                except slotfile.SlotFileError:
+                    n = -1
+                out.append(StoredInfo(p.name, n, ms))
+        return sorted(out, key=lambda i: i.name)
+
+
+def _glob_escape(s: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in s)
