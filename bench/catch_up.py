@@ -28,8 +28,10 @@ its first unit ends in to the one its last unit ends in; alone: the same gaps as
 the bounded run of its repetition) and *after* it (slot 1's prompt, decode steps
 and end, then slot 0 alone); the number of catch-up units, the longest one and
 the longest one that ran while slot 0 was decoding. For the bounded mode, each
-repetition prints slot 0's four largest gaps with the decoder calls that ended in
-each (catch-up, prompt chunk, prompt, step of the slots, commit) and their ms.
+repetition prints slot 0's four largest gaps (index, ms, during or after the
+catch-up) with the decoder calls that ended in each (catch-up, prompt chunk, prompt,
+step of the slots, commit) and their ms, then the ms outside those calls (Python,
+the GIL, the reader's wake-up).
 The next-to-last line states the figures the target is read from (p99 / median
 during the catch-up <= 2, next to the same ratio of the stream alone); the last
 line printed is one JSON object.
@@ -165,7 +167,8 @@ def run_once(engine: Engine, slots: SlotManager, session: list[int], n_decode: i
             "longest_unit_ms": max((1e3 * (e - s) for s, e, _ in catch), default=0.0),
             "longest_shared_unit_ms": max((1e3 * (e - s) for s, e, _ in shared), default=0.0),
             "tokens": got, "gaps": gaps, "window": (lo, hi),
-            "largest": [(i, round(gaps[i], 1), "in" if lo <= i < hi else "out", ran(i))
+            "largest": [(i, round(gaps[i], 1), "during" if lo <= i < hi else "after", ran(i),
+                         round(gaps[i] - sum(ms for _, ms in ran(i)), 1))
                         for i in sorted(largest)]}
 
 
