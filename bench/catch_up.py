@@ -28,8 +28,8 @@ its first unit ends in to the one its last unit ends in; alone: the same gaps as
 the bounded run of its repetition) and *after* it (slot 1's prompt, decode steps
 and end, then slot 0 alone); the number of catch-up units, the longest one and
 the longest one that ran while slot 0 was decoding. For the bounded mode, each
-repetition prints slot 0's four largest gaps (index, ms, during or after the
-catch-up) with the decoder calls that ended in each (catch-up, prompt chunk, prompt,
+repetition prints slot 0's four largest gaps (index, ms, before, during or after
+the catch-up) with the decoder calls that ended in each (catch-up, prompt chunk, prompt,
 step of the slots, commit) and their ms, then the ms outside those calls (Python,
 the GIL, the reader's wake-up).
 The next-to-last line states the figures the target is read from (p99 / median
@@ -95,7 +95,8 @@ UNITS = {"draft_catch_up": "catch-up", "prefill_chunk": "prompt chunk", "prefill
 
 
 def window_stats(gaps: list[float], lo: int, hi: int, med: float) -> dict[str, float]:
-    """p99 and largest of gaps[lo:hi] over `med` (the whole stream's median)."""
+    """p99 and largest of gaps[lo:hi] over `med` (the whole stream's median); 0 when
+    the range is empty (slot 0 ended first)."""
     w = gaps[lo:hi] or [0.0]
     return {"n_gaps": hi - lo, "p99_ms": pct(w, 0.99), "max_ms": max(w),
             "p99_over_median": pct(w, 0.99) / med, "max_over_median": max(w) / med}
@@ -160,6 +161,9 @@ def run_once(engine: Engine, slots: SlotManager, session: list[int], n_decode: i
         return [(w, round(1e3 * (e - s), 1)) for s, e, w in units
                 if stamps[i] < e <= stamps[i + 1]]
 
+    def phase(i: int) -> str:
+        return "before" if i < lo else "during" if i < hi else "after"
+
     largest = sorted(range(len(gaps)), key=lambda i: -gaps[i])[:4]
     return {"median_ms": med, "p99_ms": p99, "max_ms": max(gaps), "p99_over_median": p99 / med,
             "max_over_median": max(gaps) / med, "n_gaps": len(gaps),
@@ -167,7 +171,7 @@ def run_once(engine: Engine, slots: SlotManager, session: list[int], n_decode: i
             "longest_unit_ms": max((1e3 * (e - s) for s, e, _ in catch), default=0.0),
             "longest_shared_unit_ms": max((1e3 * (e - s) for s, e, _ in shared), default=0.0),
             "tokens": got, "gaps": gaps, "window": (lo, hi),
-            "largest": [(i, round(gaps[i], 1), "during" if lo <= i < hi else "after", ran(i),
+            "largest": [(i, round(gaps[i], 1), phase(i), ran(i),
                          round(gaps[i] - sum(ms for _, ms in ran(i)), 1))
                         for i in sorted(largest)]}
 
