@@ -132,6 +132,10 @@ class GenJob(Job):
         # decode steps, speculative or not, share a target pass (step_batch)
         return self.todo is None and not self.cancelled
 
+    def chunk_kind(self) -> str:
+        # a speculative request's draft decodes its lag (-1: not known yet) first
+        return "catch-up" if self.params.spec is not None and self.draft_lag else "prompt"
+
     def step_spec(self) -> SpecParams:
         """The speculative parameters of the next step."""
         spec = self.params.spec

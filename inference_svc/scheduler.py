@@ -14,10 +14,12 @@ one runs. A job without a session that lands on a session's slot displaces it to
 (`keeps_session` jobs, which only read the slot, leave it bound). Each round runs one unit of every
 running job through the executor: the decode steps (target-only and speculative)
 share one forward pass, the others run one by one. A prompt or draft catch-up unit
-takes at most `chunk` tokens; while other slots decode, it is sized from its own
-measured speed to last about CHUNK_SHARE of their decode step (at most
-`shared_chunk` tokens), so a decoding stream's next token waits for one short
-unit at most, whatever the models and the context length. A cancelled
+takes at most `chunk` tokens; while other slots decode, it is sized from the
+measured speed of the job's last unit of the same kind (a draft catch-up runs the
+draft model, a prompt chunk the target: their speeds differ by the models' ratio)
+to last about CHUNK_SHARE of their decode step (at most `shared_chunk` tokens;
+one token while that speed is unknown), so a decoding stream's next token waits
+for one short unit at most, whatever the models and the context length. A cancelled
 job stops at the next unit boundary; a draining scheduler cuts the running jobs
 once its grace has passed.
 
@@ -49,8 +51,10 @@ Clock = Callable[[], float]
 
 # a chunk unit next to decoding slots aims at this fraction of their decode step
 CHUNK_SHARE = 0.5
-# tokens of a job's first chunk next to decoding slots, before its speed is known
-FIRST_SHARED_CHUNK = 8
+# tokens of a job's first chunk of a kind next to decoding slots, before its speed
+# is known: one token, the shortest unit there is (a prompt continuing a long
+# context costs about one decode step per token)
+FIRST_SHARED_CHUNK = 1
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -77,7 +81,8 @@ class Job:
         self.running = False
         self._cancelled = threading.Event()
         self.on_cancel: Callable[[], None] | None = None  # wakes the engine up
-        self.chunk_rate: float | None = None  # tokens per second of its last chunk unit
+        # tokens per second of its last chunk unit of each kind (chunk_kind)
+        self.chunk_rates: dict[str, float] = {}
         self.session: str | None = None  # the session's key (its store name)
         self.session_name = ""  # as the caller named it (messages)
         self.keeps_session = False  # reads the slot only: its session stays bound
@@ -106,6 +111,11 @@ class Job:
         """True when the job's next unit is a plain decode step that can share a
         forward pass with other such steps."""
         return False
+
+    def chunk_kind(self) -> str:
+        """What the job's next chunk unit runs (units of one kind share a speed):
+        "prompt" (the target model) or "catch-up" (the draft model)."""
+        return "prompt"
 
     def wait_error(self, now: float, n_slots: int) -> ServiceError:
         if self.rpc_deadline is not None and now >= self.rpc_deadline:
@@ -312,19 +322,21 @@ class Scheduler:
 
     def _chunk_unit(self, job: Job, decoding: bool) -> None:
         """A prompt or catch-up unit; next to decoding slots, sized to last about
-        CHUNK_SHARE of their step at the job's last measured speed."""
+        CHUNK_SHARE of their step at the speed of the job's last unit of its kind."""
+        kind = job.chunk_kind()
+        rate = job.chunk_rates.get(kind)
         budget = self.chunk
         if decoding:
-            if job.chunk_rate is None or self.step_time is None:
+            if rate is None or self.step_time is None:
                 budget = FIRST_SHARED_CHUNK
             else:
-                budget = int(job.chunk_rate * self.step_time * CHUNK_SHARE)
+                budget = int(rate * self.step_time * CHUNK_SHARE)
             budget = max(1, min(budget, self.shared_chunk))
         t0 = self.clock()
         n = self._guarded(job, self.ex.unit, budget)
         dt = self.clock() - t0
         if isinstance(n, int) and n > 0 and dt > 0:
-            job.chunk_rate = n / dt
+            job.chunk_rates[kind] = n / dt
 
     def stop_all(self, err: ServiceError) -> None:
         for job in list(self.active):

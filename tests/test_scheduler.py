@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from inference_svc.core.speculative import SamplingParams, SpecParams
+from inference_svc.engine import GenJob
 from inference_svc.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -16,6 +18,7 @@ from inference_svc.errors import (
     Unavailable,
 )
 from inference_svc.scheduler import Job, Scheduler
+from inference_svc.types import GenerateParams
 
 
 class Clock:
@@ -342,20 +345,28 @@ def test_released_slot_records_its_tokens_and_time(ex: FakeExecutor, clock: Cloc
 
 
 class ChunkJob(FakeJob):
-    """`tokens` of prompt or draft catch-up, processed `budget` tokens per unit, then
-    `decode` decode steps."""
+    """`catch` tokens of draft catch-up, then `tokens` of prompt, processed `budget`
+    tokens per unit, then `decode` decode steps."""
 
     def __init__(self, name: str, id_slot: int, sched: Scheduler, *, tokens: int,
-                 decode: int = 0) -> None:
+                 decode: int = 0, catch: int = 0) -> None:
         super().__init__(name, id_slot, sched, prefill=1, decode=decode)
+        self.catch = catch
         self.left = tokens
         self.chunks: list[int] = []
 
+    def chunk_kind(self) -> str:
+        return "catch-up" if self.catch else "prompt"
+
     def take(self, budget: int) -> int:
-        n = min(budget, self.left)
+        if self.catch:
+            n = min(budget, self.catch)
+            self.catch -= n
+        else:
+            n = min(budget, self.left)
+            self.left -= n
         self.chunks.append(n)
-        self.left -= n
-        if self.left:
+        if self.catch or self.left:
             self.prefill += 1  # _step consumes one prefill unit per call
         return n
 
@@ -366,19 +377,24 @@ TOKEN = 1 / 2048  # seconds per chunk token
 
 class ChunkExecutor(FakeExecutor):
     """Advances the fake clock by what the work would take: STEP per decode round,
-    TOKEN per chunk token; records the time of every decode step of each job."""
+    TOKEN per chunk token (`prompt_cost` per prompt token when set); records the
+    time of every decode step of each job."""
 
     def __init__(self, clock: Clock) -> None:
         super().__init__()
         self.clock = clock
         self.token_cost = TOKEN
+        self.prompt_cost: float | None = None  # None: token_cost
         self.steps: dict[str, list[float]] = {}
 
     def unit(self, job: Job, budget: int) -> int:
         assert isinstance(job, FakeJob)
         if isinstance(job, ChunkJob) and job.prefill:
+            cost = self.token_cost
+            if job.chunk_kind() == "prompt" and self.prompt_cost is not None:
+                cost = self.prompt_cost
             n = job.take(budget)
-            self.clock.t += n * self.token_cost
+            self.clock.t += n * cost
             super().unit(job, budget)
             return n
         if not job.prefill:
@@ -400,8 +416,8 @@ def make_chunked(ex: FakeExecutor, clock: Clock) -> Scheduler:
 
 def test_catch_up_next_to_a_decoding_stream_runs_in_short_chunks(clock: Clock) -> None:
     """A 4,000-token catch-up admitted while another slot decodes: every round runs one
-    decode step and one chunk sized to half a step at the catch-up's measured speed (8
-    tokens first, then 2048 tokens/s x 1/64 s / 2 = 16), until the decoding stream
+    decode step and one chunk sized to half a step at the catch-up's measured speed (1
+    token first, then 2048 tokens/s x 1/64 s / 2 = 16), until the decoding stream
     ends; the rest goes in full 512-token chunks."""
     ex = ChunkExecutor(clock)
     s = make_chunked(ex, clock)
@@ -413,7 +429,7 @@ def test_catch_up_next_to_a_decoding_stream_runs_in_short_chunks(clock: Clock) -
     while s.active or s.waiting:
         step(s)
     assert ex.log[3:23] == [("unit", "dec"), ("unit", "catch")] * 10
-    assert catch.chunks == [8] + [16] * 9 + [512] * 7 + [4000 - 152 - 7 * 512]
+    assert catch.chunks == [1] + [16] * 9 + [512] * 7 + [4000 - 145 - 7 * 512]
     gaps = [b - a for a, b in zip(ex.steps["dec"], ex.steps["dec"][1:], strict=False)]
     assert max(gaps) == STEP + 16 * TOKEN == 1.5 * STEP  # one step and half a step of chunk
     assert ex.log[-1] == ("unit", "catch")  # its own decode step, alone
@@ -435,7 +451,7 @@ def test_shared_chunks_follow_the_chunk_speed_and_stay_bounded(clock: Clock) -> 
     ex.token_cost = TOKEN / 16
     step(s)
     step(s)
-    assert catch.chunks == [8, 16, 16, 8, 8, 64]
+    assert catch.chunks == [1, 16, 16, 8, 8, 64]
 
 
 def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
@@ -453,3 +469,44 @@ def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
     assert ex.log[2:] == [("unit", "a"), ("unit", "b"), ("unit", "a"), ("unit", "b"),
                           ("unit", "b"), ("unit", "a"), ("unit", "a"), ("unit", "a"),
                           ("unit", "a")]
+
+
+def test_prompt_after_a_catch_up_is_sized_from_its_own_speed(clock: Clock) -> None:
+    """A catch-up (the draft: fast) then a prompt continuing the long context (the
+    target: 64x slower per token) next to a decoding stream: the prompt's first
+    chunk is one token, not the 16 the catch-up's speed allows, and the next ones
+    follow the prompt's own speed; no decode round waits for more than half a step
+    of chunk."""
+    ex = ChunkExecutor(clock)
+    ex.prompt_cost = 64 * TOKEN  # 1 / 32 s: two decode steps per prompt token
+    s = make_chunked(ex, clock)
+    submit(s, FakeJob("dec", 0, s, prefill=0, decode=12))
+    catch = ChunkJob("catch", 1, s, catch=40, tokens=3, decode=1)
+    submit(s, catch)
+    while s.active or s.waiting:
+        step(s)
+    # catch-up: 1, 16, 16, 7; prompt: 1 token per unit (2048 / 64 tokens/s x 1/64 s /
+    # 2 = 0.25, at least 1)
+    assert catch.chunks == [1, 16, 16, 7, 1, 1, 1]
+    assert set(catch.chunk_rates) == {"catch-up", "prompt"}
+    assert ex.log[2:16] == [("unit", "dec"), ("unit", "catch")] * 7
+    gaps = [b - a for a, b in zip(ex.steps["dec"], ex.steps["dec"][1:], strict=False)]
+    assert gaps[:3] == [STEP + TOKEN, STEP + 16 * TOKEN, STEP + 16 * TOKEN]
+    assert max(gaps) == STEP + 64 * TOKEN  # a step and one prompt token
+
+
+def test_generation_names_the_kind_of_its_next_chunk() -> None:
+    """A speculative generation's chunks are draft catch-up while its draft lags (or
+    the lag is not known yet), then prompt; a target-only one's are prompt."""
+    spec = GenerateParams((1, 2, 3), 4, 0, True, SamplingParams(), None, SpecParams(n_max=4))
+    job = GenJob(spec, 0.0, None, None)
+    job.draft_lag = -1
+    assert job.chunk_kind() == "catch-up"
+    job.draft_lag = 100
+    assert job.chunk_kind() == "catch-up"
+    job.draft_lag = 0
+    assert job.chunk_kind() == "prompt"
+    plain = GenJob(GenerateParams((1, 2, 3), 4, 0, True, SamplingParams(), None, None),
+                   0.0, None, None)
+    plain.draft_lag = 0
+    assert plain.chunk_kind() == "prompt"
