@@ -1097,8 +1097,8 @@ ws_status ws_slot_n_tokens(const ws_context *ctx, int32_t slot, int32_t *n_out) 
 
 ws_status ws_slot_tokens(const ws_context *ctx, int32_t slot, int32_t *out, size_t cap,
                          int32_t *n_out) {
-    if (!out && cap > 0) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot_out(ctx, slot, n_out));
+    if (!ctx || !n_out || (!out && cap > 0)) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(ctx, slot));
     const int32_t n = ctx->n_past[slot];
     *n_out = n;
     if (cap < (size_t)n)
