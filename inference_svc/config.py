@@ -79,7 +79,7 @@ class Config:
     instance_id: str = field(default_factory=socket.gethostname)  # auto-<id>-slot<N>
     restore_timeout: float = 30.0  # seconds to wait for an unreachable store at start-up
     # seconds the stop's auto-save may spend on the snapshot service; what is not saved
-    # by then goes to the local fallback (see README "Reliability" for the arithmetic)
+    # by then goes to the local fallback (docs/operations.md, "Restart-resume and reliability")
     auto_save_timeout: float = 60.0
     # where the stop puts slots the snapshot service did not take (None: nowhere)
     fallback_save_path: Path | None = field(default_factory=default_fallback_path)
