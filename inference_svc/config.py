@@ -7,10 +7,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from inference_svc.core.speculative import SamplingParams
 from snapshot_svc.clientlib import settings, tls
@@ -218,58 +217,13 @@ def _is_host_port(addr: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
-def _str_or_none(value: str) -> str | None:
-    return None if value.strip().lower() in ("", "none") else value.strip()
-
-
-def _path_or_none(value: str) -> Path | None:
-    return None if value.strip().lower() in ("", "none") else Path(value)
-
-
-def _int_or_none(value: str) -> int | None:
-    return None if value.strip().lower() in ("", "none", "auto") else int(value, 0)
-
-
-# how a flag's text becomes its field's value, by the field's annotation
-_PARSERS: Mapping[str, Callable[[str], Any]] = {
-    "int": int, "float": float, "str": str, "Path": Path,
-    "Path | None": _path_or_none, "int | None": _int_or_none, "str | None": _str_or_none}
-
-
-def _flag_adder(p: argparse.ArgumentParser, group: str = "",
-                prefix: str = "--") -> Callable[..., None]:
-    """add(flag, help, field=None, **kw) adds the flag of a Config field: `--slot-save-path`
-    sets slot_save_path; with a group, `--spec-n-max` (prefix "--spec-") sets
-    speculative.n_max. The default and the parsing come from the field (a bool is
-    --x / --no-x); the dest is the field's path with "__" for ".", which from_args reads
-    back."""
-    defaults = Config()
-
-    def add(flag: str, help: str | None = None, field: str | None = None, **kw: Any) -> None:
-        path = ".".join(filter(None, (group, field or flag.removeprefix(prefix).replace("-", "_"))))
-        *outer, name = path.split(".")
-        owner: Any = defaults
-        for part in outer:
-            owner = getattr(owner, part)
-        kind = {f.name: f.type for f in fields(owner)}[name]
-        kind = kind if isinstance(kind, str) else kind.__name__
-        if kind == "bool":
-            kw.setdefault("action", argparse.BooleanOptionalAction)
-        else:
-            kw["type"] = _PARSERS[kind]
-            if "choices" not in kw:
-                kw.setdefault("metavar", flag[2:].replace("-", "_").upper())
-        p.add_argument(flag, dest=path.replace(".", "__"), default=getattr(owner, name),
-                       help=help, **kw)
-    return add
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m inference_svc",
         description="Warmslot inference service (gRPC). Every flag can also be set with "
                     "the environment variable WARMSLOT_<FLAG>, e.g. WARMSLOT_SLOT_SAVE_PATH.")
-    f = _flag_adder(p)
+    d = Config()
+    f = settings.field_flags(p, d)
     f("--model", "target model GGUF file")
     f("--draft", "draft model GGUF file for speculative decoding ('none': no draft)")
     f("--slots", "number of slots (parallel sessions)")
@@ -315,7 +269,7 @@ def parser() -> argparse.ArgumentParser:
       "address of the metrics endpoint; with TLS it speaks HTTPS (client certificates as "
       "--tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; a "
       "non-loopback address needs one of them or --insecure")
-    f = _flag_adder(p, group="sampling")
+    f = settings.field_flags(p, d, group="sampling")
     f("--temperature", "default sampling temperature (0: greedy)")
     f("--top-k", "default top-k (0: off)")
     f("--top-p", "default top-p (1: off)")
@@ -324,7 +278,7 @@ def parser() -> argparse.ArgumentParser:
     f("--repeat-last-n", "default number of last tokens the penalties look at (0: no penalties)")
     f("--presence-penalty", "default presence penalty (0: off)")
     f("--frequency-penalty", "default frequency penalty (0: off)")
-    f = _flag_adder(p, group="speculative", prefix="--spec-")
+    f = settings.field_flags(p, d, group="speculative", prefix="--spec-")
     f("--speculative",
       "speculative decoding for requests that do not say (needs a draft model)",
       field="enabled")
@@ -337,7 +291,7 @@ def parser() -> argparse.ArgumentParser:
     f("--spec-draft-cost",
       "the price of one drafted token in target decode steps (draft decode plus its place in the "
       "verification pass), for --spec-adaptive")
-    f = _flag_adder(p)
+    f = settings.field_flags(p, d)
     f("--default-max-tokens", "max_tokens of a request that sets none")
     f("--max-queue-wait", "seconds a request waits for a busy slot before RESOURCE_EXHAUSTED")
     f("--max-queue", "requests waiting for a slot at most")
@@ -391,15 +345,8 @@ def from_args(argv: Sequence[str] | None = None,
     p = parser()
     env = os.environ if env is None else env
     ns = settings.parse(p, argv if argv is not None else [], env, ENV_PREFIX)
-    values: dict[str, dict[str, Any]] = {}
-    for dest, value in vars(ns).items():
-        outer, _, name = dest.rpartition("__")
-        values.setdefault(outer, {})[name] = value
-    defaults = Config()
-    nested = {outer: replace(getattr(defaults, outer), **kw)
-              for outer, kw in values.items() if outer}
     try:
-        return Config(**values.get("", {}), **nested)
+        return Config(**settings.field_values(ns, Config()))
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits
