@@ -78,7 +78,7 @@ class Config:
     instance_id: str = field(default_factory=socket.gethostname)  # auto-<id>-slot<N>
     restore_timeout: float = 30.0  # seconds to wait for an unreachable store at start-up
     # seconds the stop's auto-save may spend on the snapshot service; what is not saved
-    # by then goes to the local fallback (see README "Reliability" for the arithmetic)
+    # by then goes to the local fallback (docs/operations.md, "Restart-resume and reliability")
     auto_save_timeout: float = 60.0
     # where the stop puts slots the snapshot service did not take (None: nowhere)
     fallback_save_path: Path | None = field(default_factory=default_fallback_path)
@@ -217,160 +217,124 @@ def _is_host_port(addr: str) -> bool:
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
-def _str_or_none(value: str) -> str | None:
-    return None if value.strip().lower() in ("", "none") else value.strip()
-
-
-def _path_or_none(value: str) -> Path | None:
-    return None if value.strip().lower() in ("", "none") else Path(value)
-
-
-def _int_or_none(value: str) -> int | None:
-    return None if value.strip().lower() in ("", "none", "auto") else int(value, 0)
-
-
 def parser() -> argparse.ArgumentParser:
-    d = Config()
     p = argparse.ArgumentParser(
         prog="python -m inference_svc",
         description="Warmslot inference service (gRPC). Every flag can also be set with "
                     "the environment variable WARMSLOT_<FLAG>, e.g. WARMSLOT_SLOT_SAVE_PATH.")
-    a = p.add_argument
-    a("--model", type=Path, default=d.model, help="target model GGUF file")
-    a("--draft", type=_path_or_none, default=d.draft,
-      help="draft model GGUF file for speculative decoding ('none': no draft)")
-    a("--slots", type=int, default=d.slots, help="number of slots (parallel sessions)")
-    a("--ctx", type=_int_or_none, default=d.ctx,
-      help="context size per slot (default: the target model's)")
-    a("--threads", type=int, default=d.threads, help="decoding threads (target)")
-    a("--draft-threads", type=int, default=d.draft_threads, help="decoding threads (draft)")
-    a("--batch", type=int, default=d.batch, help="prompt tokens per decode call")
-    a("--batch-shared", type=int, default=d.batch_shared,
-      help="at most this many prompt or draft catch-up tokens per decode call while "
-           "other slots decode (each such call is sized to about half their decode step, "
-           "and to --batch at most)")
-    a("--kv-type", choices=KV_TYPES, default=d.kv_type,
-      help="KV cache element type of the target and the draft: f16 (half the memory and "
-           "slot-file size) or f32; a slot file restores only into the type it was saved "
-           "with")
-    a("--host", default=d.host, help="address to listen on")
-    a("--port", type=int, default=d.port, help="gRPC port (0: any free port)")
-    a("--slot-save-path", type=_path_or_none, default=d.slot_save_path,
-      help="directory of the local slot store (SaveSlot / RestoreSlot)")
-    a("--snapshot-addr", type=_str_or_none, default=d.snapshot_addr,
-      help="HOST:PORT of a snapshot service that holds the slot files (instead of "
-           "--slot-save-path); a comma-separated list of replicas sharing one store "
-           "fails over between them")
-    a("--snapshot-timeout", type=float, default=d.snapshot_timeout,
-      help="seconds each snapshot-service call may take (plus time for its size)")
-    a("--snapshot-client-max-protocol", type=int, choices=(1, 2),
-      default=d.snapshot_client_max_protocol,
-      help="highest snapshot protocol to speak (1: target files only, as an old client)")
-    a("--auto-save", action=argparse.BooleanOptionalAction, default=d.auto_save,
-      help="with a store configured, save every non-empty slot as auto-<instance>-slot<N> "
-           "on SIGTERM / SIGINT and restore them at start-up (--no-auto-save: neither)")
-    a("--instance-id", default=d.instance_id,
-      help="names this replica's auto-saved slots (default: the host name)")
-    a("--restore-timeout", type=float, default=d.restore_timeout,
-      help="seconds the start-up restore may wait for the snapshot service (every call and "
-           "retry ends by then) before the remaining slots start cold; 0: do not wait")
-    a("--auto-save-timeout", type=float, default=d.auto_save_timeout,
-      help="seconds the stop's auto-save may spend on the snapshot service (every call "
-           "ends by then); slots not saved there by then go to --fallback-save-path")
-    a("--fallback-save-path", type=_path_or_none, default=d.fallback_save_path,
-      help="with --snapshot-addr: directory where the stop writes the slots the snapshot "
-           "service did not take (down, hung, out of time); they are uploaded, then removed "
-           "here, at the next start or once the service answers again, and restored from "
-           "here while it does not ('none': no fallback; default "
-           "$XDG_STATE_HOME/warmslot/fallback)")
-    a("--draft-restore-policy", choices=DRAFT_POLICIES, default=d.draft_restore_policy,
-      help="draft of a restored slot without a usable .drft: re-prefill it from the tokens "
-           "or start it empty")
-    a("--metrics-port", type=int, default=d.metrics_port,
-      help="Prometheus metrics HTTP port (0: none)")
-    a("--metrics-host", default=d.metrics_host,
-      help="address of the metrics endpoint; with TLS it speaks HTTPS (client certificates "
-           "as --tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; "
-           "a non-loopback address needs one of them or --insecure")
-    a("--temperature", type=float, default=d.sampling.temperature,
-      help="default sampling temperature (0: greedy)")
-    a("--top-k", type=int, default=d.sampling.top_k, help="default top-k (0: off)")
-    a("--top-p", type=float, default=d.sampling.top_p, help="default top-p (1: off)")
-    a("--min-p", type=float, default=d.sampling.min_p, help="default min-p (0: off)")
-    a("--repeat-penalty", type=float, default=d.sampling.repeat_penalty,
-      help="default repeat penalty over the last --repeat-last-n tokens (1: off)")
-    a("--repeat-last-n", type=int, default=d.sampling.repeat_last_n,
-      help="default number of last tokens the penalties look at (0: no penalties)")
-    a("--presence-penalty", type=float, default=d.sampling.presence_penalty,
-      help="default presence penalty (0: off)")
-    a("--frequency-penalty", type=float, default=d.sampling.frequency_penalty,
-      help="default frequency penalty (0: off)")
-    a("--speculative", action=argparse.BooleanOptionalAction, default=d.speculative.enabled,
-      help="speculative decoding for requests that do not say (needs a draft model)")
-    a("--spec-n-max", type=int, default=d.speculative.n_max,
-      help="default tokens drafted per step (0: no speculative decoding by default)")
-    a("--spec-n-min", type=int, default=d.speculative.n_min, help="default minimum draft")
-    a("--spec-p-min", type=float, default=d.speculative.p_min,
-      help="default draft confidence below which drafting stops")
-    a("--spec-adaptive", action=argparse.BooleanOptionalAction, default=d.speculative.adaptive,
-      help="each slot drafts the length (0..n_max) its measured acceptance pays for, none "
-           "where the draft is useless (--no-spec-adaptive: always n_max)")
-    a("--spec-draft-cost", type=float, default=d.speculative.draft_cost,
-      help="the price of one drafted token in target decode steps (draft decode plus its "
-           "place in the verification pass), for --spec-adaptive")
-    a("--default-max-tokens", type=int, default=d.default_max_tokens,
-      help="max_tokens of a request that sets none")
-    a("--max-queue-wait", type=float, default=d.max_queue_wait,
-      help="seconds a request waits for a busy slot before RESOURCE_EXHAUSTED")
-    a("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot at most")
-    a("--seed", type=_int_or_none, default=d.seed,
-      help="seed of the slots' RNGs at start-up (default: random)")
-    a("--shutdown-grace", type=float, default=d.shutdown_grace,
-      help="seconds running requests get to finish on SIGTERM / SIGINT")
-    a("--workers", type=int, default=d.workers,
-      help="gRPC handler threads (0: slots + max-queue + 8, one per stream that can be "
-           "running or waiting, plus room for the other calls)")
-    a("--stream-interval-ms", type=float, default=d.stream_interval_ms,
-      help="after the first tokens, a Generate stream sends at most one response per "
-           "interval x generations running; the tokens of the steps in between are merged "
-           "(0: one response per step)")
-    a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
-    a("--log-format", default=d.log_format, choices=("json", "text"))
-    a("--max-streams-per-key", type=int, default=d.max_streams_per_key,
-      help="with --api-keys: Generate streams one key may have running or queued at once "
-           "(RESOURCE_EXHAUSTED beyond), so that other keys always find a handler thread")
-    a("--max-unary-per-key", type=int, default=d.max_unary_per_key,
-      help="with --api-keys: unary calls (all but Generate) one key may have running at "
-           "once (RESOURCE_EXHAUSTED beyond); with --max-streams-per-key below the handler "
-           "threads, so that other keys and health checks always find one")
-    a("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
-      help="longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
-    a("--tokenize-threads", type=int, default=d.tokenize_threads,
-      help="threads that tokenize request text (--max-queue more texts may wait)")
-    a("--session-ram-mb", type=int, default=d.session_ram_mb,
-      help="MiB of idle sessions' state (target + draft) kept in host memory; beyond it "
-           "the least recently used go to the store (without a store: are dropped); 0: "
-           "straight to the store")
-    a("--api-keys", type=_path_or_none, default=d.api_keys,
-      help="file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); "
-           "calls other than health then need 'authorization: Bearer <key>'")
-    a("--insecure", action="store_true", default=d.insecure,
-      help="allow a non-loopback --host with neither --api-keys nor TLS")
-    a("--tls-cert", type=_path_or_none, default=d.tls_cert, help="TLS certificate (PEM)")
-    a("--tls-key", type=_path_or_none, default=d.tls_key, help="TLS private key (PEM)")
-    a("--tls-client-ca", type=_path_or_none, default=d.tls_client_ca,
-      help="CA (PEM) whose client certificates are required (mutual TLS)")
-    a("--snapshot-tls-ca", type=_path_or_none, default=d.snapshot_tls_ca,
-      help="CA (PEM) of the snapshot service's certificate: TLS to the snapshot service")
-    a("--snapshot-tls-cert", type=_path_or_none, default=d.snapshot_tls_cert,
-      help="client certificate (PEM) for a snapshot service that requires one")
-    a("--snapshot-tls-key", type=_path_or_none, default=d.snapshot_tls_key,
-      help="key (PEM) of --snapshot-tls-cert")
-    a("--snapshot-key-file", type=_path_or_none, default=d.snapshot_key_file,
-      help="file holding this replica's API key of the snapshot service")
-    a("--chat-template", type=_path_or_none, default=d.chat_template,
-      help="Jinja chat template file for Chat, instead of the model's own "
-           "(tokenizer.chat_template); Chat needs one or the other")
+    d = Config()
+    f = settings.field_flags(p, d)
+    f("--model", "target model GGUF file")
+    f("--draft", "draft model GGUF file for speculative decoding ('none': no draft)")
+    f("--slots", "number of slots (parallel sessions)")
+    f("--ctx", "context size per slot (default: the target model's)")
+    f("--threads", "decoding threads (target)")
+    f("--draft-threads", "decoding threads (draft)")
+    f("--batch", "prompt tokens per decode call")
+    f("--batch-shared",
+      "at most this many prompt or draft catch-up tokens per decode call while other slots decode "
+      "(each such call is sized to about half their decode step, and to --batch at most)")
+    f("--kv-type",
+      "KV cache element type of the target and the draft: f16 (half the memory and slot-file "
+      "size) or f32; a slot file restores only into the type it was saved with", choices=KV_TYPES)
+    f("--host", "address to listen on")
+    f("--port", "gRPC port (0: any free port)")
+    f("--slot-save-path", "directory of the local slot store (SaveSlot / RestoreSlot)")
+    f("--snapshot-addr",
+      "HOST:PORT of a snapshot service that holds the slot files (instead of --slot-save-path); a "
+      "comma-separated list of replicas sharing one store fails over between them")
+    f("--snapshot-timeout", "seconds each snapshot-service call may take (plus time for its size)")
+    f("--snapshot-client-max-protocol",
+      "highest snapshot protocol to speak (1: target files only, as an old client)", choices=(1, 2))
+    f("--auto-save",
+      "with a store configured, save every non-empty slot as auto-<instance>-slot<N> on SIGTERM / "
+      "SIGINT and restore them at start-up (--no-auto-save: neither)")
+    f("--instance-id", "names this replica's auto-saved slots (default: the host name)")
+    f("--restore-timeout",
+      "seconds the start-up restore may wait for the snapshot service (every call and retry ends "
+      "by then) before the remaining slots start cold; 0: do not wait")
+    f("--auto-save-timeout",
+      "seconds the stop's auto-save may spend on the snapshot service (every call ends by then); "
+      "slots not saved there by then go to --fallback-save-path")
+    f("--fallback-save-path",
+      "with --snapshot-addr: directory where the stop writes the slots the snapshot service did "
+      "not take (down, hung, out of time); they are uploaded, then removed here, at the next "
+      "start or once the service answers again, and restored from here while it does not ('none': "
+      "no fallback; default $XDG_STATE_HOME/warmslot/fallback)")
+    f("--draft-restore-policy",
+      "draft of a restored slot without a usable .drft: re-prefill it from the tokens or start it "
+      "empty", choices=DRAFT_POLICIES)
+    f("--metrics-port", "Prometheus metrics HTTP port (0: none)")
+    f("--metrics-host",
+      "address of the metrics endpoint; with TLS it speaks HTTPS (client certificates as "
+      "--tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; a "
+      "non-loopback address needs one of them or --insecure")
+    f = settings.field_flags(p, d, group="sampling")
+    f("--temperature", "default sampling temperature (0: greedy)")
+    f("--top-k", "default top-k (0: off)")
+    f("--top-p", "default top-p (1: off)")
+    f("--min-p", "default min-p (0: off)")
+    f("--repeat-penalty", "default repeat penalty over the last --repeat-last-n tokens (1: off)")
+    f("--repeat-last-n", "default number of last tokens the penalties look at (0: no penalties)")
+    f("--presence-penalty", "default presence penalty (0: off)")
+    f("--frequency-penalty", "default frequency penalty (0: off)")
+    f = settings.field_flags(p, d, group="speculative", prefix="--spec-")
+    f("--speculative",
+      "speculative decoding for requests that do not say (needs a draft model)",
+      field="enabled")
+    f("--spec-n-max", "default tokens drafted per step (0: no speculative decoding by default)")
+    f("--spec-n-min", "default minimum draft")
+    f("--spec-p-min", "default draft confidence below which drafting stops")
+    f("--spec-adaptive",
+      "each slot drafts the length (0..n_max) its measured acceptance pays for, none where the "
+      "draft is useless (--no-spec-adaptive: always n_max)")
+    f("--spec-draft-cost",
+      "the price of one drafted token in target decode steps (draft decode plus its place in the "
+      "verification pass), for --spec-adaptive")
+    f = settings.field_flags(p, d)
+    f("--default-max-tokens", "max_tokens of a request that sets none")
+    f("--max-queue-wait", "seconds a request waits for a busy slot before RESOURCE_EXHAUSTED")
+    f("--max-queue", "requests waiting for a slot at most")
+    f("--seed", "seed of the slots' RNGs at start-up (default: random)")
+    f("--shutdown-grace", "seconds running requests get to finish on SIGTERM / SIGINT")
+    f("--workers",
+      "gRPC handler threads (0: slots + max-queue + 8, one per stream that can be running or "
+      "waiting, plus room for the other calls)")
+    f("--stream-interval-ms",
+      "after the first tokens, a Generate stream sends at most one response per interval x "
+      "generations running; the tokens of the steps in between are merged (0: one response per "
+      "step)")
+    f("--log-level", choices=("debug", "info", "warning", "error"))
+    f("--log-format", choices=("json", "text"))
+    f("--max-streams-per-key",
+      "with --api-keys: Generate streams one key may have running or queued at once "
+      "(RESOURCE_EXHAUSTED beyond), so that other keys always find a handler thread")
+    f("--max-unary-per-key",
+      "with --api-keys: unary calls (all but Generate) one key may have running at once "
+      "(RESOURCE_EXHAUSTED beyond); with --max-streams-per-key below the handler threads, so that "
+      "other keys and health checks always find one")
+    f("--max-prompt-bytes",
+      "longest prompt or Tokenize text in UTF-8 bytes, refused before tokenizing")
+    f("--tokenize-threads", "threads that tokenize request text (--max-queue more texts may wait)")
+    f("--session-ram-mb",
+      "MiB of idle sessions' state (target + draft) kept in host memory; beyond it the least "
+      "recently used go to the store (without a store: are dropped); 0: straight to the store")
+    f("--api-keys",
+      "file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); calls other than "
+      "health then need 'authorization: Bearer <key>'")
+    f("--insecure",
+      "allow a non-loopback --host with neither --api-keys nor TLS", action="store_true")
+    f("--tls-cert", "TLS certificate (PEM)")
+    f("--tls-key", "TLS private key (PEM)")
+    f("--tls-client-ca", "CA (PEM) whose client certificates are required (mutual TLS)")
+    f("--snapshot-tls-ca",
+      "CA (PEM) of the snapshot service's certificate: TLS to the snapshot service")
+    f("--snapshot-tls-cert", "client certificate (PEM) for a snapshot service that requires one")
+    f("--snapshot-tls-key", "key (PEM) of --snapshot-tls-cert")
+    f("--snapshot-key-file", "file holding this replica's API key of the snapshot service")
+    f("--chat-template",
+      "Jinja chat template file for Chat, instead of the model's own (tokenizer.chat_template); "
+      "Chat needs one or the other")
     settings.document_env(p, ENV_PREFIX)
     return p
 
@@ -382,36 +346,7 @@ def from_args(argv: Sequence[str] | None = None,
     env = os.environ if env is None else env
     ns = settings.parse(p, argv if argv is not None else [], env, ENV_PREFIX)
     try:
-        return Config(
-            model=ns.model, draft=ns.draft, slots=ns.slots, ctx=ns.ctx, threads=ns.threads,
-            draft_threads=ns.draft_threads, kv_type=ns.kv_type,
-            batch=ns.batch, batch_shared=ns.batch_shared, host=ns.host, port=ns.port,
-            slot_save_path=ns.slot_save_path,
-            snapshot_addr=ns.snapshot_addr, snapshot_timeout=ns.snapshot_timeout,
-            snapshot_client_max_protocol=ns.snapshot_client_max_protocol,
-            auto_save=ns.auto_save, instance_id=ns.instance_id,
-            restore_timeout=ns.restore_timeout, auto_save_timeout=ns.auto_save_timeout,
-            fallback_save_path=ns.fallback_save_path,
-            draft_restore_policy=ns.draft_restore_policy, metrics_port=ns.metrics_port,
-            metrics_host=ns.metrics_host,
-            sampling=SamplingParams(ns.temperature, ns.top_k, ns.top_p, ns.min_p,
-                                    repeat_penalty=ns.repeat_penalty,
-                                    repeat_last_n=ns.repeat_last_n,
-                                    presence_penalty=ns.presence_penalty,
-                                    frequency_penalty=ns.frequency_penalty),
-            speculative=Speculative(ns.speculative, ns.spec_n_max, ns.spec_n_min,
-                                    ns.spec_p_min, ns.spec_adaptive, ns.spec_draft_cost),
-            default_max_tokens=ns.default_max_tokens, max_queue_wait=ns.max_queue_wait,
-            max_queue=ns.max_queue, seed=ns.seed, shutdown_grace=ns.shutdown_grace,
-            workers=ns.workers, stream_interval_ms=ns.stream_interval_ms,
-            log_level=ns.log_level, log_format=ns.log_format, api_keys=ns.api_keys,
-            insecure=ns.insecure, tls_cert=ns.tls_cert, tls_key=ns.tls_key,
-            tls_client_ca=ns.tls_client_ca, snapshot_tls_ca=ns.snapshot_tls_ca,
-            snapshot_tls_cert=ns.snapshot_tls_cert, snapshot_tls_key=ns.snapshot_tls_key,
-            snapshot_key_file=ns.snapshot_key_file, max_prompt_bytes=ns.max_prompt_bytes,
-            max_streams_per_key=ns.max_streams_per_key, max_unary_per_key=ns.max_unary_per_key,
-            tokenize_threads=ns.tokenize_threads, chat_template=ns.chat_template,
-            session_ram_mb=ns.session_ram_mb)
+        return Config(**settings.field_values(ns, Config()))
     except ValueError as exc:
         p.error(str(exc))
         raise  # unreachable: p.error exits

@@ -491,6 +491,12 @@ static ws_status check_slot(const ws_spec *s, int32_t slot) {
     return WS_OK;
 }
 
+/* an accessor's arguments: the handle and its output are set, the slot exists */
+static ws_status check_slot_out(const ws_spec *s, int32_t slot, const void *out) {
+    if (!s || !out) return WS_ERR_INVALID_ARGUMENT;
+    return check_slot(s, slot);
+}
+
 static int32_t kv_len(const ws_context *ctx, int32_t slot) {
     int32_t n = 0;
     ws_slot_n_tokens(ctx, slot, &n);
@@ -505,45 +511,40 @@ ws_status ws_spec_seed(ws_spec *s, int32_t slot, uint64_t seed) {
 }
 
 ws_status ws_spec_n_tokens(const ws_spec *s, int32_t slot, int32_t *n_out) {
-    if (!s || !n_out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(s, slot));
+    TRY(check_slot_out(s, slot, n_out));
     *n_out = kv_len(s->tgt, slot) + (s->slots[slot].pending >= 0);
     return WS_OK;
 }
 
 ws_status ws_spec_tokens(const ws_spec *s, int32_t slot, int32_t *out, size_t cap,
                          int32_t *n_out) {
-    if (!s || !n_out || (!out && cap > 0)) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(s, slot));
-    const int32_t n = kv_len(s->tgt, slot);
-    const int pend = s->slots[slot].pending >= 0;
-    *n_out = n + pend;
-    if (cap < (size_t)(n + pend))
-        return fail(s, WS_ERR_BUFFER_TOO_SMALL, "token buffer holds %zu, slot has %d", cap,
-                    n + pend);
-    int32_t got = 0;
-    if (n > 0) ws_slot_tokens(s->tgt, slot, out, cap, &got);
-    if (pend) out[n] = s->slots[slot].pending;
+    if (!out && cap > 0) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot_out(s, slot, n_out));
+    /* the target's tokens (ws_slot_tokens), then the sampled token not yet decoded */
+    const int32_t pending = s->slots[slot].pending;
+    *n_out = kv_len(s->tgt, slot) + (pending >= 0);
+    if (cap < (size_t)*n_out)
+        return fail(s, WS_ERR_BUFFER_TOO_SMALL, "token buffer holds %zu, slot has %d", cap, *n_out);
+    int32_t n = 0;
+    if (*n_out > (pending >= 0)) TRY(ws_slot_tokens(s->tgt, slot, out, cap, &n));
+    if (pending >= 0) out[n] = pending;
     return WS_OK;
 }
 
 ws_status ws_spec_draft_n_tokens(const ws_spec *s, int32_t slot, int32_t *n_out) {
-    if (!s || !n_out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(s, slot));
+    TRY(check_slot_out(s, slot, n_out));
     *n_out = s->dft ? kv_len(s->dft, slot) : 0;
     return WS_OK;
 }
 
 ws_status ws_spec_draft_offset(const ws_spec *s, int32_t slot, int32_t *offset_out) {
-    if (!s || !offset_out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(s, slot));
+    TRY(check_slot_out(s, slot, offset_out));
     *offset_out = s->slots[slot].d_off;
     return WS_OK;
 }
 
 ws_status ws_spec_counters_get(const ws_spec *s, int32_t slot, ws_spec_counters *out) {
-    if (!s || !out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(s, slot));
+    TRY(check_slot_out(s, slot, out));
     *out = s->slots[slot].c;
     return WS_OK;
 }
@@ -570,8 +571,7 @@ static ws_status draft_catch_up(ws_spec *s, int32_t slot, int32_t upto, float *l
 }
 
 ws_status ws_spec_draft_sync(ws_spec *s, int32_t slot, int32_t *n_out) {
-    if (!s || !n_out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(s, slot));
+    TRY(check_slot_out(s, slot, n_out));
     *n_out = 0;
     if (!s->dft) return WS_OK;
     spec_slot *ss = &s->slots[slot];
@@ -1042,8 +1042,7 @@ static uint64_t get64(const uint8_t **p) {
 }
 
 ws_status ws_spec_state_size(const ws_spec *s, int32_t slot, size_t *size_out) {
-    if (!s || !size_out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(s, slot));
+    TRY(check_slot_out(s, slot, size_out));
     if (!s->dft) return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model: there is no draft state");
     size_t kv = 0;
     TRY(ws_slot_state_size(s->dft, slot, &kv));

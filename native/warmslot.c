@@ -1083,9 +1083,14 @@ static ws_status check_slot(const ws_context *ctx, int32_t slot) {
     return WS_OK;
 }
 
+/* an accessor's arguments: the handle and its output are set, the slot exists */
+static ws_status check_slot_out(const ws_context *ctx, int32_t slot, const void *out) {
+    if (!ctx || !out) return WS_ERR_INVALID_ARGUMENT;
+    return check_slot(ctx, slot);
+}
+
 ws_status ws_slot_n_tokens(const ws_context *ctx, int32_t slot, int32_t *n_out) {
-    if (!ctx || !n_out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(ctx, slot));
+    TRY(check_slot_out(ctx, slot, n_out));
     *n_out = ctx->n_past[slot];
     return WS_OK;
 }
@@ -1353,8 +1358,7 @@ static uint32_t get_u32(const uint8_t *p) {
 }
 
 ws_status ws_slot_state_size(const ws_context *ctx, int32_t slot, size_t *size_out) {
-    if (!ctx || !size_out) return WS_ERR_INVALID_ARGUMENT;
-    TRY(check_slot(ctx, slot));
+    TRY(check_slot_out(ctx, slot, size_out));
     *size_out = state_bytes(ctx, (size_t)ctx->n_past[slot], slot_window(ctx, slot));
     return WS_OK;
 }

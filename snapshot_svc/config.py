@@ -10,11 +10,10 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
 from snapshot_svc.clientlib import settings, tls
@@ -96,70 +95,57 @@ class SnapshotConfig:
                                self.insecure, risk=tls.METRICS_RISK)
 
 
-def _path_or_none(value: str) -> Path | None:
-    return None if value.strip().lower() in ("", "none") else Path(value)
-
-
-def _flag(parser: argparse.ArgumentParser, env: Mapping[str, str], flag: str,
-          conv: Callable[[str], Any], default: Any, help: str, **kw: Any) -> None:
-    """One flag; its variable (settings.env_var) is applied by parse_config."""
-    parser.add_argument(flag, type=conv, default=default, help=help, **kw)
-
-
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The service's flags (`env` is read by parse_config, through settings.parse)."""
     p = argparse.ArgumentParser(prog="python -m snapshot_svc",
                                 description="Warmslot snapshot service (gRPC)")
-    d = SnapshotConfig
-    _flag(p, env, "--data-dir", Path, None,
-          "directory holding the snapshots (the local backend; or --store)")
-    _flag(p, env, "--store", str, d.store,
-          "s3://bucket[/prefix]: keep the snapshots in an S3 bucket instead of --data-dir, "
-          "which is then ignored (credentials "
-          "from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_SHARED_CREDENTIALS_FILE)")
-    _flag(p, env, "--s3-endpoint", str, d.s3_endpoint,
-          "URL of the S3 API (SeaweedFS, Ceph RGW, MinIO...); empty: AWS")
-    _flag(p, env, "--s3-region", str, d.s3_region, "S3 region (empty: us-east-1)")
-    _flag(p, env, "--replica-id", str, d.replica_id,
-          "this replica's name in the bucket, unique per replica (empty: the host name)")
-    _flag(p, env, "--gc-grace", float, d.gc_grace_s,
-          "S3: seconds an unreferenced object is kept before garbage collection")
-    _flag(p, env, "--host", str, d.host, "address to listen on")
-    _flag(p, env, "--port", int, d.port, "gRPC port; 0 picks a free one")
-    _flag(p, env, "--max-protocol", int, d.max_protocol,
-          "highest protocol version spoken; 1 = target files only, as an old server",
-          choices=range(PROTOCOL_MIN, PROTOCOL_MAX + 1))
-    _flag(p, env, "--max-snapshot-bytes", parse_size, d.max_snapshot_bytes,
-          "largest part stored (bytes, or 512M, 2G...)")
-    _flag(p, env, "--spare-bytes", parse_size, d.spare_bytes,
-          "disk space kept in files of deleted snapshots for new Puts to overwrite "
-          "(faster than new files; given back when the disk is full); 0 = off")
-    _flag(p, env, "--metrics-port", int, d.metrics_port, "Prometheus metrics port; 0 = off")
-    _flag(p, env, "--metrics-host", str, d.metrics_host,
-          "address of the metrics endpoint; with TLS it speaks HTTPS (client certificates as "
-          "--tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; "
-          "a non-loopback address needs one of them or --insecure")
-    _flag(p, env, "--workers", int, d.workers, "threads serving calls; more calls wait")
-    _flag(p, env, "--grace", float, d.grace_s, "seconds in-flight calls get on shutdown")
-    _flag(p, env, "--stage-ttl", float, d.stage_ttl_s,
-          "seconds a staged target waits for its draft")
-    _flag(p, env, "--log-level", str, d.log_level, "debug, info, warning or error")
-    _flag(p, env, "--api-keys", _path_or_none, None,
-          "file of API keys, one '<key> namespace=NAME|admin' per line (reloaded on SIGHUP)")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --host with neither --api-keys nor TLS")
-    _flag(p, env, "--tls-cert", _path_or_none, None, "TLS certificate (PEM)")
-    _flag(p, env, "--tls-key", _path_or_none, None, "TLS private key (PEM)")
-    _flag(p, env, "--tls-client-ca", _path_or_none, None,
-          "CA (PEM) whose client certificates are required (mutual TLS)")
-    _flag(p, env, "--stream-idle-timeout", float, d.stream_idle_timeout_s,
-          "seconds a Put may send nothing before it is cancelled (its space freed)")
-    _flag(p, env, "--max-streams-per-key", int, d.max_streams_per_key,
-          "Put/Get streams one API key may have open at once (RESOURCE_EXHAUSTED beyond)")
-    _flag(p, env, "--max-unary-per-key", int, d.max_unary_per_key,
-          "with --api-keys: unary calls (Hello, List, Stat, Delete) one key may have running "
-          "at once (RESOURCE_EXHAUSTED beyond)")
-    _flag(p, env, "--quota-bytes", parse_size, d.quota_bytes,
-          "bytes a namespaced key's snapshots may hold (RESOURCE_EXHAUSTED beyond); 0 = off")
+    f = settings.field_flags(p, SnapshotConfig)
+    f("--data-dir", "directory holding the snapshots (the local backend; or --store)", type=Path)
+    f("--store",
+      "s3://bucket[/prefix]: keep the snapshots in an S3 bucket instead of --data-dir, which is "
+      "then ignored (credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
+      "AWS_SHARED_CREDENTIALS_FILE)")
+    f("--s3-endpoint", "URL of the S3 API (SeaweedFS, Ceph RGW, MinIO...); empty: AWS")
+    f("--s3-region", "S3 region (empty: us-east-1)")
+    f("--replica-id",
+      "this replica's name in the bucket, unique per replica (empty: the host name)")
+    f("--gc-grace", "S3: seconds an unreferenced object is kept before garbage collection",
+      field="gc_grace_s")
+    f("--host", "address to listen on")
+    f("--port", "gRPC port; 0 picks a free one")
+    f("--max-protocol", "highest protocol version spoken; 1 = target files only, as an old server",
+      choices=range(PROTOCOL_MIN, PROTOCOL_MAX + 1))
+    f("--max-snapshot-bytes", "largest part stored (bytes, or 512M, 2G...)", type=parse_size)
+    f("--spare-bytes",
+      "disk space kept in files of deleted snapshots for new Puts to overwrite (faster than new "
+      "files; given back when the disk is full); 0 = off", type=parse_size)
+    f("--metrics-port", "Prometheus metrics port; 0 = off")
+    f("--metrics-host",
+      "address of the metrics endpoint; with TLS it speaks HTTPS (client certificates as "
+      "--tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; a "
+      "non-loopback address needs one of them or --insecure")
+    f("--workers", "threads serving calls; more calls wait")
+    f("--grace", "seconds in-flight calls get on shutdown", field="grace_s")
+    f("--stage-ttl", "seconds a staged target waits for its draft", field="stage_ttl_s")
+    f("--log-level", "debug, info, warning or error")
+    f("--api-keys",
+      "file of API keys, one '<key> namespace=NAME|admin' per line (reloaded on SIGHUP)")
+    f("--insecure", "allow a non-loopback --host with neither --api-keys nor TLS",
+      action="store_true")
+    f("--tls-cert", "TLS certificate (PEM)")
+    f("--tls-key", "TLS private key (PEM)")
+    f("--tls-client-ca", "CA (PEM) whose client certificates are required (mutual TLS)")
+    f("--stream-idle-timeout",
+      "seconds a Put may send nothing before it is cancelled (its space freed)",
+      field="stream_idle_timeout_s")
+    f("--max-streams-per-key",
+      "Put/Get streams one API key may have open at once (RESOURCE_EXHAUSTED beyond)")
+    f("--max-unary-per-key",
+      "with --api-keys: unary calls (Hello, List, Stat, Delete) one key may have running at "
+      "once (RESOURCE_EXHAUSTED beyond)")
+    f("--quota-bytes",
+      "bytes a namespaced key's snapshots may hold (RESOURCE_EXHAUSTED beyond); 0 = off",
+      type=parse_size)
     settings.document_env(p, ENV_PREFIX)
     return p
 
@@ -171,24 +157,11 @@ def parse_config(argv: Sequence[str] | None = None,
     a = settings.parse(parser, argv if argv is not None else sys.argv[1:], env, ENV_PREFIX)
     if a.data_dir is None and not a.store:
         parser.error(f"--data-dir (or {ENV_PREFIX}DATA_DIR) or --store is required")
+    values = settings.field_values(a, SnapshotConfig)
+    if a.store:  # --store wins over a data dir (the container image sets one by default)
+        values["data_dir"] = None
     try:
-        # --store wins over a data dir (the container image sets one by default)
-        return SnapshotConfig(data_dir=None if a.store else a.data_dir, host=a.host,
-                              port=a.port,
-                              max_protocol=a.max_protocol,
-                              max_snapshot_bytes=a.max_snapshot_bytes,
-                              spare_bytes=a.spare_bytes,
-                              metrics_port=a.metrics_port, metrics_host=a.metrics_host,
-                              workers=a.workers, grace_s=a.grace,
-                              stage_ttl_s=a.stage_ttl, log_level=a.log_level, store=a.store,
-                              s3_endpoint=a.s3_endpoint, s3_region=a.s3_region,
-                              replica_id=a.replica_id, gc_grace_s=a.gc_grace,
-                              api_keys=a.api_keys, insecure=a.insecure, tls_cert=a.tls_cert,
-                              tls_key=a.tls_key, tls_client_ca=a.tls_client_ca,
-                              stream_idle_timeout_s=a.stream_idle_timeout,
-                              max_streams_per_key=a.max_streams_per_key,
-                              max_unary_per_key=a.max_unary_per_key,
-                              quota_bytes=a.quota_bytes)
+        return SnapshotConfig(**values)
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits

@@ -1,7 +1,9 @@
 """The thin 1:1 layer over the compiled cffi module.
 
 Each function maps one C call; a non-zero status becomes a typed exception
-carrying the core's message (the one helper `_check`). Set
+carrying the core's message (`_check`, `_check_spec`). Most are made by `_checked`
+(a call that returns only its status) or `_counted` (one that also writes one or
+two numbers to trailing out-parameters); their arguments are the C call's. Set
 WARMSLOT_NATIVE=asan to load the AddressSanitizer/UBSan build instead, or
 WARMSLOT_NATIVE=portable for the scalar build (no AVX2; the same bits), or
 WARMSLOT_NATIVE=avx2 for the AVX2 build on a machine whose release build uses AVX-512.
@@ -58,89 +60,54 @@ def _out(check: Callable[[int, Any], None], ctype: str, fn: Callable[..., int], 
     return int(out[0])
 
 
-def model_init(hparams: Any, weights: Any) -> Any:
-    out = ffi.new("ws_model **")
-    _check(lib.ws_model_init(hparams, weights, out))
+def _checked(check: Callable[[int, Any], None], fn: Callable[..., int]) -> Callable[..., None]:
+    """The wrapper of a C call `fn(handle, *args)` that returns only its status."""
+    def call(handle: Any, *args: Any) -> None:
+        check(fn(handle, *args), handle)
+    return call
+
+
+def _counted(check: Callable[[int, Any], None], ctype: str,
+             fn: Callable[..., int]) -> Callable[..., int]:
+    """The wrapper of a C call `fn(handle, *args, out)` that writes one `ctype` to out."""
+    def call(handle: Any, *args: Any) -> int:
+        return _out(check, ctype, fn, handle, *args)
+    return call
+
+
+def _counted_pair(check: Callable[[int, Any], None], ctype: str,
+                  fn: Callable[..., int]) -> Callable[..., tuple[int, int]]:
+    """The wrapper of a C call `fn(handle, *args, out1, out2)` writing two `ctype`s."""
+    def call(handle: Any, *args: Any) -> tuple[int, int]:
+        a, b = ffi.new(f"{ctype} *"), ffi.new(f"{ctype} *")
+        check(fn(handle, *args, a, b), handle)
+        return int(a[0]), int(b[0])
+    return call
+
+
+def _created(ctype: str, fn: Callable[..., int], *args: Any) -> Any:
+    """fn(*args, out) for a C constructor that writes a new `ctype *` to out."""
+    out = ffi.new(f"{ctype} **")
+    _check(fn(*args, out))
     return out[0]
 
 
-def model_free(model: Any) -> None:
-    lib.ws_model_free(model)
-
-
-def context_default_params() -> Any:
-    return lib.ws_context_default_params()
+def model_init(hparams: Any, weights: Any) -> Any:
+    return _created("ws_model", lib.ws_model_init, hparams, weights)
 
 
 def context_init(model: Any, params: Any) -> Any:
-    out = ffi.new("ws_context **")
-    _check(lib.ws_context_init(model, params, out))
-    return out[0]
+    return _created("ws_context", lib.ws_context_init, model, params)
 
 
-def context_free(ctx: Any) -> None:
-    lib.ws_context_free(ctx)
-
-
-def context_kv_bytes(ctx: Any) -> int:
-    return int(lib.ws_context_kv_bytes(ctx))
-
-
-def fp16_from_fp32(src: Any, dst: Any, n: int) -> None:
-    lib.ws_fp16_from_fp32(src, dst, n)
-
-
-def fp32_from_fp16(src: Any, dst: Any, n: int) -> None:
-    lib.ws_fp32_from_fp16(src, dst, n)
-
-
-def slot_n_tokens(ctx: Any, slot: int) -> int:
-    return _out(_check, "int32_t", lib.ws_slot_n_tokens, ctx, slot)
-
-
-def slot_tokens(ctx: Any, slot: int, out: Any, cap: int) -> int:
-    return _out(_check, "int32_t", lib.ws_slot_tokens, ctx, slot, out, cap)
-
-
-def decode(ctx: Any, slot: int, tokens: Any, n_tokens: int, logits_all: bool, logits: Any,
-           logits_cap: int) -> None:
-    _check(lib.ws_decode(ctx, slot, tokens, n_tokens, int(logits_all), logits, logits_cap), ctx)
-
-
-def decode_multi(ctx: Any, slots: Any, tokens: Any, n: int, logits: Any, logits_cap: int) -> None:
-    _check(lib.ws_decode_multi(ctx, slots, tokens, n, logits, logits_cap), ctx)
-
-
-def slot_truncate(ctx: Any, slot: int, n: int) -> None:
-    _check(lib.ws_slot_truncate(ctx, slot, n), ctx)
-
-
-def slot_keep_min(ctx: Any, slot: int) -> int:
-    n = ffi.new("int32_t *")
-    _check(lib.ws_slot_keep_min(ctx, slot, n), ctx)
-    return int(n[0])
-
-
-def slot_clear(ctx: Any, slot: int) -> None:
-    _check(lib.ws_slot_clear(ctx, slot), ctx)
-
-
-def slot_state_size(ctx: Any, slot: int) -> int:
-    return _out(_check, "size_t", lib.ws_slot_state_size, ctx, slot)
-
-
-def slot_state_get(ctx: Any, slot: int, buf: Any, cap: int) -> int:
-    return _out(_check, "size_t", lib.ws_slot_state_get, ctx, slot, buf, cap)
-
-
-def slot_state_set_parts(ctx: Any, slot: int, header: Any, header_len: int, tokens: Any,
-                         tokens_len: int, kv: Any, kv_len: int) -> int:
-    return _out(_check, "size_t", lib.ws_slot_state_set_parts, ctx, slot, header, header_len,
-                tokens, tokens_len, kv, kv_len)
-
-
-def slot_state_set(ctx: Any, slot: int, buf: Any, length: int) -> int:
-    return _out(_check, "size_t", lib.ws_slot_state_set, ctx, slot, buf, length)
+# the calls that cannot fail
+model_free = lib.ws_model_free
+context_free = lib.ws_context_free
+context_default_params = lib.ws_context_default_params
+context_kv_bytes = lib.ws_context_kv_bytes
+fp16_from_fp32 = lib.ws_fp16_from_fp32
+fp32_from_fp16 = lib.ws_fp32_from_fp16
+spec_free = lib.ws_spec_free
 
 
 # ---- speculative decoding (ws_spec_*) ----
@@ -152,6 +119,43 @@ def _check_spec(status: int, spec: Any) -> None:
         raise error_for_status(status, msg)
 
 
+# the calls that return a status only, then those writing one or two numbers too
+decode = _checked(_check, lib.ws_decode)
+decode_multi = _checked(_check, lib.ws_decode_multi)
+slot_truncate = _checked(_check, lib.ws_slot_truncate)
+slot_clear = _checked(_check, lib.ws_slot_clear)
+spec_check_params = _checked(_check_spec, lib.ws_spec_check_params)
+spec_seed = _checked(_check_spec, lib.ws_spec_seed)
+spec_commit = _checked(_check_spec, lib.ws_spec_commit)
+spec_truncate = _checked(_check_spec, lib.ws_spec_truncate)
+spec_clear = _checked(_check_spec, lib.ws_spec_clear)
+spec_draft_reset = _checked(_check_spec, lib.ws_spec_draft_reset)
+spec_counters_get = _checked(_check_spec, lib.ws_spec_counters_get)
+spec_prefill_chunk = _checked(_check_spec, lib.ws_spec_prefill_chunk)
+spec_step_batch = _checked(_check_spec, lib.ws_spec_step_batch)
+spec_step_multi = _checked(_check_spec, lib.ws_spec_step_multi)
+slot_keep_min = _counted(_check, "int32_t", lib.ws_slot_keep_min)
+slot_n_tokens = _counted(_check, "int32_t", lib.ws_slot_n_tokens)
+slot_tokens = _counted(_check, "int32_t", lib.ws_slot_tokens)
+slot_state_size = _counted(_check, "size_t", lib.ws_slot_state_size)
+slot_state_get = _counted(_check, "size_t", lib.ws_slot_state_get)
+slot_state_set = _counted(_check, "size_t", lib.ws_slot_state_set)
+slot_state_set_parts = _counted(_check, "size_t", lib.ws_slot_state_set_parts)
+spec_n_tokens = _counted(_check_spec, "int32_t", lib.ws_spec_n_tokens)
+spec_tokens = _counted(_check_spec, "int32_t", lib.ws_spec_tokens)
+spec_draft_n_tokens = _counted(_check_spec, "int32_t", lib.ws_spec_draft_n_tokens)
+spec_draft_offset = _counted(_check_spec, "int32_t", lib.ws_spec_draft_offset)
+spec_draft_sync = _counted(_check_spec, "int32_t", lib.ws_spec_draft_sync)
+spec_prefill = _counted(_check_spec, "int32_t", lib.ws_spec_prefill)
+spec_step = _counted(_check_spec, "int32_t", lib.ws_spec_step)
+spec_state_size = _counted(_check_spec, "size_t", lib.ws_spec_state_size)
+spec_state_get = _counted(_check_spec, "size_t", lib.ws_spec_state_get)
+spec_state_set = _counted(_check_spec, "size_t", lib.ws_spec_state_set)
+spec_logprobs = _counted_pair(_check_spec, "int32_t", lib.ws_spec_logprobs)
+spec_draft_catch_up = _counted_pair(_check_spec, "int32_t", lib.ws_spec_draft_catch_up)
+spec_slot_state_prepare = _counted_pair(_check_spec, "size_t", lib.ws_spec_slot_state_prepare)
+
+
 def spec_init(target: Any, draft: Any) -> Any:
     out = ffi.new("ws_spec **")
     status = lib.ws_spec_init(target, draft, out)
@@ -161,111 +165,6 @@ def spec_init(target: Any, draft: Any) -> Any:
         finally:
             lib.ws_spec_free(out[0])
     return out[0]
-
-
-def spec_free(spec: Any) -> None:
-    lib.ws_spec_free(spec)
-
-
-def spec_check_params(spec: Any, sp: Any, pp: Any) -> None:
-    _check_spec(lib.ws_spec_check_params(spec, sp, pp), spec)
-
-
-def spec_seed(spec: Any, slot: int, seed: int) -> None:
-    _check_spec(lib.ws_spec_seed(spec, slot, seed), spec)
-
-
-def spec_n_tokens(spec: Any, slot: int) -> int:
-    return _out(_check_spec, "int32_t", lib.ws_spec_n_tokens, spec, slot)
-
-
-def spec_tokens(spec: Any, slot: int, out: Any, cap: int) -> int:
-    return _out(_check_spec, "int32_t", lib.ws_spec_tokens, spec, slot, out, cap)
-
-
-def spec_draft_n_tokens(spec: Any, slot: int) -> int:
-    return _out(_check_spec, "int32_t", lib.ws_spec_draft_n_tokens, spec, slot)
-
-
-def spec_draft_offset(spec: Any, slot: int) -> int:
-    return _out(_check_spec, "int32_t", lib.ws_spec_draft_offset, spec, slot)
-
-
-def spec_prefill(spec: Any, slot: int, tokens: Any, n: int, sp: Any, with_draft: bool) -> int:
-    return _out(_check_spec, "int32_t", lib.ws_spec_prefill, spec, slot, tokens, n, sp,
-                int(with_draft))
-
-
-def spec_step(spec: Any, slot: int, sp: Any, pp: Any, max_new: int, out: Any, cap: int) -> int:
-    return _out(_check_spec, "int32_t", lib.ws_spec_step, spec, slot, sp, pp, max_new, out, cap)
-
-
-def spec_step_batch(spec: Any, n: int, slots: Any, sps: Any, pps: Any, max_new: Any, out: Any,
-                    n_out: Any, n_drafted: Any) -> None:
-    _check_spec(lib.ws_spec_step_batch(spec, n, slots, sps, pps, max_new, out, n_out, n_drafted),
-                spec)
-
-
-def spec_step_multi(spec: Any, slots: Any, sps: Any, n: int, out: Any) -> None:
-    _check_spec(lib.ws_spec_step_multi(spec, slots, sps, n, out), spec)
-
-
-def spec_logprobs(spec: Any, slot: int, ids: Any, lps: Any, cap: int) -> tuple[int, int]:
-    rows, top = ffi.new("int32_t *"), ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_logprobs(spec, slot, ids, lps, cap, rows, top), spec)
-    return int(rows[0]), int(top[0])
-
-
-def spec_commit(spec: Any, slot: int) -> None:
-    _check_spec(lib.ws_spec_commit(spec, slot), spec)
-
-
-def spec_truncate(spec: Any, slot: int, n: int) -> None:
-    _check_spec(lib.ws_spec_truncate(spec, slot, n), spec)
-
-
-def spec_clear(spec: Any, slot: int) -> None:
-    _check_spec(lib.ws_spec_clear(spec, slot), spec)
-
-
-def spec_draft_reset(spec: Any, slot: int, offset: int) -> None:
-    _check_spec(lib.ws_spec_draft_reset(spec, slot, offset), spec)
-
-
-def spec_draft_sync(spec: Any, slot: int) -> int:
-    return _out(_check_spec, "int32_t", lib.ws_spec_draft_sync, spec, slot)
-
-
-def spec_prefill_chunk(spec: Any, slot: int, tokens: Any, n: int, with_draft: bool) -> None:
-    _check_spec(lib.ws_spec_prefill_chunk(spec, slot, tokens, n, int(with_draft)), spec)
-
-
-def spec_draft_catch_up(spec: Any, slot: int, max_tokens: int) -> tuple[int, int]:
-    done, left = ffi.new("int32_t *"), ffi.new("int32_t *")
-    _check_spec(lib.ws_spec_draft_catch_up(spec, slot, max_tokens, done, left), spec)
-    return int(done[0]), int(left[0])
-
-
-def spec_counters_get(spec: Any, slot: int, out: Any) -> None:
-    _check_spec(lib.ws_spec_counters_get(spec, slot, out), spec)
-
-
-def spec_state_size(spec: Any, slot: int) -> int:
-    return _out(_check_spec, "size_t", lib.ws_spec_state_size, spec, slot)
-
-
-def spec_state_get(spec: Any, slot: int, buf: Any, cap: int) -> int:
-    return _out(_check_spec, "size_t", lib.ws_spec_state_get, spec, slot, buf, cap)
-
-
-def spec_state_set(spec: Any, slot: int, buf: Any, length: int) -> int:
-    return _out(_check_spec, "size_t", lib.ws_spec_state_set, spec, slot, buf, length)
-
-
-def spec_slot_state_prepare(spec: Any, slot: int) -> tuple[int, int]:
-    t, d = ffi.new("size_t *"), ffi.new("size_t *")
-    _check_spec(lib.ws_spec_slot_state_prepare(spec, slot, t, d), spec)
-    return int(t[0]), int(d[0])
 
 
 def spec_slot_state_get(spec: Any, slot: int, tbuf: Any, tcap: int, dbuf: Any,

@@ -23,71 +23,24 @@ class StatusError(Exception):
         self.message = message
 
 
-class InvalidArgument(StatusError):
-    """Bad name, bad size, malformed request."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-class NotFound(StatusError):
-    """No such snapshot, part or slot file."""
-
-    code = grpc.StatusCode.NOT_FOUND
+def _coded(code: grpc.StatusCode, doc: str) -> type[StatusError]:
+    """The StatusError subclass of one code, named after it (NOT_FOUND -> NotFound)."""
+    name = "".join(word.capitalize() for word in code.name.split("_"))
+    return type(name, (StatusError,), {"code": code, "__doc__": doc, "__module__": __name__})
 
 
-class FailedPrecondition(StatusError):
-    """Incompatible protocol version or file, draft without its target."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class DataLoss(StatusError):
-    """Digest mismatch, truncation, corrupt state."""
-
-    code = grpc.StatusCode.DATA_LOSS
-
-
-class ResourceExhausted(StatusError):
-    """Too big, a full disk or queue, a quota or limit reached."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class DeadlineExceeded(StatusError):
-    """No answer within the call's deadline."""
-
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
-
-
-class Unavailable(StatusError):
-    """The server is starting, shutting down or unreachable."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-class Cancelled(StatusError):
-    """The caller went away."""
-
-    code = grpc.StatusCode.CANCELLED
-
-
-class Unauthenticated(StatusError):
-    """No key, or a key the server does not know."""
-
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
-class PermissionDenied(StatusError):
-    """A known key without the right to the call."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
-class Internal(StatusError):
-    """A bug or an unexpected I/O error on the server."""
-
-    code = grpc.StatusCode.INTERNAL
-
+_C = grpc.StatusCode
+InvalidArgument = _coded(_C.INVALID_ARGUMENT, "Bad name, bad size, malformed request.")
+NotFound = _coded(_C.NOT_FOUND, "No such snapshot, part or slot file.")
+FailedPrecondition = _coded(_C.FAILED_PRECONDITION, "Incompatible protocol or file; a lone draft.")
+DataLoss = _coded(_C.DATA_LOSS, "Digest mismatch, truncation, corrupt state.")
+ResourceExhausted = _coded(_C.RESOURCE_EXHAUSTED, "Too big; a full disk or queue; a quota reached.")
+DeadlineExceeded = _coded(_C.DEADLINE_EXCEEDED, "No answer within the call's deadline.")
+Unavailable = _coded(_C.UNAVAILABLE, "The server is starting, stopping or unreachable.")
+Cancelled = _coded(_C.CANCELLED, "The caller went away.")
+Unauthenticated = _coded(_C.UNAUTHENTICATED, "No key, or a key the server does not know.")
+PermissionDenied = _coded(_C.PERMISSION_DENIED, "A known key without the right to the call.")
+Internal = _coded(_C.INTERNAL, "A bug or an unexpected I/O error on the server.")
 
 _BY_CODE: Mapping[grpc.StatusCode, type[StatusError]] = MappingProxyType({
     cls.code: cls

@@ -1,12 +1,17 @@
 """Configuration from flags and environment variables, for both services and the
 deploy entry point: every long flag `--some-flag` of a parser can also be set with
 the variable `<PREFIX>SOME_FLAG`; a flag on the command line beats its variable,
-which beats the default."""
+which beats the default. A flag can be declared from the field of a frozen dataclass
+that holds the configuration (`field_flags`, `field_values`): its default and its parsing
+come from the field."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 _OFF = ("0", "false", "no", "off")
 
@@ -67,3 +72,64 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mapping[str
     if known_only:
         return parser.parse_known_args(args)[0]
     return parser.parse_args(args)
+
+
+def _none_or(value: str, convert: Callable[[str], Any], none: tuple[str, ...]) -> Any:
+    return None if value.strip().lower() in none else convert(value)
+
+
+def str_or_none(value: str) -> str | None:
+    return _none_or(value, str.strip, ("", "none"))
+
+
+def path_or_none(value: str) -> Path | None:
+    return _none_or(value, Path, ("", "none"))
+
+
+def int_or_none(value: str) -> int | None:
+    return _none_or(value, lambda v: int(v, 0), ("", "none", "auto"))
+
+
+# how a flag's text becomes its field's value, by the field's annotation
+PARSERS: Mapping[str, Callable[[str], Any]] = {
+    "int": int, "float": float, "str": str, "Path": Path,
+    "Path | None": path_or_none, "int | None": int_or_none, "str | None": str_or_none}
+
+
+def field_flags(parser: argparse.ArgumentParser, defaults: Any, group: str = "",
+                prefix: str = "--") -> Callable[..., None]:
+    """add(flag, help, field=None, **kw) adds the flag of a field of `defaults` (a frozen
+    dataclass): `--slot-save-path` sets slot_save_path; with a group, `--spec-n-max`
+    (prefix "--spec-") sets speculative.n_max. The default and the parsing come from the
+    field (a bool is --x / --no-x; `type=` overrides); the dest is the field's path with
+    "__" for ".", which field_values reads back."""
+    def add(flag: str, help: str | None = None, field: str | None = None, **kw: Any) -> None:
+        name = field or flag.removeprefix(prefix).replace("-", "_")
+        path = f"{group}.{name}" if group else name
+        *outer, name = path.split(".")
+        owner: Any = defaults
+        for part in outer:
+            owner = getattr(owner, part)
+        kind = {f.name: f.type for f in dataclasses.fields(owner)}[name]
+        kind = kind if isinstance(kind, str) else kind.__name__
+        if kind == "bool":
+            kw.setdefault("action", argparse.BooleanOptionalAction)
+        else:
+            kw.setdefault("type", PARSERS[kind])
+            if "choices" not in kw:
+                kw.setdefault("metavar", flag[2:].replace("-", "_").upper())
+        parser.add_argument(flag, dest=path.replace(".", "__"), default=getattr(owner, name),
+                            help=help, **kw)
+    return add
+
+
+def field_values(ns: argparse.Namespace, defaults: Any) -> dict[str, Any]:
+    """The keyword arguments of the configuration from flags added by field_flags
+    (nested fields: `defaults`' value of that field with the parsed ones replaced)."""
+    values: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(ns).items():
+        outer, _, name = dest.rpartition("__")
+        values.setdefault(outer, {})[name] = value
+    nested = {outer: dataclasses.replace(getattr(defaults, outer), **kw)
+              for outer, kw in values.items() if outer}
+    return {**values.get("", {}), **nested}
