@@ -16,8 +16,9 @@ running job through the executor: the decode steps (target-only and speculative)
 share one forward pass, the others run one by one. A prompt or draft catch-up unit
 takes at most `chunk` tokens; while other slots decode, it is sized from its own
 measured speed to last about CHUNK_SHARE of their decode step (at most
-`shared_chunk` tokens), so a decoding stream's next token waits for one short
-unit at most, whatever the models and the context length. A cancelled
+`shared_chunk` tokens, at least MIN_SHARED_CHUNK), so a decoding stream's next
+token waits for one short unit at most, whatever the models and the context
+length. A cancelled
 job stops at the next unit boundary; a draining scheduler cuts the running jobs
 once its grace has passed.
 
@@ -51,6 +52,12 @@ Clock = Callable[[], float]
 CHUNK_SHARE = 0.5
 # tokens of a job's first chunk next to decoding slots, before its speed is known
 FIRST_SHARED_CHUNK = 8
+# the fewest tokens of a chunk next to decoding slots: a chunk is one pass of the
+# model, whose time for a few tokens is mostly the pass's own (every weight read once,
+# whatever the token count); sized by the speed of a smaller chunk, every next chunk
+# would shrink again (8, 4, 2, 1, 1, ...), each costing about a decode step for one
+# token, so a prompt would hold the decoding slots back for as many passes as tokens
+MIN_SHARED_CHUNK = FIRST_SHARED_CHUNK
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -319,7 +326,8 @@ class Scheduler:
                 budget = FIRST_SHARED_CHUNK
             else:
                 budget = int(job.chunk_rate * self.step_time * CHUNK_SHARE)
-            budget = max(1, min(budget, self.shared_chunk))
+            budget = max(min(MIN_SHARED_CHUNK, self.shared_chunk),
+                         min(budget, self.shared_chunk))
         t0 = self.clock()
         n = self._guarded(job, self.ex.unit, budget)
         dt = self.clock() - t0

@@ -372,13 +372,14 @@ class ChunkExecutor(FakeExecutor):
         super().__init__()
         self.clock = clock
         self.token_cost = TOKEN
+        self.pass_cost = 0.0  # seconds of every chunk unit whatever its tokens
         self.steps: dict[str, list[float]] = {}
 
     def unit(self, job: Job, budget: int) -> int:
         assert isinstance(job, FakeJob)
         if isinstance(job, ChunkJob) and job.prefill:
             n = job.take(budget)
-            self.clock.t += n * self.token_cost
+            self.clock.t += self.pass_cost + n * self.token_cost
             super().unit(job, budget)
             return n
         if not job.prefill:
@@ -436,6 +437,27 @@ def test_shared_chunks_follow_the_chunk_speed_and_stay_bounded(clock: Clock) -> 
     step(s)
     step(s)
     assert catch.chunks == [8, 16, 16, 8, 8, 64]
+
+
+def test_a_prompt_next_to_decoding_streams_keeps_its_chunks_at_the_minimum(
+        clock: Clock) -> None:
+    """A chunk whose time is mostly its pass's own (a full model pass costs a decode
+    step whatever its tokens) measures a low speed; sized by it, each next chunk would
+    shrink (8, 3, then 1 token a pass: 33 passes for a 42-token prompt, each as long as
+    a decode step). The chunks stay at MIN_SHARED_CHUNK: the prompt is in after 6
+    rounds, then the newcomer decodes in the same batch as the others."""
+    ex = ChunkExecutor(clock)
+    ex.pass_cost = STEP
+    s = Scheduler(3, 8, 5.0, ex, clock=clock, wall=clock, chunk=512, shared_chunk=64)
+    submit(s, FakeJob("a", 0, s, prefill=0, decode=10), FakeJob("b", 1, s, prefill=0, decode=10))
+    step(s)
+    late = ChunkJob("late", 2, s, tokens=42, decode=3)
+    submit(s, late)
+    while s.active or s.waiting:
+        step(s)
+    assert late.chunks == [8, 8, 8, 8, 8, 2]
+    assert ex.log[3:] == ([("begin", "late", 2)] + [("batch", ["a", "b"]), ("unit", "late")] * 6
+                          + [("batch", ["a", "b", "late"])] * 3)
 
 
 def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
