@@ -1,8 +1,8 @@
 """What speculation costs where the draft is useless, counted in instructions.
 
-    valgrind --tool=callgrind --callgrind-out-file=OUT .venv/bin/python \\
-        bench/spec_overhead.py --mode {target_only,speculative} [--new-tokens 64] \\
-        [--text random|chat]
+    WARMSLOT_NATIVE=avx2 valgrind --tool=callgrind --callgrind-out-file=OUT \\
+        .venv/bin/python bench/spec_overhead.py --mode {target_only,speculative} \\
+        [--new-tokens 64] [--text random|chat]
 
 One greedy request through an in-process engine (the path the gRPC handlers take;
 1 thread each, so no spinning worker pool adds instructions), speculative with the
@@ -13,8 +13,9 @@ continuation the draft does not predict; --text chat is a held-out chat question
 Run under callgrind for each mode, and with --new-tokens 0 for each mode (model
 load and prompt only): the difference of the two differences is what decoding
 with the draft loaded and the adaptive controller costs over target-only for the
-same tokens, independent of machine load. Prints the tokens, the draft's
-proposals and acceptances as JSON (both modes must print the same tokens).
+same tokens, independent of machine load (WARMSLOT_NATIVE=avx2: valgrind cannot
+run the AVX-512 of a release build). Prints the tokens, the draft's proposals and
+acceptances as JSON (both modes must print the same tokens).
 """
 
 from __future__ import annotations
