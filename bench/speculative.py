@@ -17,7 +17,8 @@ tokens/s (the server's own predicted_per_second, medians), the speed-up from the
 same run, the acceptance and the tokens per target pass. Greedy runs must give
 the same tokens both ways. Then concurrency: four requests one after the other
 against the same four at once on four slots (speculative, then target-only),
-interleaved: aggregate tokens/s over the wall time and the ratio.
+interleaved, both warmed up, the same tokens each way (checked): aggregate
+tokens/s over the wall time and the ratio (--concurrency-only: this part alone).
 
 --path core drives the speculative decoder directly with fixed draft lengths
 (--n-max, --p-min): acceptance and tokens per target pass by draft length.
@@ -168,7 +169,7 @@ def product_path(args: argparse.Namespace) -> dict[str, Any]:
     try:
         tok = runner.tm.tokenizer
         single: dict[str, Any] = {}
-        for domain in args.domains:
+        for domain in [] if args.concurrency_only else args.domains:
             ps = domain_prompts(tok, domain, args.prompts, args.prompt_tokens)
             single[domain] = {f"t{t}": single_streams(runner, ps, t, args)
                               for t in args.temperatures}
@@ -228,22 +229,33 @@ def concurrency(runner: EngineRunner | ServiceRunner, ps: list[list[int]], spec:
     """The same four greedy requests one after the other, then on four slots at once,
     interleaved: aggregate tokens per second of wall time."""
     rates: dict[str, list[float]] = {"one_stream": [], "four_streams": []}
+    reqs = [Req(p, i, args.new_tokens, 0.0, 0, spec) for i, p in enumerate(ps)]
+    warm = [Req(p, i, 8, 0.0, 0, spec) for i, p in enumerate(ps)]
+    runner.run(warm[:1])  # warm-up: one stream, then four at once
+    runner.run(warm)
+    tokens: list[list[int]] | None = None
     for rep in range(args.reps):
         order = ["one_stream", "four_streams"]
         if rep % 2:
             order.reverse()
         for mode in order:
-            reqs = [Req(p, i, args.new_tokens, 0.0, 0, spec) for i, p in enumerate(ps)]
             t0 = time.perf_counter()
             if mode == "one_stream":
                 outs = [runner.run([r])[0] for r in reqs]
             else:
                 outs = runner.run(reqs)
             rates[mode].append(sum(len(o.tokens) for o in outs) / (time.perf_counter() - t0))
+            if tokens is None:
+                tokens = [o.tokens for o in outs]
+            elif tokens != [o.tokens for o in outs]:
+                raise SystemExit("four streams at once generated other tokens than one by one")
     res = {m: round(statistics.median(v), 2) for m, v in rates.items()}
     ratio = statistics.median(f / o for f, o in zip(rates["four_streams"],
                                                    rates["one_stream"], strict=True))
-    out = {"tokens_per_s": res, "four_over_one": round(ratio, 3)}
+    out = {"tokens_per_s": res, "four_over_one": round(ratio, 3),
+           "four_over_one_each_pair": [round(f / o, 3) for f, o in zip(
+               rates["four_streams"], rates["one_stream"], strict=True)],
+           "tokens_per_stream": [len(t) for t in tokens or []]}
     print(f"concurrent speculative={spec}: {out}", file=sys.stderr, flush=True)
     return out
 
@@ -369,6 +381,8 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--concurrency-only", action="store_true",
+                   help="--path engine/service: only four streams against one")
     args = p.parse_args()
     try:
         if args.path == "core":

@@ -35,7 +35,7 @@ from inference_svc.core.speculative import (
 from inference_svc.draft_length import DraftLength
 from inference_svc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from inference_svc.metrics import Metrics
-from inference_svc.scheduler import Job, Scheduler, common_prefix
+from inference_svc.scheduler import CATCH_UP, PROMPT, Job, Scheduler, common_prefix
 from inference_svc.types import Chunk, Finished, GenerateParams, SlotInfo, StopReason, Timings
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ class GenJob(Job):
 
     def chunk_kind(self) -> str:
         # a speculative request's draft decodes its lag (-1: not known yet) first
-        return "catch-up" if self.params.spec is not None and self.draft_lag else "prompt"
+        return CATCH_UP if self.params.spec is not None and self.draft_lag else PROMPT
 
     def step_spec(self) -> SpecParams:
         """The speculative parameters of the next step."""

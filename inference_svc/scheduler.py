@@ -15,10 +15,13 @@ one runs. A job without a session that lands on a session's slot displaces it to
 running job through the executor: the decode steps (target-only and speculative)
 share one forward pass, the others run one by one. A prompt or draft catch-up unit
 takes at most `chunk` tokens; while other slots decode, it is sized from the
-measured speed of the job's last unit of the same kind (a draft catch-up runs the
-draft model, a prompt chunk the target: their speeds differ by the models' ratio)
-to last about CHUNK_SHARE of their decode step (at most `shared_chunk` tokens;
-one token while that speed is unknown), so a decoding stream's next token waits
+job's last unit of the same kind (a draft catch-up runs the draft model, a prompt
+chunk the target) so that its tokens cost about CHUNK_SHARE of their decode step
+on top of the pass it cannot avoid: a prompt chunk is a target pass, whose fixed
+part (every weight read once) costs about a decode step whatever its token count,
+so that part is not charged to its tokens; a catch-up pass of the small draft has
+next to none. The first chunk of a kind is one token, and a chunk at most doubles
+the last (at most `shared_chunk` tokens), so a decoding stream's next token waits
 for one short unit at most, whatever the models and the context length. A cancelled
 job stops at the next unit boundary; a draining scheduler cuts the running jobs
 once its grace has passed.
@@ -51,10 +54,12 @@ Clock = Callable[[], float]
 
 # a chunk unit next to decoding slots aims at this fraction of their decode step
 CHUNK_SHARE = 0.5
-# tokens of a job's first chunk of a kind next to decoding slots, before its speed
+# tokens of a job's first chunk of a kind next to decoding slots, before its cost
 # is known: one token, the shortest unit there is (a prompt continuing a long
 # context costs about one decode step per token)
 FIRST_SHARED_CHUNK = 1
+# the kinds of chunk units (Job.chunk_kind)
+PROMPT, CATCH_UP = "prompt", "catch-up"
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -81,8 +86,8 @@ class Job:
         self.running = False
         self._cancelled = threading.Event()
         self.on_cancel: Callable[[], None] | None = None  # wakes the engine up
-        # tokens per second of its last chunk unit of each kind (chunk_kind)
-        self.chunk_rates: dict[str, float] = {}
+        # (tokens, seconds) of its last chunk unit of each kind (chunk_kind)
+        self.chunk_last: dict[str, tuple[int, float]] = {}
         self.session: str | None = None  # the session's key (its store name)
         self.session_name = ""  # as the caller named it (messages)
         self.keeps_session = False  # reads the slot only: its session stays bound
@@ -115,7 +120,7 @@ class Job:
     def chunk_kind(self) -> str:
         """What the job's next chunk unit runs (units of one kind share a speed):
         "prompt" (the target model) or "catch-up" (the draft model)."""
-        return "prompt"
+        return PROMPT
 
     def wait_error(self, now: float, n_slots: int) -> ServiceError:
         if self.rpc_deadline is not None and now >= self.rpc_deadline:
@@ -321,22 +326,29 @@ class Scheduler:
             self._chunk_unit(job, decoding=bool(batch))
 
     def _chunk_unit(self, job: Job, decoding: bool) -> None:
-        """A prompt or catch-up unit; next to decoding slots, sized to last about
-        CHUNK_SHARE of their step at the speed of the job's last unit of its kind."""
+        """A prompt or catch-up unit; next to decoding slots, sized by _shared_budget."""
         kind = job.chunk_kind()
-        rate = job.chunk_rates.get(kind)
-        budget = self.chunk
-        if decoding:
-            if rate is None or self.step_time is None:
-                budget = FIRST_SHARED_CHUNK
-            else:
-                budget = int(rate * self.step_time * CHUNK_SHARE)
-            budget = max(1, min(budget, self.shared_chunk))
+        budget = self._shared_budget(job, kind) if decoding else self.chunk
         t0 = self.clock()
         n = self._guarded(job, self.ex.unit, budget)
         dt = self.clock() - t0
-        if isinstance(n, int) and n > 0 and dt > 0:
-            job.chunk_rates[kind] = n / dt
+        if isinstance(n, int) and n > 0:
+            job.chunk_last[kind] = (n, dt)
+
+    def _shared_budget(self, job: Job, kind: str) -> int:
+        """Tokens of a chunk next to decoding slots: the cost per token of the job's
+        last unit of this kind (its time less the pass's fixed part: a decode step
+        for a target pass, none for the draft's) sets how many fit in CHUNK_SHARE of
+        the decode step; one token while that is unknown, at most twice the last."""
+        last = job.chunk_last.get(kind)
+        if last is None or self.step_time is None:
+            return FIRST_SHARED_CHUNK
+        n, dt = last
+        fixed = self.step_time if kind == PROMPT else 0.0
+        per_token = (dt - fixed) / n
+        room = CHUNK_SHARE * self.step_time
+        fit = self.shared_chunk if per_token <= 0 else int(room / per_token)
+        return max(1, min(fit, 2 * n, self.shared_chunk))
 
     def stop_all(self, err: ServiceError) -> None:
         for job in list(self.active):

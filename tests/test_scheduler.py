@@ -377,7 +377,8 @@ TOKEN = 1 / 2048  # seconds per chunk token
 
 class ChunkExecutor(FakeExecutor):
     """Advances the fake clock by what the work would take: STEP per decode round,
-    TOKEN per chunk token (`prompt_cost` per prompt token when set); records the
+    TOKEN per chunk token (`prompt_cost` per prompt token when set) and, for a prompt
+    chunk (a pass of the target), `pass_cost` more whatever its tokens; records the
     time of every decode step of each job."""
 
     def __init__(self, clock: Clock) -> None:
@@ -385,6 +386,7 @@ class ChunkExecutor(FakeExecutor):
         self.clock = clock
         self.token_cost = TOKEN
         self.prompt_cost: float | None = None  # None: token_cost
+        self.pass_cost = STEP  # a target pass's fixed part: what a decode step costs
         self.steps: dict[str, list[float]] = {}
 
     def unit(self, job: Job, budget: int) -> int:
@@ -394,7 +396,8 @@ class ChunkExecutor(FakeExecutor):
             if job.chunk_kind() == "prompt" and self.prompt_cost is not None:
                 cost = self.prompt_cost
             n = job.take(budget)
-            self.clock.t += n * cost
+            fixed = self.pass_cost if job.chunk_kind() == "prompt" else 0.0
+            self.clock.t += fixed + n * cost
             super().unit(job, budget)
             return n
         if not job.prefill:
@@ -416,42 +419,65 @@ def make_chunked(ex: FakeExecutor, clock: Clock) -> Scheduler:
 
 def test_catch_up_next_to_a_decoding_stream_runs_in_short_chunks(clock: Clock) -> None:
     """A 4,000-token catch-up admitted while another slot decodes: every round runs one
-    decode step and one chunk sized to half a step at the catch-up's measured speed (1
-    token first, then 2048 tokens/s x 1/64 s / 2 = 16), until the decoding stream
-    ends; the rest goes in full 512-token chunks."""
+    decode step and one chunk sized to half a step at the catch-up's measured cost per
+    token (1 token first, then doubling up to 1/64 s / 2 / (1/2048 s) = 16), until the
+    decoding stream ends; the rest goes in full 512-token chunks."""
     ex = ChunkExecutor(clock)
     s = make_chunked(ex, clock)
     dec = FakeJob("dec", 0, s, prefill=1, decode=10)
     submit(s, dec)
     step(s)  # dec's prompt
-    catch = ChunkJob("catch", 1, s, tokens=4000, decode=1)
+    catch = ChunkJob("catch", 1, s, tokens=0, catch=4000, decode=1)
     submit(s, catch)
     while s.active or s.waiting:
         step(s)
     assert ex.log[3:23] == [("unit", "dec"), ("unit", "catch")] * 10
-    assert catch.chunks == [1] + [16] * 9 + [512] * 7 + [4000 - 145 - 7 * 512]
+    assert catch.chunks == [1, 2, 4, 8] + [16] * 6 + [512] * 7 + [4000 - 111 - 7 * 512]
     gaps = [b - a for a, b in zip(ex.steps["dec"], ex.steps["dec"][1:], strict=False)]
     assert max(gaps) == STEP + 16 * TOKEN == 1.5 * STEP  # one step and half a step of chunk
     assert ex.log[-1] == ("unit", "catch")  # its own decode step, alone
 
 
 def test_shared_chunks_follow_the_chunk_speed_and_stay_bounded(clock: Clock) -> None:
-    """Chunks that get slower (a longer context to attend to) shrink with their
-    measured speed; faster ones grow up to shared_chunk."""
+    """A prompt's chunks next to a decoding stream are sized by their cost per token
+    (a chunk's time less its pass's fixed part): they double from one token while
+    half a step holds more, shrink when tokens get dearer (a longer context to attend
+    to) and grow again, doubling, up to shared_chunk when they get cheaper."""
     ex = ChunkExecutor(clock)
     s = make_chunked(ex, clock)
-    submit(s, FakeJob("dec", 0, s, prefill=0, decode=6))
+    submit(s, FakeJob("dec", 0, s, prefill=0, decode=8))
     catch = ChunkJob("catch", 1, s, tokens=4000)
     submit(s, catch)
     step(s)
     step(s)
     ex.token_cost = 2 * TOKEN
     step(s)
-    step(s)
+    step(s)  # 8 = half a step at 2 TOKEN per token
     ex.token_cost = TOKEN / 16
+    for _ in range(4):
+        step(s)
+    assert catch.chunks == [1, 2, 4, 8, 8, 16, 32, 64]
+
+
+def test_a_prompt_next_to_decoding_streams_keeps_its_chunks_at_the_minimum(
+        clock: Clock) -> None:
+    """A chunk whose time is mostly its pass's own (a target pass costs a decode step
+    whatever its tokens) measures a low speed; sized by that speed, each next chunk
+    would shrink (8, 3, then 1 token a pass: 33 passes for a 42-token prompt, each as
+    long as a decode step). Its pass's fixed part is not charged to its tokens: the
+    chunks double from one token, the prompt is in after 6 rounds, then the newcomer
+    decodes in the same batch as the others."""
+    ex = ChunkExecutor(clock)
+    s = Scheduler(3, 8, 5.0, ex, clock=clock, wall=clock, chunk=512, shared_chunk=64)
+    submit(s, FakeJob("a", 0, s, prefill=0, decode=10), FakeJob("b", 1, s, prefill=0, decode=10))
     step(s)
-    step(s)
-    assert catch.chunks == [1, 16, 16, 8, 8, 64]
+    late = ChunkJob("late", 2, s, tokens=42, decode=3)
+    submit(s, late)
+    while s.active or s.waiting:
+        step(s)
+    assert late.chunks == [1, 2, 4, 8, 16, 11]
+    assert ex.log[3:] == ([("begin", "late", 2)] + [("batch", ["a", "b"]), ("unit", "late")] * 6
+                          + [("batch", ["a", "b", "late"])] * 3)
 
 
 def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
@@ -463,7 +489,8 @@ def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
     while s.active or s.waiting:
         step(s)
     # both prefill at full size until b decodes; next to b's step a's chunk is sized
-    # from its measured speed (2048 tokens/s x 1/64 s / 2); alone again, a full chunk
+    # from its measured cost per token (half of 1/64 s at 1/2048 s a token: 16); alone
+    # again, a full chunk
     assert b.chunks == [512, 188]
     assert a.chunks == [512, 512, 16, 60]
     assert ex.log[2:] == [("unit", "a"), ("unit", "b"), ("unit", "a"), ("unit", "b"),
@@ -474,9 +501,9 @@ def test_prompt_chunks_are_full_size_while_nobody_decodes(clock: Clock) -> None:
 def test_prompt_after_a_catch_up_is_sized_from_its_own_speed(clock: Clock) -> None:
     """A catch-up (the draft: fast) then a prompt continuing the long context (the
     target: 64x slower per token) next to a decoding stream: the prompt's first
-    chunk is one token, not the 16 the catch-up's speed allows, and the next ones
-    follow the prompt's own speed; no decode round waits for more than half a step
-    of chunk."""
+    chunk is one token, not the 16 the catch-up's cost allows, and the next ones
+    follow the prompt's own cost; no decode round waits for more than half a step
+    of catch-up, or one prompt pass of one token."""
     ex = ChunkExecutor(clock)
     ex.prompt_cost = 64 * TOKEN  # 1 / 32 s: two decode steps per prompt token
     s = make_chunked(ex, clock)
@@ -485,14 +512,14 @@ def test_prompt_after_a_catch_up_is_sized_from_its_own_speed(clock: Clock) -> No
     submit(s, catch)
     while s.active or s.waiting:
         step(s)
-    # catch-up: 1, 16, 16, 7; prompt: 1 token per unit (2048 / 64 tokens/s x 1/64 s /
-    # 2 = 0.25, at least 1)
-    assert catch.chunks == [1, 16, 16, 7, 1, 1, 1]
-    assert set(catch.chunk_rates) == {"catch-up", "prompt"}
-    assert ex.log[2:16] == [("unit", "dec"), ("unit", "catch")] * 7
+    # catch-up: doubling up to 16; prompt: 1 token per unit (half a step holds a
+    # quarter of a prompt token's 1/32 s, at least 1)
+    assert catch.chunks == [1, 2, 4, 8, 16, 9, 1, 1, 1]
+    assert set(catch.chunk_last) == {"catch-up", "prompt"}
+    assert ex.log[2:20] == [("unit", "dec"), ("unit", "catch")] * 9
     gaps = [b - a for a, b in zip(ex.steps["dec"], ex.steps["dec"][1:], strict=False)]
-    assert gaps[:3] == [STEP + TOKEN, STEP + 16 * TOKEN, STEP + 16 * TOKEN]
-    assert max(gaps) == STEP + 64 * TOKEN  # a step and one prompt token
+    assert gaps[:5] == [STEP + n * TOKEN for n in (1, 2, 4, 8, 16)]
+    assert max(gaps) == 2 * STEP + 64 * TOKEN  # a step and a pass of one prompt token
 
 
 def test_generation_names_the_kind_of_its_next_chunk() -> None:
