@@ -185,6 +185,13 @@ ws_context_params ws_context_get_params(const ws_context *ctx);
 const ws_model *ws_context_model(const ws_context *ctx);
 /* Bytes the KV cache of this context takes (all slots). */
 size_t ws_context_kv_bytes(const ws_context *ctx);
+/* Bytes of KV cache ws_context_init allocates for this model and these parameters
+ * (what ws_context_kv_bytes of that context returns): a sliding-window layer counts
+ * the rows of its ring, not n_ctx. For a memory check before the context exists; the
+ * parameters are not validated here (ws_context_init does), and a size past what the
+ * machine can address fails with WS_ERR_OUT_OF_MEMORY. */
+ws_status ws_context_kv_bytes_needed(const ws_model *model, ws_context_params params,
+                                     uint64_t *out);
 
 /* IEEE half <-> float conversions of the KV cache (the same bits in every build):
  * float -> half rounds to nearest even, overflows to infinity, keeps subnormals;

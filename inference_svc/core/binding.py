@@ -86,6 +86,12 @@ def context_kv_bytes(ctx: Any) -> int:
     return int(lib.ws_context_kv_bytes(ctx))
 
 
+def context_kv_bytes_needed(model: Any, params: Any) -> int:
+    out = ffi.new("uint64_t *")
+    _check(lib.ws_context_kv_bytes_needed(model, params, out))
+    return int(out[0])
+
+
 def fp16_from_fp32(src: Any, dst: Any, n: int) -> None:
     lib.ws_fp16_from_fp32(src, dst, n)
 
