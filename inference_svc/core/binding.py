@@ -291,3 +291,24 @@ def spec_slot_state_set(spec: Any, slot: int, header: Any, header_len: int, toke
     if loaded[0] or dbuf == ffi.NULL:
         return bool(loaded[0]), ""
     return False, ffi.string(lib.ws_spec_last_error(spec)).decode("utf-8", "replace")
+
+
+def spm_init(blob: bytes, ends: Any, scores: Any, byte_ids: Any, n_tokens: int) -> Any:
+    out = ffi.new("ws_spm **")
+    _check(lib.ws_spm_init(blob, ffi.from_buffer("uint64_t[]", ends),
+                           ffi.from_buffer("float[]", scores),
+                           ffi.from_buffer("int32_t[]", byte_ids), n_tokens, out))
+    return out[0]
+
+
+def spm_free(spm: Any) -> None:
+    lib.ws_spm_free(spm)
+
+
+def spm_encode(spm: Any, text: bytes, out: Any) -> int:
+    """Ids of UTF-8 text into the int32 array out (len(text) entries); their count.
+    The call does not hold the GIL."""
+    n = ffi.new("size_t *")
+    _check(lib.ws_spm_encode(spm, text, len(text), ffi.from_buffer("int32_t[]", out),
+                             len(out), n))
+    return int(n[0])
