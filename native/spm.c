@@ -5,6 +5,7 @@
  * the text at user-defined tokens and escapes spaces first (inference_svc/core/spm.py).
  * The vocabulary is a read-only hash table after ws_spm_init, so encodes may run on any
  * number of threads at once, without the Python GIL. */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -96,15 +97,16 @@ ws_status ws_spm_init(const char *blob, const uint64_t *ends, const float *score
     return WS_OK;
 }
 
+/* 32-bit indices (a text is at most INT32_MAX bytes): 16 bytes a symbol and a pair */
 typedef struct {
-    int64_t prev, next; /* neighbouring symbols, -1 / n_sym at the ends */
-    size_t at, n;       /* its bytes in the text; n = 0: merged into its left neighbour */
+    int32_t prev, next; /* neighbouring symbols, -1 / n_sym at the ends */
+    uint32_t at, n;     /* its bytes in the text; n = 0: merged into its left neighbour */
 } spm_sym;
 
 typedef struct {
     float score;
-    int64_t left, right;
-    size_t n; /* bytes of the merged pair when queued (a changed side makes it stale) */
+    int32_t left, right;
+    uint32_t n; /* bytes of the merged pair when queued (a changed side makes it stale) */
 } spm_pair;
 
 /* a before b in the queue: higher score, then the leftmost */
@@ -138,10 +140,10 @@ static spm_pair heap_pop(spm_pair *heap, size_t *n) {
     return top;
 }
 
-static void queue_pair(const ws_spm *spm, const char *text, const spm_sym *sym, int64_t n_sym,
-                       int64_t left, int64_t right, spm_pair *heap, size_t *n_heap) {
+static void queue_pair(const ws_spm *spm, const char *text, const spm_sym *sym, int32_t n_sym,
+                       int32_t left, int32_t right, spm_pair *heap, size_t *n_heap) {
     if (left < 0 || right >= n_sym) return;
-    const size_t n = sym[left].n + sym[right].n;
+    const uint32_t n = sym[left].n + sym[right].n;
     const int32_t id = lookup(spm, text + sym[left].at, n);
     if (id < 0) return;
     const spm_pair p = {spm->scores[id], left, right, n};
@@ -156,7 +158,8 @@ static size_t utf8_len(uint8_t c) {
 
 ws_status ws_spm_encode(const ws_spm *spm, const char *text, size_t len, int32_t *out,
                         size_t cap, size_t *n_out) {
-    if (!spm || !n_out || (!text && len) || (!out && cap)) return WS_ERR_INVALID_ARGUMENT;
+    if (!spm || !n_out || (!text && len) || (!out && cap) || len >= INT32_MAX)
+        return WS_ERR_INVALID_ARGUMENT;
     *n_out = 0;
     if (len == 0) return WS_OK;
     /* at most one symbol per byte; each merge queues at most two pairs */
@@ -167,15 +170,16 @@ ws_status ws_spm_encode(const ws_spm *spm, const char *text, size_t len, int32_t
         free(heap);
         return WS_ERR_OUT_OF_MEMORY;
     }
-    int64_t n_sym = 0;
+    int32_t n_sym = 0;
     for (size_t at = 0; at < len; n_sym++) {
         size_t n = utf8_len((uint8_t)text[at]);
         if (n > len - at) n = len - at;
-        sym[n_sym] = (spm_sym){n_sym - 1, n_sym + 1, at, n};
+        sym[n_sym] = (spm_sym){n_sym - 1, n_sym + 1, (uint32_t)at, (uint32_t)n};
         at += n;
     }
     size_t n_heap = 0;
-    for (int64_t i = 0; i + 1 < n_sym; i++) queue_pair(spm, text, sym, n_sym, i, i + 1, heap, &n_heap);
+    for (int32_t i = 0; i + 1 < n_sym; i++)
+        queue_pair(spm, text, sym, n_sym, i, i + 1, heap, &n_heap);
     while (n_heap > 0) {
         const spm_pair p = heap_pop(heap, &n_heap);
         spm_sym *l = &sym[p.left], *r = &sym[p.right];
@@ -189,14 +193,14 @@ ws_status ws_spm_encode(const ws_spm *spm, const char *text, size_t len, int32_t
     }
     size_t n_ids = 0;
     ws_status st = WS_OK;
-    for (int64_t i = 0; i < n_sym; i = sym[i].next) {
+    for (int32_t i = 0; i < n_sym; i = sym[i].next) {
         const int32_t id = lookup(spm, text + sym[i].at, sym[i].n);
         if (id >= 0) {
             if (n_ids < cap) out[n_ids] = id;
             n_ids++;
             continue;
         }
-        for (size_t b = 0; b < sym[i].n; b++, n_ids++)
+        for (uint32_t b = 0; b < sym[i].n; b++, n_ids++)
             if (n_ids < cap) out[n_ids] = spm->byte_ids[(uint8_t)text[sym[i].at + b]];
     }
     if (n_ids > cap) st = WS_ERR_BUFFER_TOO_SMALL;
