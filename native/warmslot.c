@@ -397,6 +397,9 @@ ws_status ws_context_kv_bytes_needed(const ws_model *model, ws_context_params pa
                                      uint64_t *out) {
     if (!model || !out)
         return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_context_kv_bytes_needed: NULL argument");
+    *out = 0;
+    /* sizes ws_context_init refuses with its own message: nothing to allocate */
+    if (params.n_ctx < 1 || params.n_slots < 1) return WS_OK;
     const double bytes = kv_cache_bytes(&model->hp, params);
     if (!(bytes >= 0.0) || bytes > (double)(SIZE_MAX / 4))
         return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", bytes);

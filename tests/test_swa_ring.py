@@ -82,6 +82,11 @@ def test_memory_check_asks_for_the_rings_only(model: Model, kv_type: str,
     monkeypatch.setattr(core_model, "available_memory_bytes", lambda: want - 1)
     with pytest.raises(CoreMemoryError, match="KV cache"):
         ring_ctx(model, kv_type, n_slots=2)
+    # sizes the core refuses keep its message, not a memory error
+    with pytest.raises(InvalidArgumentError, match="n_ctx -1 out of range"):
+        Context(model, n_ctx=-1, kv_type=kv_type)
+    with pytest.raises(InvalidArgumentError, match="n_slots 0 out of range"):
+        Context(model, n_slots=0, n_ctx=N_CTX, kv_type=kv_type)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
