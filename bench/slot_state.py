@@ -91,13 +91,13 @@ def main() -> None:
             return memoryview(tpre)[:n]
 
         def capture() -> tuple[memoryview, memoryview | None]:
-            files = SlotFileBuffers()
+            files = SlotFileBuffers(tspec)
             return dec.slot_state(0, files.target, files.draft)
 
         def encode() -> tuple[memoryview, memoryview | None]:
-            files = SlotFileBuffers()
+            files = SlotFileBuffers(tspec)
             t, d = dec.slot_state(0, files.target, files.draft)
-            enc = files.encode(t, d, tspec, dspec)
+            enc = files.encode(t, d, dspec)
             return enc.target, enc.draft
 
         def old_encode() -> tuple[bytes, bytes]:

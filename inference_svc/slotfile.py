@@ -289,9 +289,25 @@ TARGET_STATE_AT = HEADER_LEN + 2 * SECTION_HEADER.size - _CORE_KV_HEAD.size
 DRAFT_STATE_AT = HEADER_LEN + SECTION_HEADER.size
 
 
-def target_file_size(state_len: int) -> int:
-    """The size of the target file of a core state of `state_len` bytes."""
-    return TARGET_STATE_AT + state_len + DIGEST_LEN
+def window_room(model: ModelSpec) -> int:
+    """Bytes a target file of this model may need before its KV beyond a version-2 file's:
+    the SWIN section (header, n_window, one flag per layer) of a model with
+    sliding-window layers, else 0."""
+    return SECTION_HEADER.size + 4 + len(model.local_layers) if model.local_layers else 0
+
+
+def target_state_at(model: ModelSpec) -> int:
+    """Where the core writes its slot state in a target file buffer of this model: the
+    tokens then move down and the section headers fill the gap, so that the KV is in
+    place whichever version the state turns out to be (see seal_target)."""
+    return TARGET_STATE_AT + window_room(model)
+
+
+def target_file_size(state_len: int, model: ModelSpec) -> int:
+    """The size of the target file buffer of a core state of `state_len` bytes of this
+    model: the file itself, or for a model with sliding-window layers, room for the
+    longer of its two versions."""
+    return target_state_at(model) + state_len + DIGEST_LEN
 
 
 def draft_file_size(state_len: int) -> int:
@@ -310,27 +326,38 @@ def _trailer(buf: memoryview) -> str:
 
 
 def seal_target(buf: memoryview, model: ModelSpec) -> tuple[memoryview, int, str]:
-    """Turns `buf` (target_file_size(n) bytes holding n bytes of core slot state at
-    TARGET_STATE_AT, the bytes target_from_core reads) into the target file that
-    encode_target(target_from_core(state, model)) writes: (the file, n_tokens, hex
-    SHA-256 of the file). In place, except for a state whose sliding-window layers hold
-    only their window (its file has a window section more): that one is encoded into a
-    new buffer."""
-    if len(buf) < target_file_size(_CORE_KV_HEAD.size):
+    """Turns `buf` (target_file_size(n, model) bytes holding n bytes of core slot state
+    at target_state_at(model), the bytes target_from_core reads) into the target file
+    that encode_target(target_from_core(state, model)) writes, in place: (the file, a
+    view of buf; n_tokens; hex SHA-256 of the file). The KV stays where the core wrote
+    it; only the tokens move (down, over the core's header) and headers are written
+    around them. A windowed state (sliding-window layers holding their window only)
+    fills the whole buffer, with the SWIN section between tokens and KV; any other
+    state of a windowed model is a version-2 file that starts window_room(model)
+    bytes in."""
+    room = window_room(model)
+    if len(buf) < target_file_size(_CORE_KV_HEAD.size, model):
         raise ValueError(f"a target file buffer of {len(buf)} bytes holds no core state")
-    state = buf[TARGET_STATE_AT:-DIGEST_LEN]
-    n, window = _core_kv_head(state, model)
-    if window is not None:
-        data = encode_target(target_from_core(state, model))
-        return memoryview(data), n, digest(data)
-    toks = TARGET_STATE_AT + _CORE_KV_HEAD.size
-    at = toks - SECTION_HEADER.size
-    buf[at:at + 4 * n] = buf[toks:toks + 4 * n]  # an overlapping move: memmove
+    n, window = _core_kv_head(buf[TARGET_STATE_AT + room:-DIGEST_LEN], model)
+    if window is None:
+        buf = buf[room:]  # a version-2 file: no window section, the room unused
+    toks = TARGET_STATE_AT + (room if window is not None else 0) + _CORE_KV_HEAD.size
+    pos = HEADER_LEN + SECTION_HEADER.size  # where the file's tokens go
+    buf[pos:pos + 4 * n] = buf[toks:toks + 4 * n]  # an overlapping move: memmove
     SECTION_HEADER.pack_into(buf, HEADER_LEN, TAG_TOKENS, FLAG_REQUIRED, 4 * n)
-    kv_len = len(buf) - DIGEST_LEN - (toks + 4 * n)
-    SECTION_HEADER.pack_into(buf, at + 4 * n, TAG_KV, FLAG_REQUIRED, kv_len)
+    pos += 4 * n
+    if window is not None:
+        swin = window.pack()
+        SECTION_HEADER.pack_into(buf, pos, TAG_WINDOW, FLAG_REQUIRED, len(swin))
+        pos += SECTION_HEADER.size
+        buf[pos:pos + len(swin)] = swin
+        pos += len(swin)
+    # the KV section's header ends where the core wrote the KV: toks + 4 * n
+    SECTION_HEADER.pack_into(buf, pos, TAG_KV, FLAG_REQUIRED,
+                             len(buf) - DIGEST_LEN - pos - SECTION_HEADER.size)
+    version, n_sections = (TARGET_VERSION, 2) if window is None else (TARGET_VERSION_WINDOW, 3)
     buf[:HEADER_LEN] = _target_head(model.fingerprint, model.layout, model.n_ctx,
-                                    model.n_vocab, n, 2)
+                                    model.n_vocab, n, n_sections, version)
     return buf, n, _trailer(buf)
 
 

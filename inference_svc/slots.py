@@ -58,7 +58,7 @@ class SlotManager:
         refuse_session_namespace(name)
         self._need_store()
         t0 = time.perf_counter()
-        files = SlotFileBuffers()
+        files = SlotFileBuffers(self.target_spec)
         state = eng.slot_op(id_slot, lambda slot: eng.capture(slot, files.target, files.draft),
                             time_remaining, keep_session=True)
         return self._persist(id_slot, name, files, state, t0)
@@ -71,7 +71,7 @@ class SlotManager:
         (time.monotonic()): when a remote store gives up."""
         t0 = time.perf_counter()
         eng = self.engine
-        files = SlotFileBuffers()
+        files = SlotFileBuffers(self.target_spec)
         state = eng.call(lambda: eng.capture(id_slot, files.target, files.draft)
                          if eng.n_tokens(id_slot) else None)
         if state is None:
@@ -86,7 +86,7 @@ class SlotManager:
         engine thread)."""
         store = store or self._need_store()
         try:
-            enc = files.encode(state.target, state.draft, self.target_spec, self.draft_spec)
+            enc = files.encode(state.target, state.draft, self.draft_spec)
             n_written = store.save(name, enc.target, enc.draft, target_sha256=enc.target_sha256,
                                    deadline=deadline)
         except BaseException as exc:

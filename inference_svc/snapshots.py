@@ -46,16 +46,18 @@ class SlotFileBuffers:
     """The two slot files' buffers for one save, handed to the core to write a slot's
     state straight into the place the files hold it (`target` and `draft` allocate;
     Engine.capture takes them); `encode` then writes the headers and digests around
-    it. The state is copied once, by the core, on its way to the store."""
+    it. The state is copied once, by the core, on its way to the store (a target of a
+    model with sliding-window layers too: its buffer has room for the window section)."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: ModelSpec) -> None:
+        self._spec = target
         self._target: memoryview | None = None
         self._draft: memoryview | None = None
 
     def target(self, state_len: int) -> memoryview:
         """Room for `state_len` bytes of target state; the view the core writes."""
-        self._target = _file_buffer(slotfile.target_file_size(state_len))
-        return self._target[slotfile.TARGET_STATE_AT:][:state_len]
+        self._target = _file_buffer(slotfile.target_file_size(state_len, self._spec))
+        return self._target[slotfile.target_state_at(self._spec):][:state_len]
 
     def draft(self, state_len: int) -> memoryview:
         """Room for `state_len` bytes of draft state; the view the core writes."""
@@ -63,11 +65,12 @@ class SlotFileBuffers:
         return self._draft[slotfile.DRAFT_STATE_AT:][:state_len]
 
     def encode(self, target_state: memoryview, draft_state: memoryview | None,
-               target: ModelSpec, draft: ModelSpec | None) -> EncodedSlot:
+               draft: ModelSpec | None) -> EncodedSlot:
         """The slot files of the state the core wrote (`target_state`, `draft_state`:
         the views it returned, which must fill the rooms allocated)."""
-        tbuf = _written(self._target, target_state, slotfile.target_file_size)
-        tbuf, n_tokens, tdigest = slotfile.seal_target(tbuf, target)
+        tbuf = _written(self._target, target_state,
+                        lambda n: slotfile.target_file_size(n, self._spec))
+        tbuf, n_tokens, tdigest = slotfile.seal_target(tbuf, self._spec)
         dbuf = None
         if draft_state is not None and draft is not None:
             dbuf = _written(self._draft, draft_state, slotfile.draft_file_size)
@@ -92,14 +95,14 @@ def encode_slot(target_state: bytes | memoryview, draft_state: bytes | memoryvie
                 target: ModelSpec, draft: ModelSpec | None) -> EncodedSlot:
     """The slot files of core state read apart (Context.get_state,
     SpecDecoder.draft_state): copied into SlotFileBuffers and encoded there."""
-    bufs = SlotFileBuffers()
+    bufs = SlotFileBuffers(target)
     tview = bufs.target(len(target_state))
     tview[:] = memoryview(target_state).cast("B")
     dview = None
     if draft_state is not None:
         dview = bufs.draft(len(draft_state))
         dview[:] = memoryview(draft_state).cast("B")
-    return bufs.encode(tview, dview, target, draft)
+    return bufs.encode(tview, dview, draft)
 
 
 @dataclass(frozen=True)

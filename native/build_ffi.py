@@ -92,7 +92,7 @@ def build(variant: str) -> Path:
         module,
         '#include "warmslot.h"',
         sources=[str(NATIVE / "warmslot.c"), str(NATIVE / "quant.c"),
-                 str(NATIVE / "speculative.c")],
+                 str(NATIVE / "speculative.c"), str(NATIVE / "spm.c")],
         include_dirs=[str(NATIVE)],
         extra_compile_args=WARN + NUMERIC + arch_flags(spec.get("march")) + spec["cflags"],
         extra_link_args=spec["ldflags"],

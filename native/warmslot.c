@@ -367,6 +367,46 @@ size_t ws_context_kv_bytes(const ws_context *ctx) {
     return 2 * ctx->kv_elem * kv_elems_per_slot(ctx) * (size_t)ctx->params.n_slots;
 }
 
+/* rows per slot of a sliding-window layer: a ring of its window plus WS_SWA_SPARE
+   spare rows (they let a slot drop its last tokens, a speculative rollback, and still
+   continue), or n_ctx when swa_full or when the ring would be no shorter */
+static int32_t ring_rows(const ws_hparams *hp, ws_context_params params) {
+    if (!params.swa_full && hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0 &&
+        (int64_t)hp->n_swa + WS_SWA_SPARE < params.n_ctx)
+        return hp->n_swa + WS_SWA_SPARE;
+    return params.n_ctx;
+}
+
+/* rows per slot of layer l: a sliding-window layer its ring, any other n_ctx */
+static int32_t layer_rows(const ws_hparams *hp, ws_context_params params, int layer) {
+    return ws_layer_is_local(hp, layer) ? ring_rows(hp, params) : params.n_ctx;
+}
+
+/* the bytes of the KV cache (K and V, every layer's rows, every slot) of a context of
+   these parameters; a double, so that sizes past SIZE_MAX can be refused */
+static double kv_cache_bytes(const ws_hparams *hp, ws_context_params params) {
+    double rows = 0.0;
+    for (int l = 0; l < hp->n_layer; l++) rows += (double)layer_rows(hp, params, l);
+    const double elem = params.kv_type == WS_KV_F16 ? (double)sizeof(uint16_t)
+                                                     : (double)sizeof(float);
+    return 2.0 * elem * rows * (double)hp->n_head_kv * (double)ws_head_dim(hp) *
+           (double)params.n_slots;
+}
+
+ws_status ws_context_kv_bytes_needed(const ws_model *model, ws_context_params params,
+                                     uint64_t *out) {
+    if (!model || !out)
+        return fail_global(WS_ERR_INVALID_ARGUMENT, "ws_context_kv_bytes_needed: NULL argument");
+    *out = 0;
+    /* sizes ws_context_init refuses with its own message: nothing to allocate */
+    if (params.n_ctx < 1 || params.n_slots < 1) return WS_OK;
+    const double bytes = kv_cache_bytes(&model->hp, params);
+    if (!(bytes >= 0.0) || bytes > (double)(SIZE_MAX / 4))
+        return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", bytes);
+    *out = (uint64_t)bytes;
+    return WS_OK;
+}
+
 /*
  * The KV caches are head-major: [slot][layer][KV head][position][head_dim], so the
  * keys (or values) of one KV head are one contiguous run of positions, which the
@@ -493,23 +533,19 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
         free(ctx);
         return fail_global(WS_ERR_INVALID_ARGUMENT, "swa_full %d is not 0 or 1", params.swa_full);
     }
-    /* rows per layer: a sliding-window layer needs its window, plus the spare rows that
-       let a slot drop its last tokens (a speculative rollback) and still continue */
-    ctx->n_ring = params.n_ctx;
-    if (!params.swa_full && hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0 &&
-        (int64_t)hp->n_swa + WS_SWA_SPARE < params.n_ctx)
-        ctx->n_ring = hp->n_swa + WS_SWA_SPARE;
+    /* rows per layer: a sliding-window layer its ring, any other n_ctx (the sizes
+       ws_context_kv_bytes_needed reports, from the same functions) */
+    ctx->n_ring = ring_rows(hp, params);
     double rows_per_slot = 0.0;
     for (int l = 0; l < hp->n_layer; l++) {
-        ctx->layer_cap[l] = ws_layer_is_local(hp, l) ? ctx->n_ring : params.n_ctx;
+        ctx->layer_cap[l] = layer_rows(hp, params, l);
         ctx->has_ring |= ctx->layer_cap[l] < params.n_ctx;
         ctx->layer_off[l] = (size_t)rows_per_slot * (size_t)ctx->kv_dim;
         rows_per_slot += (double)ctx->layer_cap[l];
     }
 
     /* KV cache size: refuse sizes that overflow or that the machine cannot hold */
-    const double kv_bytes = 2.0 * (double)ctx->kv_elem * rows_per_slot * (double)ctx->kv_dim *
-                            (double)params.n_slots;
+    const double kv_bytes = kv_cache_bytes(hp, params);
     if (kv_bytes > (double)(SIZE_MAX / 4)) {
         free(ctx);
         return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", kv_bytes);

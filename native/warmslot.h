@@ -185,6 +185,13 @@ ws_context_params ws_context_get_params(const ws_context *ctx);
 const ws_model *ws_context_model(const ws_context *ctx);
 /* Bytes the KV cache of this context takes (all slots). */
 size_t ws_context_kv_bytes(const ws_context *ctx);
+/* Bytes of KV cache ws_context_init allocates for this model and these parameters
+ * (what ws_context_kv_bytes of that context returns): a sliding-window layer counts
+ * the rows of its ring, not n_ctx. For a memory check before the context exists; the
+ * parameters are not validated here (ws_context_init does), and a size past what the
+ * machine can address fails with WS_ERR_OUT_OF_MEMORY. */
+ws_status ws_context_kv_bytes_needed(const ws_model *model, ws_context_params params,
+                                     uint64_t *out);
 
 /* IEEE half <-> float conversions of the KV cache (the same bits in every build):
  * float -> half rounds to nearest even, overflows to infinity, keeps subnormals;
@@ -467,6 +474,22 @@ ws_status ws_spec_slot_state_set(ws_spec *spec, int32_t slot, const uint8_t *hea
                                  size_t header_len, const uint8_t *tokens, size_t tokens_len,
                                  const uint8_t *kv, size_t kv_len, const uint8_t *dbuf,
                                  size_t dlen, int32_t draft_offset, int *draft_loaded);
+
+/* SentencePiece-style BPE with byte fallback (native/spm.c), for a GGUF `llama`
+ * tokenizer. ws_spm_init copies the vocabulary: `blob` (ends[n_tokens - 1] bytes)
+ * holds the tokens' UTF-8 bytes one after another, token i ending at ends[i]
+ * (non-decreasing); scores[i] its merge score; byte_ids[b] the token of byte b
+ * (<0xXX>). */
+typedef struct ws_spm ws_spm;
+ws_status ws_spm_init(const char *blob, const uint64_t *ends, const float *scores,
+                      const int32_t *byte_ids, int32_t n_tokens, ws_spm **out);
+void ws_spm_free(ws_spm *spm);
+/* The ids of text (UTF-8 of fewer than INT32_MAX bytes, user-defined tokens split off
+ * and spaces escaped by the caller): *n_out ids, at most len, into out[cap]
+ * (WS_ERR_BUFFER_TOO_SMALL when cap < *n_out). Thread-safe: the vocabulary is read
+ * only. Takes 32 bytes of memory per byte of text while it runs. */
+ws_status ws_spm_encode(const ws_spm *spm, const char *text, size_t len, int32_t *out,
+                        size_t cap, size_t *n_out);
 
 #ifdef __cplusplus
 }

@@ -16,7 +16,7 @@ import pytest
 from inference_svc import slotfile as sf
 from inference_svc.errors import InvalidArgument, NotFound
 from inference_svc.names import name_problem
-from inference_svc.snapshots import encode_slot
+from inference_svc.snapshots import SlotFileBuffers, encode_slot
 from inference_svc.store import LocalStore
 
 LAYOUT = sf.KVLayout(n_layer=2, n_head_kv=1, head_dim=4)
@@ -107,6 +107,44 @@ def test_files_built_in_place_are_the_encoded_files(n: int) -> None:
     assert sf.file_digests(enc.target) == (sf.digest(want_t),
                                            hashlib.sha256(want_t[:-sf.DIGEST_LEN]).hexdigest())
     assert encode_slot(state, None, SPEC_T, None).draft is None
+
+
+# a model whose layer 0 attends to a window of positions (gemma3), layer 1 to all
+SPEC_W = dataclasses.replace(SPEC_T, local_layers=(True, False))
+
+
+def core_kv_window(tokens: list[int], n_window: int, seed: int = 0) -> bytes:
+    """WSKV v3 state of SPEC_W: layer 0 holds the last n_window positions only."""
+    n, kv_dim = len(tokens), LAYOUT.kv_dim
+    head = struct.pack("<8I", sf.CORE_KV_MAGIC, sf.CORE_KV_VERSION, LAYOUT.n_layer, kv_dim,
+                       kv_dim, LAYOUT.dtype, n, n_window)
+    rows = n_window + n
+    kv = np.random.default_rng(seed).standard_normal(2 * rows * kv_dim).astype("<f4")
+    return head + struct.pack(f"<{n}i", *tokens) + kv.tobytes()
+
+
+@pytest.mark.parametrize(("n", "n_window"), [(0, None), (3, None), (5, 4), (40, 23), (300, 23)])
+def test_files_of_a_windowed_model_are_built_in_place(n: int, n_window: int | None) -> None:
+    """A model with sliding-window layers: its target file buffer has room for the SWIN
+    section, so a windowed state (version 3) and a full one (version 2, rings never
+    wrapped) are both sealed in the buffer the core wrote, the file a view of it, byte
+    for byte what encode_target writes."""
+    toks = [(7 * k + 1) % 100 for k in range(n)]
+    state = core_kv(toks, LAYOUT, seed=n) if n_window is None else core_kv_window(toks, n_window)
+    bufs = SlotFileBuffers(SPEC_W)
+    room = bufs.target(len(state))
+    room[:] = state
+    enc = bufs.encode(room, None, None)
+    want = sf.encode_target(sf.target_from_core(state, SPEC_W))
+    assert (bytes(enc.target), enc.target_sha256, enc.n_tokens) == (want, sf.digest(want), n)
+    assert enc.target.obj is room.obj  # the core's buffer, not a copy
+    swin = 16 + 4 + 2
+    assert len(room.obj) == len(want) + (0 if n_window else swin)
+    got = sf.decode_target(enc.target)
+    version = sf.TARGET_VERSION if n_window is None else sf.TARGET_VERSION_WINDOW
+    assert got.version == version
+    assert got.window == (None if n_window is None else sf.Window(n_window, (True, False)))
+    assert b"".join(sf.core_parts_from_target(got)) == state
 
 
 def test_files_built_in_place_refuse_a_state_that_is_not_the_models() -> None:

@@ -1,9 +1,10 @@
 """Golden slot files (tests/fixtures/golden, written by tests/fixtures/make_golden.py),
-one set per format version: version 1 (f32 KV, no longer written) and version 2 (f16
-KV). The writer still produces the current set byte for byte and the version-1 content
-bit for bit; every set still restores, through the functions and through a real
-server, into a session that continues exactly like the one that was saved; a file
-restores only into a context of its own KV type."""
+one set per format version: version 1 (f32 KV, no longer written), version 2 (f16
+KV) and version 3 (a sliding-window model's file, its local layers holding their
+window only; target only). The writer still produces the current sets byte for byte
+and the version-1 content bit for bit; every set still restores, through the
+functions and through a real server, into a session that continues exactly like the
+one that was saved; a file restores only into a context of its own KV type."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from inference_svc import slotfile
 from inference_svc.client import InferenceClient
+from inference_svc.config import Speculative
 from inference_svc.core import Context, Model
 from inference_svc.core.speculative import SpecDecoder
 from inference_svc.pb import inference_pb2 as pb
@@ -208,3 +210,77 @@ def test_version_1_file_on_an_f16_server_is_failed_precondition(tmp_path: Path) 
         assert "slot file holds an f32 KV cache, this server keeps f16: restore it on a " \
                "server started with --kv-type f32" in exc.value.details()
         assert [s.n_tokens for s in c.slots()] == [0, 0]  # the slot is left empty
+
+
+# ---------------------------------------------------------------------- version 3
+WGS = make_golden.WINDOW_SET
+WMODEL = GOLDEN / make_golden.WINDOW_MODEL
+RING = make_golden.WINDOW_SHAPE.n_swa + 16  # rows of a local layer (WS_SWA_SPARE = 16)
+
+
+def test_window_golden_file_decodes_and_encodes_to_itself() -> None:
+    m = meta(WGS)
+    data = (GOLDEN / WGS.target).read_bytes()
+    t = slotfile.decode_target(data)
+    assert t.version == m["format_version"] == slotfile.TARGET_VERSION_WINDOW == 3
+    assert t.layout == slotfile.KVLayout(6, 1, 8, slotfile.DTYPE_F16)
+    # the rings wrapped: layers 0-4 hold their last RING positions, layer 5 all of them
+    assert t.window == slotfile.Window(RING, (True,) * 5 + (False,))
+    assert list(t.tokens) == m["tokens"] and len(m["tokens"]) > RING
+    assert len(t.kv) == 2 * 2 * 8 * (5 * RING + len(m["tokens"]))
+    assert (t.fingerprint, t.n_ctx) == (m["target_fingerprint"], m["n_ctx"])
+    assert slotfile.digest(data) == m["target_sha256"]
+    assert slotfile.encode_target(t) == data
+
+
+def test_writer_reproduces_the_window_golden_file() -> None:
+    m = meta(WGS)
+    with Model.load(WMODEL) as wm:
+        assert wm.fingerprint == m["target_fingerprint"]
+    g = make_golden.make_window(WMODEL)
+    assert g.tokens == m["tokens"], "the core now generates other tokens; " + REGENERATE
+    assert bytes(g.slot.target) == (GOLDEN / WGS.target).read_bytes(), REGENERATE
+    assert g.continuation == m["continuation"]
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_window_golden_file_restores_and_continues(tmp_path: Path, swa_full: bool) -> None:
+    """Into a ring context or one whose local layers keep every position (the file holds
+    the window the next tokens read): the slot holds the saved tokens, and continues
+    with the saved session's next turn."""
+    m = meta(WGS)
+    shutil.copy(GOLDEN / WGS.target, tmp_path / "slot")
+    with Model.load(WMODEL) as wm, \
+            Context(wm, n_slots=2, n_ctx=128, n_threads=1, kv_type=WGS.kv_type,
+                    swa_full=swa_full) as ctx, SpecDecoder(ctx) as dec:
+        p = prepare_restore(LocalStore(tmp_path), "slot", context_spec(ctx), None)
+        assert (p.n_tokens, p.draft_state, p.draft_note) == (len(m["tokens"]), None,
+                                                             "no draft model")
+        ctx.set_state_parts(1, *p.target_parts)
+        assert dec.tokens(1) == m["tokens"]
+        if not swa_full:  # the rings hold what a prefill of the tokens leaves, bit for bit
+            ctx.decode(0, m["tokens"])
+            assert ctx.get_state(0) == ctx.get_state(1)
+        cont = dec.generate(1, m["next"], make_golden.N_GEN, make_golden.GREEDY,
+                            make_golden.NO_SPEC)
+        assert cont == m["continuation"]
+
+
+def test_window_golden_file_restores_through_the_server(tmp_path: Path) -> None:
+    """Restored into a server slot, the next turn processes only its new tokens and
+    generates the saved continuation; saved again, the file is the golden one."""
+    m = meta(WGS)
+    shutil.copy(GOLDEN / WGS.target, tmp_path / "golden")
+    cfg = service_config(WMODEL, None, ctx=m["n_ctx"], slot_save_path=tmp_path,
+                         kv_type=WGS.kv_type, speculative=Speculative(enabled=False))
+    with running(cfg) as srv, InferenceClient(f"127.0.0.1:{srv.port}") as c:
+        r = c.restore(1, "golden")
+        assert (r.n_restored, r.draft_restored) == (len(m["tokens"]), False)
+        rs, last = c.generate(m["tokens"] + m["next"], max_tokens=make_golden.N_GEN,
+                              id_slot=1, temperature=0.0)
+        assert last.timings.prompt_n == len(m["next"])
+        assert [t for x in rs for t in x.tokens] == m["continuation"]
+        c.erase(1)
+        c.restore(1, "golden")
+        c.save(1, "again")
+    assert (tmp_path / "again").read_bytes() == (GOLDEN / WGS.target).read_bytes()

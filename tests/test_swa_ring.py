@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from inference_svc.core import Context, Model
+from inference_svc.core import model as core_model
 from inference_svc.core.binding import lib
-from inference_svc.core.errors import BadStateError, InvalidArgumentError
+from inference_svc.core.errors import BadStateError, CoreMemoryError, InvalidArgumentError
 from inference_svc.core.speculative import SamplingParams, SpecDecoder, SpecParams
 from tests.factory import Shape, random_weights, write_model, write_weights
 from tests.test_core_determinism import in_batches, one_by_one
@@ -65,6 +66,27 @@ def test_ring_takes_less_memory(model: Model, kv_type: str) -> None:
             ring_ctx(model, kv_type, n_slots=2, swa_full=True) as whole:
         assert ring.kv_bytes == 2 * 2 * es * kv_dim * (1 * N_CTX + 5 * RING)
         assert whole.kv_bytes == 2 * 2 * es * kv_dim * 6 * N_CTX
+
+
+def test_memory_check_asks_for_the_rings_only(model: Model, kv_type: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check before a context allocates counts a local layer's ring, not n_ctx: with
+    exactly the ring context's KV bytes available it opens, one byte less it does not."""
+    es = 2 if kv_type == "f16" else 4
+    want = 2 * 2 * es * SHAPE.n_head_kv * SHAPE.head_dim * (1 * N_CTX + 5 * RING)
+    monkeypatch.setattr(core_model, "available_memory_bytes", lambda: want)
+    with ring_ctx(model, kv_type, n_slots=2) as ring:
+        assert ring.kv_bytes == want
+    with pytest.raises(CoreMemoryError, match="KV cache"):
+        ring_ctx(model, kv_type, n_slots=2, swa_full=True)
+    monkeypatch.setattr(core_model, "available_memory_bytes", lambda: want - 1)
+    with pytest.raises(CoreMemoryError, match="KV cache"):
+        ring_ctx(model, kv_type, n_slots=2)
+    # sizes the core refuses keep its message, not a memory error
+    with pytest.raises(InvalidArgumentError, match="n_ctx -1 out of range"):
+        Context(model, n_ctx=-1, kv_type=kv_type)
+    with pytest.raises(InvalidArgumentError, match="n_slots 0 out of range"):
+        Context(model, n_slots=0, n_ctx=N_CTX, kv_type=kv_type)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -108,6 +108,31 @@ context_kv_bytes = lib.ws_context_kv_bytes
 fp16_from_fp32 = lib.ws_fp16_from_fp32
 fp32_from_fp16 = lib.ws_fp32_from_fp16
 spec_free = lib.ws_spec_free
+spm_free = lib.ws_spm_free
+
+
+def context_kv_bytes_needed(model: Any, params: Any) -> int:
+    """The KV bytes a context of these params would allocate for the model."""
+    out = ffi.new("uint64_t *")
+    _check(lib.ws_context_kv_bytes_needed(model, params, out))
+    return int(out[0])
+
+
+def spm_init(blob: bytes, ends: Any, scores: Any, byte_ids: Any, n_tokens: int) -> Any:
+    out = ffi.new("ws_spm **")
+    _check(lib.ws_spm_init(blob, ffi.from_buffer("uint64_t[]", ends),
+                           ffi.from_buffer("float[]", scores),
+                           ffi.from_buffer("int32_t[]", byte_ids), n_tokens, out))
+    return out[0]
+
+
+def spm_encode(spm: Any, text: bytes, out: Any) -> int:
+    """Ids of UTF-8 text into the int32 array out (len(text) entries); their count.
+    The call does not hold the GIL."""
+    n = ffi.new("size_t *")
+    _check(lib.ws_spm_encode(spm, text, len(text), ffi.from_buffer("int32_t[]", out),
+                             len(out), n))
+    return int(n[0])
 
 
 # ---- speculative decoding (ws_spec_*) ----

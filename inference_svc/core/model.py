@@ -169,13 +169,6 @@ class Context(NativeHandle):
             raise InvalidArgumentError(f"KV type {kv_type!r} is not one of "
                                        f"{', '.join(KV_TYPES)}")
         n_ctx = model.hparams.n_ctx_train if n_ctx is None else n_ctx
-        need = model.kv_bytes_per_token(kv_type) * int(n_ctx) * int(n_slots)
-        avail = available_memory_bytes()
-        if avail is not None and need > avail:
-            raise CoreMemoryError(
-                f"a context of {n_slots} slots x {n_ctx} positions needs "
-                f"{need / 2**20:.1f} MiB of KV cache; only {avail / 2**20:.1f} MiB is available"
-            )
         params = binding.context_default_params()
         params.n_slots = n_slots
         params.n_ctx = n_ctx
@@ -184,6 +177,14 @@ class Context(NativeHandle):
         params.reserve_kv = int(reserve_kv)
         params.kv_type = KV_TYPES[kv_type][0]
         params.swa_full = int(swa_full)
+        # the bytes the core will allocate (a sliding-window layer: its ring's rows)
+        need = binding.context_kv_bytes_needed(model.handle, params)
+        avail = available_memory_bytes()
+        if avail is not None and need > avail:
+            raise CoreMemoryError(
+                f"a context of {n_slots} slots x {n_ctx} positions needs "
+                f"{need / 2**20:.1f} MiB of KV cache; only {avail / 2**20:.1f} MiB is available"
+            )
         self.model, self.kv_type = model, kv_type
         self.n_slots, self.n_ctx = n_slots, n_ctx
         self.n_threads, self.n_batch = n_threads, n_batch

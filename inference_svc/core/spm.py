@@ -1,12 +1,17 @@
 """SentencePiece-style BPE as llama.cpp runs it for a GGUF `llama` tokenizer (Gemma):
 text split at user-defined tokens (longest first), spaces escaped to U+2581, then the
 highest-scoring adjacent pair merged repeatedly (ties: leftmost); a character no token
-holds becomes its UTF-8 bytes (<0xXX> tokens)."""
+holds becomes its UTF-8 bytes (<0xXX> tokens). The merging runs in the core
+(native/spm.c) without the GIL: a long prompt takes no Python time in proportion to
+its length, and the engine and gRPC threads keep running meanwhile."""
 
 from __future__ import annotations
 
-import heapq
+from typing import Any
 
+import numpy as np
+
+from . import binding
 from .errors import ModelLoadError
 
 SPACE = "\u2581"
@@ -28,6 +33,17 @@ class SPMTokenizer:
         # skips only control and unknown tokens when special tokens are not parsed)
         self.user_defined = sorted((t for t, ty in zip(tokens, types, strict=True)
                                     if ty == TYPE_USER_DEFINED and t), key=len, reverse=True)
+        encoded = [t.encode("utf-8", "surrogatepass") for t in tokens]
+        ends = np.cumsum([len(b) for b in encoded], dtype=np.uint64)
+        self._native: Any = binding.spm_init(b"".join(encoded), ends,
+                                             np.asarray(scores, dtype=np.float32),
+                                             np.asarray(self.byte_ids, dtype=np.int32),
+                                             len(tokens))
+
+    def __del__(self) -> None:
+        native, self._native = getattr(self, "_native", None), None
+        if native is not None:
+            binding.spm_free(native)
 
     def encode(self, text: str) -> list[int]:
         fragments: list[str | int] = [text]
@@ -54,42 +70,10 @@ class SPMTokenizer:
         return out
 
     def _bpe(self, text: str) -> list[int]:
-        sym = list(text)  # one symbol per character; merged ones grow, absorbed ones empty
-        nxt = list(range(1, len(sym) + 1))
-        prv = list(range(-1, len(sym) - 1))
-        heap: list[tuple[float, int, int, str]] = []
-
-        def add(left: int, right: int) -> None:
-            if left < 0 or right >= len(sym):
-                return
-            merged = sym[left] + sym[right]
-            tid = self.vocab.get(merged)
-            if tid is not None:
-                heapq.heappush(heap, (-self.scores[tid], left, right, merged))
-
-        for i in range(len(sym) - 1):
-            add(i, i + 1)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            if not sym[left] or not sym[right] or nxt[left] != right or \
-                    sym[left] + sym[right] != merged:
-                continue  # stale: one side changed since this pair was queued
-            sym[left], sym[right] = merged, ""
-            nxt[left] = nxt[right]
-            if nxt[right] < len(sym):
-                prv[nxt[right]] = left
-            add(prv[left], left)
-            add(left, nxt[left])
-        out: list[int] = []
-        i = 0
-        while i < len(sym):
-            tid = self.vocab.get(sym[i])
-            if tid is not None:
-                out.append(tid)
-            else:
-                out += [self.byte_ids[b] for b in sym[i].encode("utf-8")]
-            i = nxt[i]
-        return out
+        data = text.encode("utf-8", "surrogatepass")
+        out = np.empty(len(data), dtype=np.int32)
+        n = binding.spm_encode(self._native, data, out)
+        return out[:n].tolist()
 
     def token_bytes(self, tid: int) -> bytes:
         typ, tok = self.types[tid], self.tokens[tid]
