@@ -61,7 +61,9 @@ def arch_flags(forced: str | None = None) -> list[str]:
     except OSError:
         return []
     if all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl")):
-        return ["-march=x86-64-v4"]
+        # VNNI: the 8-bit-activation product's vpdpbusd (exact integer sums, so the
+        # bits of the AVX2 and scalar paths)
+        return ["-march=x86-64-v4"] + (["-mavx512vnni"] if " avx512_vnni" in flags else [])
     if all(f" {f}" in flags for f in ("avx2", "fma")):
         return ["-march=x86-64-v3"]
     return []

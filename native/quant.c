@@ -860,6 +860,320 @@ void ws_matmul(float *out, int ldo, const ws_tensor *W, const float *X, int ldx,
 }
 
 /* ------------------------------------------------------------------------- */
+/* integer products: 8-bit activations                                         */
+/*
+ * For Q4_0, Q4_1, Q5_0 and Q8_0 weights the activations are quantized once per
+ * product, per token, in blocks of 32 (the weights' block): d = amax / 127,
+ * q = rint(x * (127 / amax)) in [-127, 127] (0 for an all-zero block), so x stands
+ * for d * q. The block dot product of a weight block with integers w (Q4_1: the
+ * unsigned nibbles, else the signed quants) is the exact integer sum isum = w . q,
+ * and per output element the canonical order is, block by block in order of k:
+ *     acc = fmaf(dw * d, (float)isum, acc)          (dw * d: one float product)
+ *     acc = fmaf(mw, s, acc)                        (Q4_1 only; s = d * (float)sum q)
+ * from acc = 0. Integer sums are exact whatever instructions add them, so the
+ * portable build, AVX2 (maddubs) and VNNI (vpdpbusd) agree bit for bit, and so do
+ * the one-token, verification and prefill shapes, which all run this kernel: 8 rows
+ * are the 8 float lanes, so each lane performs its row's sequence.
+ *
+ * Not used by the forward pass: there the activations stay F32. Measured on
+ * SmolLM2-135M, quantizing them moves the logits by ~3e-2 of max |logit| from the
+ * F32-activation result, and a 1e-7 relative change of the activations (float32 vs
+ * the float64 reference) flips enough rounding decisions to move them by ~2e-2, so
+ * no float64 reference can hold such a core to 1e-3. ws_tensor_matmul_q8 exposes the
+ * kernel to the tests and benchmarks; tests/reference.py's quantize_activations is
+ * its model of the quantization.
+ */
+static inline int is_int_type(int32_t type) {
+    return type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 || type == WS_TYPE_Q5_0 ||
+           type == WS_TYPE_Q8_0;
+}
+
+#define WS_XQ_TOKENS 8 /* tokens quantized at once: they fit the 4 * cols floats of scratch */
+
+/* a block of tokens' quantized activations: q [nt][n], d, s [nt][n/32], sq [nt][n/32] */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *sq;
+    int nb; /* blocks per token */
+} xq_block;
+
+/* bytes of scratch for WS_XQ_TOKENS tokens of n elements */
+#define XQ_BYTES(n) ((size_t)WS_XQ_TOKENS * ((size_t)(n) + 12 * (size_t)((n) / 32)))
+
+static void quantize_x(const float *x, int n, int8_t *q, float *d, float *s, int32_t *sq) {
+    for (int b = 0; b < n / 32; b++) {
+        const float *xb = x + 32 * b;
+        int8_t *qb = q + 32 * b;
+        float amax = 0.0f;
+#if WS_SIMD
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 mx = _mm256_setzero_ps();
+        for (int g = 0; g < 4; g++)
+            mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * g), absmask));
+        float m8[8];
+        _mm256_storeu_ps(m8, mx);
+        for (int j = 0; j < 8; j++) amax = m8[j] > amax ? m8[j] : amax;
+#else
+        for (int j = 0; j < 32; j++) {
+            const float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+        }
+#endif
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+#if WS_SIMD
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i i32[4];
+        for (int g = 0; g < 4; g++) {
+            i32[g] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * g), vid));
+        }
+        /* pack 32 int32 to 32 int8 in order */
+        const __m256i p01 = _mm256_packs_epi32(i32[0], i32[1]);
+        const __m256i p23 = _mm256_packs_epi32(i32[2], i32[3]);
+        __m256i p = _mm256_packs_epi16(p01, p23);
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(void *)qb, p);
+        const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                             _mm256_add_epi32(i32[2], i32[3]));
+        int32_t t8[8];
+        _mm256_storeu_si256((__m256i *)(void *)t8, s32);
+        for (int j = 0; j < 8; j++) sum += t8[j];
+#else
+        for (int j = 0; j < 32; j++) {
+            const int v = (int)rintf(xb[j] * id);
+            qb[j] = (int8_t)v;
+            sum += v;
+        }
+#endif
+        d[b] = amax / 127.0f;
+        s[b] = d[b] * (float)sum;
+        sq[b] = sum;
+    }
+}
+
+/* tokens [t0, t0 + nt) of X quantized into scratch */
+static xq_block quantize_tokens(const float *X, int ldx, int n, int t0, int nt, void *scratch) {
+    xq_block xb;
+    const int nb = n / 32;
+    int8_t *q = scratch;
+    float *d = (float *)(void *)(q + (size_t)WS_XQ_TOKENS * n);
+    float *s = d + (size_t)WS_XQ_TOKENS * nb;
+    int32_t *sq = (int32_t *)(void *)(s + (size_t)WS_XQ_TOKENS * nb);
+    for (int t = 0; t < nt; t++)
+        quantize_x(X + (size_t)(t0 + t) * ldx, n, q + (size_t)t * n, d + (size_t)t * nb,
+                   s + (size_t)t * nb, sq + (size_t)t * nb);
+    xb.q = q;
+    xb.d = d;
+    xb.s = s;
+    xb.sq = sq;
+    xb.nb = nb;
+    return xb;
+}
+
+/* bytes per block and offset of the quants in it */
+static inline int iblock_bytes(const int32_t type) {
+    return type == WS_TYPE_Q8_0 ? 34 : type == WS_TYPE_Q4_0 ? 18 : type == WS_TYPE_Q4_1 ? 20 : 22;
+}
+
+/* the integer weights of block b of a row, as the dot products use them: Q4_0 q - 8,
+   Q4_1 q, Q5_0 q - 16, Q8_0 q */
+static inline void iweights_ref(const int32_t type, const uint8_t *blk, int w[32]) {
+    switch (type) {
+    case WS_TYPE_Q8_0:
+        for (int j = 0; j < 32; j++) w[j] = (int8_t)blk[2 + j];
+        return;
+    case WS_TYPE_Q4_0:
+    case WS_TYPE_Q4_1: {
+        const uint8_t *qs = blk + (type == WS_TYPE_Q4_1 ? 4 : 2);
+        const int off = type == WS_TYPE_Q4_1 ? 0 : 8;
+        for (int j = 0; j < 16; j++) {
+            w[j] = (qs[j] & 0xF) - off;
+            w[j + 16] = (qs[j] >> 4) - off;
+        }
+        return;
+    }
+    default: {
+        const uint8_t *qs = blk + 6;
+        const uint32_t qh = get_le32(blk + 2);
+        for (int j = 0; j < 16; j++) {
+            w[j] = ((qs[j] & 0xF) | (int)((qh >> j) & 1u) << 4) - 16;
+            w[j + 16] = ((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4) - 16;
+        }
+        return;
+    }
+    }
+}
+
+#if WS_SIMD
+/* u8 x s8 products summed in groups of 4 into 8 int32 (exact: no 16-bit saturation
+   for these operands, |u| <= 255 only for Q8_0's |w| <= 128 against |x| <= 127) */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* the 32 weights of a block as unsigned bytes (Q8_0: their absolute values) */
+static inline __m256i iweights_u8(const int32_t type, const uint8_t *blk) {
+    if (type == WS_TYPE_Q8_0) {
+        return _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(const void *)(blk + 2)));
+    }
+    const uint8_t *qs = blk + (type == WS_TYPE_Q4_1 ? 4 : type == WS_TYPE_Q4_0 ? 2 : 6);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)qs);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    if (type == WS_TYPE_Q5_0) { /* bit j of qh -> 16 in byte j */
+        const __m256i h = _mm256_set1_epi32((int)get_le32(blk + 2));
+        const __m256i spread = _mm256_shuffle_epi8(
+            h, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+    return u;
+}
+
+/* 8 vectors of 8 int32 partial sums -> [sum p0, ..., sum p7] */
+static inline __m256i hsum8x8(const __m256i p[8]) {
+    const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* 8 f16 at stride bytes apart as 8 floats */
+static inline __m256 load_h8(const uint8_t *const p[8], size_t off) {
+    uint16_t h[8];
+    for (int i = 0; i < 8; i++) memcpy(&h[i], p[i] + off, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)h));
+}
+
+/* 8 rows (w[i]; a repeated row for a short tile) x NT tokens */
+static inline __attribute__((always_inline)) void
+itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_block *xb, int r,
+          int add, const int NT, const int32_t type) {
+    const int bs = iblock_bytes(type), q41 = type == WS_TYPE_Q4_1, q80 = type == WS_TYPE_Q8_0;
+    const int corr = type == WS_TYPE_Q4_0 ? 8 : type == WS_TYPE_Q5_0 ? 16 : 0;
+    __m256 acc[WS_XQ_TOKENS];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    for (int b = 0; b < xb->nb; b++) {
+        const size_t off = (size_t)b * bs;
+        const uint8_t *blk[8];
+        for (int i = 0; i < 8; i++) blk[i] = w[i] + off;
+        __m256i u[8], sg[8];
+        for (int i = 0; i < 8; i++) {
+            u[i] = iweights_u8(type, blk[i]);
+            if (q80) sg[i] = _mm256_loadu_si256((const __m256i *)(const void *)(blk[i] + 2));
+        }
+        const __m256 dw = load_h8(blk, 0);
+        const __m256 mw = q41 ? load_h8(blk, 2) : _mm256_setzero_ps();
+        for (int t = 0; t < NT; t++) {
+            const __m256i x = _mm256_loadu_si256(
+                (const __m256i *)(const void *)(xb->q + (size_t)t * xb->nb * 32 + 32 * b));
+            __m256i p[8];
+            for (int i = 0; i < 8; i++) p[i] = dot_u8s8(u[i], q80 ? _mm256_sign_epi8(x, sg[i]) : x);
+            __m256i isum = hsum8x8(p);
+            const size_t tb = (size_t)t * xb->nb + b;
+            if (corr) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(corr * xb->sq[tb]));
+            const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d[tb]));
+            acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[t]);
+            if (q41) acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s[tb]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        float v[8];
+        _mm256_storeu_ps(v, acc[t]);
+        float *o = out + (size_t)t * ldo + r;
+        for (int i = 0; i < nrows; i++) o[i] = add ? o[i] + v[i] : v[i];
+    }
+}
+#else
+static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows,
+                             const xq_block *xb, int r, int add, const int NT,
+                             const int32_t type) {
+    const int bs = iblock_bytes(type), q41 = type == WS_TYPE_Q4_1;
+    for (int i = 0; i < nrows; i++) {
+        for (int t = 0; t < NT; t++) {
+            float acc = 0.0f;
+            for (int b = 0; b < xb->nb; b++) {
+                const uint8_t *blk = w[i] + (size_t)b * bs;
+                int wq[32];
+                iweights_ref(type, blk, wq);
+                const int8_t *x = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
+                int32_t isum = 0;
+                for (int j = 0; j < 32; j++) isum += wq[j] * x[j];
+                const size_t tb = (size_t)t * xb->nb + b;
+                acc = fmaf(half_to_float(blk) * xb->d[tb], (float)isum, acc);
+                if (q41) acc = fmaf(half_to_float(blk + 2), xb->s[tb], acc);
+            }
+            float *o = out + (size_t)t * ldo + r + i;
+            *o = add ? *o + acc : acc;
+        }
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void
+imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, int r1, int add,
+           const int NT, const int32_t type) {
+    const size_t rb = (size_t)xb->nb * iblock_bytes(type);
+    for (int r = r0; r < r1; r += 8) {
+        const int nrows = r1 - r < 8 ? r1 - r : 8;
+        const uint8_t *w[8];
+        for (int i = 0; i < 8; i++)
+            w[i] = (const uint8_t *)W->data + (size_t)(r + (i < nrows ? i : nrows - 1)) * rb;
+        itile_8xt(out, ldo, w, nrows, xb, r, add, NT, type);
+    }
+}
+
+static inline __attribute__((always_inline)) void
+imatmul(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, int r1, int nt,
+        int add, const int32_t type) {
+    switch (nt) {
+    case 1: imatmul_nt(out, ldo, W, xb, r0, r1, add, 1, type); break;
+    case 2: imatmul_nt(out, ldo, W, xb, r0, r1, add, 2, type); break;
+    case 3: imatmul_nt(out, ldo, W, xb, r0, r1, add, 3, type); break;
+    case 4: imatmul_nt(out, ldo, W, xb, r0, r1, add, 4, type); break;
+    case 5: imatmul_nt(out, ldo, W, xb, r0, r1, add, 5, type); break;
+    case 6: imatmul_nt(out, ldo, W, xb, r0, r1, add, 6, type); break;
+    case 7: imatmul_nt(out, ldo, W, xb, r0, r1, add, 7, type); break;
+    default: imatmul_nt(out, ldo, W, xb, r0, r1, add, 8, type); break;
+    }
+}
+
+#define WS_IMATMUL(T) \
+    static void imatmul_##T(float *out, int ldo, const ws_tensor *W, const xq_block *xb, \
+                            int r0, int r1, int nt, int add) { \
+        imatmul(out, ldo, W, xb, r0, r1, nt, add, WS_TYPE_##T); }
+WS_IMATMUL(Q8_0)
+WS_IMATMUL(Q4_0)
+WS_IMATMUL(Q4_1)
+WS_IMATMUL(Q5_0)
+
+/* out (+)= W . X over 8-bit activations, WS_XQ_TOKENS tokens at a time */
+static void matmul_int(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0,
+                       int r1, int nt, int add, void *scratch) {
+    for (int t0 = 0; t0 < nt; t0 += WS_XQ_TOKENS) {
+        const int n = nt - t0 < WS_XQ_TOKENS ? nt - t0 : WS_XQ_TOKENS;
+        const xq_block xb = quantize_tokens(X, ldx, W->cols, t0, n, scratch);
+        float *o = out + (size_t)t0 * ldo;
+        switch (W->type) {
+        case WS_TYPE_Q8_0: imatmul_Q8_0(o, ldo, W, &xb, r0, r1, n, add); break;
+        case WS_TYPE_Q4_0: imatmul_Q4_0(o, ldo, W, &xb, r0, r1, n, add); break;
+        case WS_TYPE_Q4_1: imatmul_Q4_1(o, ldo, W, &xb, r0, r1, n, add); break;
+        default: imatmul_Q5_0(o, ldo, W, &xb, r0, r1, n, add); break;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------- */
 /* entry points for the kernel tests                                           */
 
 static int tensor_ok(const ws_tensor *t) {
@@ -888,6 +1202,18 @@ ws_status ws_tensor_matmul(const ws_tensor *t, const float *x, int32_t nt, float
     float *scratch = malloc(sizeof(float) * 4 * (size_t)t->cols);
     if (!scratch) return WS_ERR_OUT_OF_MEMORY;
     ws_matmul(out, t->rows, t, x, t->cols, 0, t->rows, nt, 0, scratch);
+    free(scratch);
+    return WS_OK;
+}
+
+ws_status ws_tensor_matmul_q8(const ws_tensor *t, const float *x, int32_t nt, float *out,
+                              size_t cap) {
+    if (!tensor_ok(t) || !x || !out || nt <= 0 || !is_int_type(t->type))
+        return WS_ERR_INVALID_ARGUMENT;
+    if (cap / (size_t)nt < (size_t)t->rows) return WS_ERR_BUFFER_TOO_SMALL;
+    void *scratch = malloc(XQ_BYTES(t->cols));
+    if (!scratch) return WS_ERR_OUT_OF_MEMORY;
+    matmul_int(out, t->rows, t, x, t->cols, 0, t->rows, nt, 0, scratch);
     free(scratch);
     return WS_OK;
 }

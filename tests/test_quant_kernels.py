@@ -3,7 +3,9 @@ unpacking and gguf's dequantizer bit for bit, and every product equals the canon
 dot product over the unpacked row bit for bit, for 1..9 tokens (the one-token register
 path, the register path of 2..8 tokens and the unpacked-rows batch path), row counts
 that are not a multiple of the tile, and plain rows whose length is not a multiple of the
-SIMD width."""
+SIMD width. The 8-bit-activation product (ws_tensor_matmul_q8: Q4_0, Q4_1, Q5_0, Q8_0) is
+the reference's quantized activations times the unpacked rows, with the same bits for
+every token count and build."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import pytest
 from inference_svc.core.binding import ffi, lib
 from tests.factory import QUANT_TYPES, stored_bytes
 from tests.gemma3kit import gemma_path, needs_gemma3
+from tests.reference import INT8_ACTIVATION_TYPES, quantize_activations
 
 pytestmark = pytest.mark.native
 
 TYPE_IDS = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in
             ("f32", "f16", "bf16", *QUANT_TYPES)}
 K_TYPES = ("q4_k", "q5_k", "q6_k")
+INT_TYPES = sorted(t.lower() for t in INT8_ACTIVATION_TYPES)
 
 
 def encode(values: np.ndarray, dtype: str, rng: np.random.Generator) -> np.ndarray:
@@ -52,11 +56,13 @@ class Tensor:
     def rows_f32(self, reference: bool = False) -> np.ndarray:
         return np.stack([self.row(r, reference) for r in range(self.rows)])
 
-    def matmul(self, x: np.ndarray) -> np.ndarray:
+    def matmul(self, x: np.ndarray, q8: bool = False) -> np.ndarray:
+        """W . x by the forward pass's kernels, or (q8) over 8-bit activations."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], self.rows), np.float32)
-        assert lib.ws_tensor_matmul(self.c, ffi.from_buffer("float[]", x), x.shape[0],
-                                    ffi.from_buffer("float[]", out), out.size) == 0
+        fn = lib.ws_tensor_matmul_q8 if q8 else lib.ws_tensor_matmul
+        assert fn(self.c, ffi.from_buffer("float[]", x), x.shape[0],
+                  ffi.from_buffer("float[]", out), out.size) == 0
         return out
 
 
@@ -107,6 +113,97 @@ def test_products_are_the_canonical_dot_over_unpacked_rows(dtype: str) -> None:
             assert alone.tobytes() == got.tobytes()
             ref = x.astype(np.float64) @ unpacked.astype(np.float64).T
             assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+def tie_blocks(cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Activations whose quantization is decided by the rounding rule: blocks with
+    amax 127 (scale 1) holding exact halves (+-2.5, +-3.5, 0.5: nearest even rounds
+    them to 2, 4, 0, away from zero would not), and one all-zero block."""
+    x = rng.standard_normal(cols).astype(np.float32)
+    x[:32] = 0.0
+    for b in range(1, cols // 32, 2):
+        x[32 * b:32 * b + 6] = [127.0, 2.5, -2.5, 3.5, -3.5, 0.5]
+    return x
+
+
+@pytest.mark.parametrize("dtype", INT_TYPES)
+def test_int8_activation_products_match_the_quantized_reference(dtype: str) -> None:
+    """W . x is computed over the activations as tests/reference.py quantizes them: the
+    float64 product of its quantized activations with the unpacked rows, to float32
+    rounding (one activation quantized differently would be off by ~1e-2 of the scale),
+    with the bits of each token alone for every batch size (the one-token, verification
+    and prefill paths), ties included."""
+    rng = np.random.default_rng(2)
+    for rows, cols in [(7, 32), (9, 96), (17, 160), (6, 128)]:
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        t = Tensor(encode(values, dtype, rng), dtype, rows, cols)
+        unpacked = t.rows_f32().astype(np.float64)
+        for nt in (1, 2, 5, 8, 9, 20):
+            x = rng.standard_normal((nt, cols)).astype(np.float32)
+            x[0] = tie_blocks(cols, rng)
+            got = t.matmul(x, q8=True)
+            alone = np.concatenate([t.matmul(x[i:i + 1], q8=True) for i in range(nt)])
+            assert alone.tobytes() == got.tobytes(), (dtype, rows, cols, nt)
+            ref = quantize_activations(x) @ unpacked.T
+            scale = np.abs(x).max(1, keepdims=True) * np.abs(unpacked).sum(1)[None, :]
+            assert (np.abs(got - ref) <= 1e-6 * scale).all(), (dtype, rows, cols, nt)
+
+
+def native_variants() -> list[tuple[str, object]]:
+    """The builds present besides the loaded one: (name, module with ffi and lib)."""
+    import importlib
+
+    found = []
+    for name in ("_native", "_native_portable", "_native_avx2"):
+        try:
+            found.append((name, importlib.import_module(f"inference_svc.core.{name}")))
+        except ImportError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("dtype", INT_TYPES)
+def test_int8_activation_products_have_the_same_bits_in_every_build(dtype: str) -> None:
+    """VNNI (vpdpbusd), AVX2 (maddubs) and the scalar build sum the same integers and
+    combine the blocks in the same float order."""
+    variants = native_variants()
+    if len(variants) < 2:
+        pytest.skip("only one native build is present (make native-portable native-avx2)")
+    rng = np.random.default_rng(5)
+    rows, cols = 19, 192
+    raw = np.ascontiguousarray(encode(rng.standard_normal((rows, cols)).astype(np.float32),
+                                      dtype, rng))
+    x = rng.standard_normal((11, cols)).astype(np.float32)
+    x[0] = tie_blocks(cols, rng)
+    digests = {}
+    for name, mod in variants:
+        t = mod.ffi.new("ws_tensor *")
+        buf = mod.ffi.from_buffer("uint8_t[]", raw)
+        t.data, t.type, t.rows, t.cols = buf, TYPE_IDS[dtype], rows, cols
+        for nt in (1, 4, 11):
+            out = np.empty((nt, rows), np.float32)
+            assert mod.lib.ws_tensor_matmul_q8(t, mod.ffi.from_buffer("float[]", x[:nt]), nt,
+                                               mod.ffi.from_buffer("float[]", out),
+                                               out.size) == 0
+            digests.setdefault(nt, {})[name] = out.tobytes()
+    for nt, by_build in digests.items():
+        assert len(set(by_build.values())) == 1, (dtype, nt, sorted(by_build))
+
+
+def test_int8_activation_product_refuses_other_types() -> None:
+    t = Tensor(np.zeros((2, 64), np.uint8), "f16", 2, 32)
+    out = np.empty(2, np.float32)
+    x = np.ones(32, np.float32)
+    assert lib.ws_tensor_matmul_q8(t.c, ffi.from_buffer("float[]", x), 1,
+                                   ffi.from_buffer("float[]", out), out.size) == 1
+
+
+def test_activation_quantization_rounds_to_nearest_even() -> None:
+    x = np.zeros(64, np.float32)
+    x[:6] = [127.0, 2.5, -2.5, 3.5, -3.5, 0.5]
+    q = quantize_activations(x[None, :])[0]
+    assert q[:6].tolist() == [127.0, 2.0, -2.0, 4.0, -4.0, 0.0]
+    assert not q[32:].any()  # an all-zero block stays zero
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q5_0", "q8_0", *K_TYPES])
@@ -173,4 +270,7 @@ def test_real_tensors_of_gemma3() -> None:
         for nt in (1, 5):
             x = rng.standard_normal((nt, cols)).astype(np.float32)
             assert t.matmul(x).tobytes() == plain.matmul(x).tobytes(), (info.name, nt)
+            if name in INT_TYPES:
+                ref = quantize_activations(x) @ unpacked.astype(np.float64).T
+                assert np.abs(t.matmul(x, q8=True) - ref).max() <= 1e-5 * np.abs(ref).max()
     assert {"q4_k", "q5_0", "q6_k", "q8_0"} <= seen
