@@ -226,7 +226,9 @@ def test_request_cancelled_while_waiting(pair: tuple[Path, Path]) -> None:
         waiting.cancel()
         wait_for(lambda: sample(srv, "warmslot_requests_total", method="Generate",
                                 code="CANCELLED") == 1, "the cancel was not seen")
-        assert sample(srv, "warmslot_queue_depth") == 0
+        # the handler counts the cancel at once; the engine takes the request out of
+        # the queue at its next unit boundary, while the slot's generation still runs
+        wait_for(lambda: sample(srv, "warmslot_queue_depth") == 0, "the request stayed queued")
         assert client.slots()[0].busy, "the slot freed: the request left by admission"
         long.cancel()
         wait_idle(client, 0)
