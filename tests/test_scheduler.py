@@ -459,7 +459,7 @@ def test_shared_chunks_follow_the_chunk_speed_and_stay_bounded(clock: Clock) -> 
     assert catch.chunks == [1, 2, 4, 8, 8, 16, 32, 64]
 
 
-def test_a_prompt_next_to_decoding_streams_keeps_its_chunks_at_the_minimum(
+def test_a_prompt_next_to_decoding_streams_is_sized_without_its_pass_cost(
         clock: Clock) -> None:
     """A chunk whose time is mostly its pass's own (a target pass costs a decode step
     whatever its tokens) measures a low speed; sized by that speed, each next chunk
