@@ -11,6 +11,7 @@
 #include "warmslot.h"
 #include "ws_error.h"
 #include "ws_math.h"
+#include "ws_mem.h"
 
 #define LP_ROW (1 + WS_SPEC_MAX_LOGPROBS)
 #define LP_SLOT ((WS_SPEC_MAX_DRAFT + 1) * LP_ROW)
@@ -359,28 +360,9 @@ static float top_prob(const float *logits, int n) {
 
 void ws_spec_free(ws_spec *s) {
     if (!s) return;
-    free(s->slots);
-    free(s->t_logits);
-    free(s->d_logits);
-    free(s->q);
-    free(s->r_logits);
-    free(s->b_slots);
-    free(s->b_ntok);
-    free(s->b_idx);
-    free(s->b_toks);
-    free(s->b_out);
-    free(s->b_mem);
-    free(s->hist);
-    free(s->cnt);
-    free(s->pen);
-    free(s->lp_ids);
-    free(s->lp_vals);
-    free(s->lp_n);
-    free(s->lp_top);
-    free(s->p);
-    free(s->cand);
-    free(s->toks);
-    free(s);
+    WS_FREE_ALL(s->slots, s->t_logits, s->d_logits, s->q, s->r_logits, s->b_slots, s->b_ntok,
+                s->b_idx, s->b_toks, s->b_out, s->b_mem, s->hist, s->cnt, s->pen, s->lp_ids,
+                s->lp_vals, s->lp_n, s->lp_top, s->p, s->cand, s->toks, s);
 }
 
 ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "warmslot.h"
+#include "ws_mem.h"
 
 struct ws_spm {
     char *blob;       /* every token's bytes, one after another */
@@ -42,11 +43,7 @@ static int32_t lookup(const ws_spm *spm, const char *s, size_t n) {
 
 void ws_spm_free(ws_spm *spm) {
     if (!spm) return;
-    free(spm->blob);
-    free(spm->start);
-    free(spm->scores);
-    free(spm->table);
-    free(spm);
+    WS_FREE_ALL(spm->blob, spm->start, spm->scores, spm->table, spm);
 }
 
 ws_status ws_spm_init(const char *blob, const uint64_t *ends, const float *scores,

@@ -718,6 +718,35 @@ static inline float dot_kv(const float *q, const uint8_t *key, int n, const int 
     return acc;
 }
 
+/* WS_LANES elements of a KV row from element i, as floats */
+static inline lanes kv_lanes(const uint8_t *base, size_t i, const int f16) {
+    return f16 ? ln_load_h((const uint16_t *)(const void *)base + i)
+               : ln_load((const float *)(const void *)base + i);
+}
+
+/* out[h][d .. d + NV * WS_LANES) of the NH heads: out = sum over the n positions j of
+   sc[h][j] * vrow[j][..], one fmaf chain per element in j order from zero; each value
+   row's NV vectors are loaded once for the heads. NH, NV (1..4) and F16 are constants
+   at each call site, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void
+attend_values(float *const *out, float *const *sc, const uint8_t *const *vrow, int n, int d,
+              const int NH, const int NV, const int F16) {
+    lanes o[WS_ATT_GROUP][4];
+    for (int h = 0; h < NH; h++)
+        for (int i = 0; i < NV; i++) o[h][i] = ln_zero();
+    for (int j = 0; j < n; j++) {
+        lanes v[4];
+        for (int i = 0; i < NV; i++)
+            v[i] = kv_lanes(vrow[j], (size_t)d + (size_t)(WS_LANES * i), F16);
+        for (int h = 0; h < NH; h++) {
+            const lanes w = ln_set1(sc[h][j]);
+            for (int i = 0; i < NV; i++) o[h][i] = ln_fma(w, v[i], o[h][i]);
+        }
+    }
+    for (int h = 0; h < NH; h++)
+        for (int i = 0; i < NV; i++) ln_store(out[h] + d + WS_LANES * i, o[h][i]);
+}
+
 /*
  * Attention of NH query heads (h0, h0+1, ...) of one token that share one KV head,
  * over n positions whose key and value rows are kr[j] and vr[j] (in position order,
@@ -795,48 +824,16 @@ attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t
         const float inv = 1.0f / sum;
         for (j = 0; j < n; j++) s[j] = s[j] * inv;
     }
-    /* out[d] = sum over j of w_j * v_j[d], accumulated in j order with fmaf: 64 (16
-       lanes) or 32 dimensions at a time in registers, each value row loaded once for
-       the group (every lane its own chain: the width does not change the bits) */
+    /* out[d] = sum over j of w_j * v_j[d], accumulated in j order with fmaf: four
+       vectors of the widest lanes at a time (with 16 lanes, then two for a rest of 32
+       dimensions), then 8, then one (every lane its own chain: the bits do not depend
+       on the width) */
     int d = 0;
-#if WS_SIMD && defined(__AVX512F__)
-    for (; d + 64 <= hd; d += 64) {
-        __m512 o[WS_ATT_GROUP][4];
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < 4; i++) o[h][i] = _mm512_setzero_ps();
-        for (j = 0; j < n; j++) {
-            const size_t vj = (size_t)d;
-            const uint8_t *v0 = vrow[j];
-            __m512 v[4];
-            for (int i = 0; i < 4; i++)
-                v[i] = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                 (const __m256i *)(const void *)(v0 + 2 * (vj + 16 * (size_t)i))))
-                           : _mm512_loadu_ps((const float *)(const void *)v0 + vj + 16 * (size_t)i);
-            for (int h = 0; h < NH; h++) {
-                const __m512 w = _mm512_set1_ps(sc[h][j]);
-                for (int i = 0; i < 4; i++) o[h][i] = _mm512_fmadd_ps(w, v[i], o[h][i]);
-            }
-        }
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < 4; i++) _mm512_storeu_ps(out[h] + d + 16 * i, o[h][i]);
-    }
-#endif
-    for (; d + 32 <= hd; d += 32) {
-        lanes8 o[WS_ATT_GROUP][4];
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < 4; i++) o[h][i] = l8_zero();
-        for (j = 0; j < n; j++) {
-            const size_t vj = (size_t)d;
-            const uint8_t *v0 = vrow[j];
-            const lanes8 v[4] = {kv_l8(v0, vj, F16), kv_l8(v0, vj + 8, F16),
-                                 kv_l8(v0, vj + 16, F16), kv_l8(v0, vj + 24, F16)};
-            for (int h = 0; h < NH; h++) {
-                const lanes8 w = l8_set1(sc[h][j]);
-                for (int i = 0; i < 4; i++) o[h][i] = l8_fma(w, v[i], o[h][i]);
-            }
-        }
-        for (int h = 0; h < NH; h++)
-            for (int i = 0; i < 4; i++) l8_store(out[h] + d + 8 * i, o[h][i]);
+    for (; d + 4 * WS_LANES <= hd; d += 4 * WS_LANES)
+        attend_values(out, sc, vrow, n, d, NH, 4, F16);
+    if (WS_LANES > 8 && d + 32 <= hd) {
+        attend_values(out, sc, vrow, n, d, NH, 32 / WS_LANES, F16);
+        d += 32;
     }
     for (; d + 8 <= hd; d += 8)
         for (int h = 0; h < NH; h++) {

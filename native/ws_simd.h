@@ -220,4 +220,34 @@ static inline lanes8 l8_load_h(const uint16_t *p) {
 }
 
 
+/* ------------------------------------------------------------------------- */
+/* the build's widest lanes: 16 with AVX-512, else the 8 of lanes8             */
+/*
+ * For loops in which every lane is a chain of its own (nothing is added across
+ * lanes), the width does not change the bits: such a loop takes WS_LANES lanes
+ * at a time whatever the build. ln_load_h converts halves exactly as l8_load_h.
+ */
+
+#if WS_SIMD && defined(__AVX512F__)
+#define WS_LANES 16
+typedef __m512 lanes;
+static inline lanes ln_zero(void) { return _mm512_setzero_ps(); }
+static inline lanes ln_set1(float b) { return _mm512_set1_ps(b); }
+static inline lanes ln_fma(lanes a, lanes b, lanes c) { return _mm512_fmadd_ps(a, b, c); }
+static inline lanes ln_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline lanes ln_load_h(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
+}
+static inline void ln_store(float *p, lanes v) { _mm512_storeu_ps(p, v); }
+#else
+#define WS_LANES 8
+typedef lanes8 lanes;
+#define ln_zero l8_zero
+#define ln_set1 l8_set1
+#define ln_fma l8_fma
+#define ln_load l8_load
+#define ln_load_h l8_load_h
+#define ln_store l8_store
+#endif
+
 #endif /* WS_SIMD_H */

@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.factory import Shape, write_model
+
+if TYPE_CHECKING:
+    from inference_svc.client import InferenceClient
+    from inference_svc.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -44,3 +49,13 @@ def small_model_path(model_dir: Path) -> Path:
     path = model_dir / "small.gguf"
     write_model(path, Shape(n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96))
     return path
+
+
+@pytest.fixture()
+def client(server: Server) -> Iterator[InferenceClient]:
+    """A client of the test module's `server` fixture (a shared, module-scoped server),
+    every slot erased first."""
+    from tests.fixtures.servicekit import fresh_client
+
+    with fresh_client(server) as c:
+        yield c

@@ -15,7 +15,12 @@ import pytest
 from inference_svc.client import InferenceClient, _parser, chat_loop, make_chat_request
 from inference_svc.core import Model, Tokenizer
 from inference_svc.server import Server
-from tests.fixtures.servicekit import fresh_client, model_pair, running, service_config
+from tests.fixtures.servicekit import (
+    model_pair,
+    running,
+    running_with_template,
+    service_config,
+)
 
 TEMPLATE = (
     "{% for m in messages %}"
@@ -42,16 +47,8 @@ def tok(pair: tuple[Path, Path]) -> Iterator[Tokenizer]:
 
 @pytest.fixture(scope="module")
 def server(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    f = tmp_path_factory.mktemp("chat") / "template.jinja"
-    f.write_text(TEMPLATE)
-    with running(service_config(*pair, chat_template=f)) as srv:
+    with running_with_template(pair, tmp_path_factory.mktemp("chat"), TEMPLATE) as srv:
         yield srv
-
-
-@pytest.fixture()
-def client(server: Server) -> Iterator[InferenceClient]:
-    with fresh_client(server) as c:
-        yield c
 
 
 def expected_prompt(tok: Tokenizer, messages: list[tuple[str, str]]) -> list[int]:
@@ -158,10 +155,8 @@ def test_chat_without_template_is_failed_precondition(pair: tuple[Path, Path]) -
 
 
 def test_bad_template_file_stops_start(pair: tuple[Path, Path], tmp_path: Path) -> None:
-    f = tmp_path / "bad.jinja"
-    f.write_text("{% for %}")
     with pytest.raises(ValueError, match="does not compile"), \
-            running(service_config(*pair, chat_template=f)):
+            running_with_template(pair, tmp_path, "{% for %}"):
         pass
 
 

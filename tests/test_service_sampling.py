@@ -14,7 +14,7 @@ from inference_svc.client import InferenceClient, make_request
 from inference_svc.core.speculative import SamplingParams, TokenLogprob
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
-from tests.fixtures.servicekit import fresh_client, model_pair, running, service_config
+from tests.fixtures.servicekit import model_pair, running_with_template
 from tests.test_penalties_logprobs import expected_logprobs, numpy_greedy, reference_logits
 
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 17, 17, 5]
@@ -30,16 +30,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def server(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    f = tmp_path_factory.mktemp("sampling") / "t.jinja"
-    f.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    with running(service_config(*pair, chat_template=f)) as srv:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with running_with_template(pair, tmp_path_factory.mktemp("sampling"), template) as srv:
         yield srv
-
-
-@pytest.fixture()
-def client(server: Server) -> Iterator[InferenceClient]:
-    with fresh_client(server) as c:
-        yield c
 
 
 def streamed(rs: list[pb.GenerateResponse]) -> tuple[list[int], list[TokenLogprob]]:

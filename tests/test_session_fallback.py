@@ -46,6 +46,28 @@ def stored(addr: str) -> list[tuple[str, int]]:
         return [(i.name, i.target.meta.n_tokens) for i in sc.list("session~")]
 
 
+def snapshot(tmp_path: Path, port: int) -> SnapshotServer:
+    """The snapshot service of the test (not started); each one serves the same data."""
+    return SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+
+
+def left_in_the_fallback(tmp_path: Path, port: int, fallback: Path,
+                         names: list[str]) -> list[list[int]]:
+    """One turn of each session of names (on the prompts in order) with the store up,
+    then the store stops before the inference service does: their states go to the
+    fallback. Returns the prompts."""
+    snap = snapshot(tmp_path, port)
+    with inference(f"127.0.0.1:{port}", fallback) as srv, client(srv) as c:
+        snap.start()
+        try:
+            p = prompts(c)
+            for name, prompt in zip(names, p[:len(names)], strict=True):
+                turn(c, name, prompt)
+        finally:
+            snap.stop(grace=0)
+    return p
+
+
 SESSION_FILES = ["session~~a", "session~~a.drft", "session~~b", "session~~b.drft"]
 
 
@@ -57,7 +79,7 @@ def test_sessions_survive_a_stop_with_the_store_down(tmp_path: Path, auto_save: 
     addr, fallback = f"127.0.0.1:{port}", tmp_path / "fallback"
     local = fallback / "fb"
     # 1. the store goes down before the stop: a (RAM tier) and b (slot) go locally
-    snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+    snap = snapshot(tmp_path, port)
     with inference(addr, fallback, auto_save) as srv, client(srv) as c:
         snap.start()
         try:
@@ -81,7 +103,7 @@ def test_sessions_survive_a_stop_with_the_store_down(tmp_path: Path, auto_save: 
     n_a = len(p[0]) + len(p[2]) + 2 * N
     assert files(local) == SESSION_FILES  # a's newer state replaced its older file
     # 3. the store comes back while the service runs: both uploaded, removed locally
-    snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+    snap = snapshot(tmp_path, port)
     with inference(addr, fallback, auto_save) as srv, client(srv) as c:
         snap.start()
         try:
@@ -107,15 +129,9 @@ def test_a_session_taken_from_the_fallback_is_never_overwritten_by_its_older_cop
     port = free_port()
     addr, fallback = f"127.0.0.1:{port}", tmp_path / "fallback"
     local = fallback / "fb"
-    snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
-    with inference(addr, fallback) as srv, client(srv) as c:
-        snap.start()
-        p = prompts(c)
-        turn(c, "a", p[0])
-        turn(c, "z", p[1])
-        snap.stop(grace=0)
+    p = left_in_the_fallback(tmp_path, port, fallback, ["a", "z"])
     assert files(local) == ["session~~a", "session~~a.drft", "session~~z", "session~~z.drft"]
-    snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+    snap = snapshot(tmp_path, port)
     with inference(addr, fallback) as srv, client(srv) as c:
         turn(c, "a", p[2])  # taken up from the fallback: this replica's state is newer
         snap.start()
@@ -134,12 +150,7 @@ def test_deleting_a_session_held_in_the_fallback(tmp_path: Path) -> None:
     port = free_port()
     addr, fallback = f"127.0.0.1:{port}", tmp_path / "fallback"
     local = fallback / "fb"
-    snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
-    with inference(addr, fallback) as srv, client(srv) as c:
-        snap.start()
-        p = prompts(c)
-        turn(c, "a", p[0])
-        snap.stop(grace=0)
+    p = left_in_the_fallback(tmp_path, port, fallback, ["a"])
     assert files(local) == ["session~~a", "session~~a.drft"]
     with inference(addr, fallback) as srv, client(srv) as c:
         # the store down: the delete fails whole, the fallback copy stays for the retry
@@ -147,7 +158,7 @@ def test_deleting_a_session_held_in_the_fallback(tmp_path: Path) -> None:
             c.delete_session("a")
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert files(local) == ["session~~a", "session~~a.drft"]
-        snap = SnapshotServer(SnapshotConfig(data_dir=tmp_path / "snap", port=port))
+        snap = snapshot(tmp_path, port)
         snap.start()
         try:
             r = c.delete_session("a")

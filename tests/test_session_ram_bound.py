@@ -5,11 +5,15 @@ watched, and the bytes it holds are counted exactly."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from inference_svc import sessions
+from inference_svc.client import InferenceClient
 from inference_svc.errors import Unavailable
 from inference_svc.server import Server
 from inference_svc.sessions import Held, SessionHost
@@ -18,6 +22,7 @@ from tests.resumekit import wait_until
 from tests.test_sessions import RAM, SLOT, STORE, N, client, config, listed, store_files, turn
 
 PROMPT_LEN = 12
+PROMPT = list(range(10, 10 + PROMPT_LEN))
 
 
 class Watched(dict[str, Held]):
@@ -100,42 +105,22 @@ def test_a_session_bigger_than_the_tier_goes_to_the_store_itself(tmp_path: Path)
                                            "session~~b.drft"]
 
 
-def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one exception: a full tier and a store that refuses writes keep the session in
-    RAM (never lost); once the store takes writes again the tier is back within bound."""
-    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 0.05)
-    size = session_size(tmp_path)
-    n = PROMPT_LEN + N
-    with running(config(slot_save_path=tmp_path / "s")) as srv, client(srv) as c:
-        seen = watch(srv, 2 * size - 1)
-        h = host(srv)
-        store = h.store
-        assert store is not None
-        real = store.save
+@dataclass
+class Refusing:
+    """A service whose store refuses every write until accept() is called."""
 
-        def refused(*args: object, **kw: object) -> int:
-            raise Unavailable("injected: the store is down")
-
-        prompt = list(range(10, 10 + PROMPT_LEN))
-        turn(c, "a", prompt)
-        turn(c, "b", prompt)
-        monkeypatch.setattr(store, "save", refused)
-        turn(c, "c", prompt)
-        assert (seen, h._ram_used) == ([size, 2 * size], 2 * size)
-        assert listed(c) == {"a": (n, RAM), "b": (n, RAM), "c": (n, SLOT)}
-        monkeypatch.setattr(store, "save", real)
-        wait_until(lambda: h._ram_used == size)
-        assert listed(c) == {"a": (n, STORE), "b": (n, RAM), "c": (n, SLOT)}
-        assert store_files(tmp_path / "s") == ["session~~a", "session~~a.drft"]
+    c: InferenceClient
+    host: SessionHost
+    seen: list[int]  # the tier's bytes after each insertion
+    calls: list[str]  # the names the refused writes were for, in order
+    accept: Callable[[], None]  # the store takes writes again
 
 
-def test_the_engine_does_not_wait_on_a_store_that_just_failed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a failed write, evictions within SPILL_RETRY_S try no store write on the
-    engine thread: the session is kept beyond the bound at once."""
-    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 600.0)  # the writer does not retry
-    size = session_size(tmp_path)
+@contextmanager
+def refused_after_two_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               size: int) -> Iterator[Refusing]:
+    """A tier with room for one session of size bytes; sessions a and b (a turn each)
+    while the store takes writes, then the store refuses them."""
     with running(config(slot_save_path=tmp_path / "s")) as srv, client(srv) as c:
         seen = watch(srv, 2 * size - 1)
         h = host(srv)
@@ -148,12 +133,38 @@ def test_the_engine_does_not_wait_on_a_store_that_just_failed(
             calls.append(name)
             raise Unavailable("injected: the store is down")
 
-        prompt = list(range(10, 10 + PROMPT_LEN))
-        turn(c, "a", prompt)
-        turn(c, "b", prompt)
+        turn(c, "a", PROMPT)
+        turn(c, "b", PROMPT)
         monkeypatch.setattr(store, "save", refused)
-        turn(c, "c", prompt)  # one write tried (a, to make room for b), refused
-        turn(c, "d", prompt)  # none tried: c is kept at once
-        assert calls == ["session~~a"]
-        assert (seen, h._ram_used) == ([size, 2 * size, 3 * size], 3 * size)
-        monkeypatch.setattr(store, "save", real)
+        yield Refusing(c, h, seen, calls, lambda: monkeypatch.setattr(store, "save", real))
+
+
+def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one exception: a full tier and a store that refuses writes keep the session in
+    RAM (never lost); once the store takes writes again the tier is back within bound."""
+    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 0.05)
+    size = session_size(tmp_path)
+    n = PROMPT_LEN + N
+    with refused_after_two_sessions(tmp_path, monkeypatch, size) as r:
+        turn(r.c, "c", PROMPT)
+        assert (r.seen, r.host._ram_used) == ([size, 2 * size], 2 * size)
+        assert listed(r.c) == {"a": (n, RAM), "b": (n, RAM), "c": (n, SLOT)}
+        r.accept()
+        wait_until(lambda: r.host._ram_used == size)
+        assert listed(r.c) == {"a": (n, STORE), "b": (n, RAM), "c": (n, SLOT)}
+        assert store_files(tmp_path / "s") == ["session~~a", "session~~a.drft"]
+
+
+def test_the_engine_does_not_wait_on_a_store_that_just_failed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failed write, evictions within SPILL_RETRY_S try no store write on the
+    engine thread: the session is kept beyond the bound at once."""
+    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 600.0)  # the writer does not retry
+    size = session_size(tmp_path)
+    with refused_after_two_sessions(tmp_path, monkeypatch, size) as r:
+        turn(r.c, "c", PROMPT)  # one write tried (a, to make room for b), refused
+        turn(r.c, "d", PROMPT)  # none tried: c is kept at once
+        assert r.calls == ["session~~a"]
+        assert (r.seen, r.host._ram_used) == ([size, 2 * size, 3 * size], 3 * size)
+        r.accept()

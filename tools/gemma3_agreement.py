@@ -30,15 +30,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from gemma3_oracle import PROMPTS  # this tool's directory is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a small village by the sea,",
-    "Question: What is 17 times 23?\nAnswer:",
-    "The three laws of thermodynamics are",
-]
 
 
 def llama_side(model: str, job: Path, out_dir: Path) -> None:
@@ -66,18 +60,14 @@ def llama_logits(python: Path, model: Path, paths: list[list[int]]) -> list[np.n
 def write_f32_copy(src: Path, dst: Path) -> None:
     """The model with every tensor dequantized to F32, every metadata key copied."""
     import gguf
+    from gguf_io import copy_fields
 
     reader = gguf.GGUFReader(str(src))
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst), arch)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), vtype, sub_type=field.types[1])
-        else:
-            writer.add_key_value(key, field.contents(), vtype)
+    # the writer wrote the architecture key; GGUF.* are the reader's view of the header
+    copy_fields(writer, reader,
+                lambda key: not key.startswith("GGUF.") and key != "general.architecture")
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)

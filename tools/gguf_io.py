@@ -6,6 +6,7 @@ logits proves the tensor layout, names and RoPE convention of the export.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,14 @@ def add_gpt2_vocab(writer: gguf.GGUFWriter, vocab: GgufVocab) -> None:
 
 def copy_tokenizer(writer: gguf.GGUFWriter, source: gguf.GGUFReader) -> None:
     """Every ``tokenizer.*`` key of source, same value and type (chat template included)."""
+    copy_fields(writer, source, lambda key: key.startswith("tokenizer."))
+
+
+def copy_fields(writer: gguf.GGUFWriter, source: gguf.GGUFReader,
+                keep: Callable[[str], bool]) -> None:
+    """Every metadata key of source for which keep(key) is true, same value and type."""
     for key, field in source.fields.items():
-        if not key.startswith("tokenizer."):
+        if not keep(key):
             continue
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
