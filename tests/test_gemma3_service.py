@@ -50,12 +50,6 @@ def server(model: Path, store_dir: Path) -> Iterator[Server]:
         yield srv
 
 
-@pytest.fixture()
-def client(server: Server) -> Iterator[InferenceClient]:
-    with fresh_client(server) as c:
-        yield c
-
-
 def gen(c: InferenceClient, prompt: list[int], slot: int) -> tuple[list[int], object]:
     rs, last = c.generate(prompt, max_tokens=N, id_slot=slot, temperature=0.0)
     assert last.done

@@ -50,12 +50,6 @@ def server(pair: tuple[Path, Path]) -> Iterator[Server]:
         yield srv
 
 
-@pytest.fixture()
-def client(server: Server) -> Iterator[InferenceClient]:
-    with fresh_client(server) as c:
-        yield c
-
-
 def prompt_of(i: int) -> list[int]:
     return [(31 * i + 7 * k) % 250 + 1 for k in range(10 + i)]
 

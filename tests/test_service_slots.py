@@ -15,7 +15,7 @@ from inference_svc import slotfile
 from inference_svc.client import InferenceClient
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.server import Server
-from tests.fixtures.servicekit import Reference, fresh_client, model_pair, running, service_config
+from tests.fixtures.servicekit import Reference, model_pair, running, service_config
 
 TEXT_A = "the quick brown fox jumps over the lazy dog and then"
 TEXT_NEW = " a second turn that adds some new words"
@@ -41,12 +41,6 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(pair: tuple[Path, Path], store_dir: Path) -> Iterator[Server]:
     with running(service_config(*pair, slot_save_path=store_dir)) as srv:
         yield srv
-
-
-@pytest.fixture()
-def client(server: Server) -> Iterator[InferenceClient]:
-    with fresh_client(server) as c:
-        yield c
 
 
 def gen(c: InferenceClient, prompt: list[int], slot: int, n: int = N,
