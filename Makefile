@@ -142,8 +142,9 @@ models: $(DEPS_STAMP)
 
 # distils a draft for SmolLM2-135M-Instruct from the target (tools/train_draft.py; these
 # commands are the committed draft's recipe, see models/smollm2-draft.md; resumable:
-# shards and checkpoints in models/scratch/draft). Two phases: 200 steps with few
-# on-policy shards, then 180 more steps resumed with more of them.
+# shards and checkpoints in models/scratch/draft). Three phases, each resumed from the
+# last: 200 steps with few on-policy shards, 180 more with more of them, then 2,000 more
+# with 16 chat and 12 code on-policy shards.
 DRAFT_ARGS ?=
 DRAFT_TRAIN = OMP_NUM_THREADS=2 nice -n 10 $(PY) tools/train_draft.py $(DRAFT_ARGS)
 draft: $(DEPS_STAMP) $(SMOLLM2)
@@ -151,6 +152,8 @@ draft: $(DEPS_STAMP) $(SMOLLM2)
 	$(DRAFT_TRAIN) --stage data --chatpol-shards 5 --codepol-shards 4
 	$(DRAFT_TRAIN) --stage train
 	$(DRAFT_TRAIN) --stage train --chatpol-shards 5 --codepol-shards 4 --steps 380
+	$(DRAFT_TRAIN) --stage data --chatpol-shards 16 --codepol-shards 12
+	$(DRAFT_TRAIN) --stage train --chatpol-shards 16 --codepol-shards 12 --steps 2380
 
 clean:
 	rm -rf build inference_svc/core/_native*.so inference_svc/core/.built-* .pytest_cache

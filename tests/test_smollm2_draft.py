@@ -21,7 +21,7 @@ DRAFT = ROOT / "models" / "smollm2-draft.gguf"
 CODE = ('import os\n\n\ndef list_python_files(root):\n'
         '    """Return the .py files under root."""\n')
 CHAT_QUESTION = "How do I make a good cup of tea?"
-FLOOR = {"code": 0.018, "chat": 0.030}
+FLOOR = {"code": 0.028, "chat": 0.033}
 
 
 def tokenizer_fields(path: Path) -> dict[str, object]:
@@ -74,8 +74,8 @@ def test_greedy_speculation_is_target_greedy_for_every_n_max(decoder: SpecDecode
             == expected
         c = decoder.counters(0) - before
         accepted, drafted = accepted + c.n_accepted, drafted + c.n_drafted
-    # at least half the rate the committed draft was measured at (code 127/3540, chat
-    # 190/3162 over n_max 1..16): a broken export or a mismatched draft accepts ~nothing
+    # at least half the rate the committed draft was measured at (code 172/3073, chat
+    # 206/3103 over n_max 1..16): a broken export or a mismatched draft accepts ~nothing
     assert accepted / drafted > FLOOR[domain], (accepted, drafted)
 
 
