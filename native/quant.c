@@ -966,6 +966,46 @@ static inline __m256i hsum8x8(const __m256i p[8]) {
                             _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* the f16 in the low (hi = 0) or high half of each of 8 int32 as 8 floats */
+static inline __m256 halves_ps(__m256i v, int hi) {
+    const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1,
+                                               -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1,
+                                               -1, -1, -1, -1);
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+}
+
+/* the scales of block b of 8 rows (iscales_of, lane i for row w[i]; vidx: the rows'
+   offsets from w[0]): Q8_0, Q4_0, Q4_1 and Q5_0 gather the f16 pair that leads each
+   block, the K-quants unpack their 6/8-bit scales row by row */
+static inline __attribute__((always_inline)) void
+iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b, __m256 *dw,
+         __m256 *dw2, __m256 *mw) {
+    if (type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
+        type == WS_TYPE_Q5_0) {
+        const int bs = row_bytes_of(type, 32);
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)(w[0] + (size_t)b * bs),
+                                                 vidx, 1);
+        *dw = halves_ps(g, 0);
+        *mw = type == WS_TYPE_Q4_1 ? halves_ps(g, 1) : _mm256_setzero_ps();
+        *dw2 = _mm256_setzero_ps();
+        return;
+    }
+    float d[8], d2[8], m[8];
+    for (int i = 0; i < 8; i++) {
+        const iscales s = iscales_of(type, w[i], b);
+        d[i] = s.dw;
+        d2[i] = s.dw2;
+        m[i] = s.mw;
+    }
+    *dw = _mm256_loadu_ps(d);
+    *dw2 = _mm256_loadu_ps(d2);
+    *mw = _mm256_loadu_ps(m);
+}
+
 /* 8 rows (w[i]; a repeated row for a short tile) x NT tokens */
 static inline __attribute__((always_inline)) void
 itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_block *xb, int r,
@@ -974,17 +1014,14 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
     const int has_min = type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K;
     __m256 acc[WS_XQ_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    int32_t idx[8]; /* the rows' offsets from w[0], for the gathers of the scales */
+    for (int i = 0; i < 8; i++) idx[i] = (int32_t)(w[i] - w[0]);
+    const __m256i vidx = _mm256_loadu_si256((const __m256i *)(const void *)idx);
     for (int b = 0; b < xb->nb; b++) {
         __m256i wv[8][2];
-        float dw[8], dw2[8], mw[8];
-        for (int i = 0; i < 8; i++) {
-            iweights16(type, w[i], b, wv[i]);
-            const iscales s = iscales_of(type, w[i], b);
-            dw[i] = s.dw;
-            dw2[i] = s.dw2;
-            mw[i] = s.mw;
-        }
-        const __m256 vdw = _mm256_loadu_ps(dw);
+        for (int i = 0; i < 8; i++) iweights16(type, w[i], b, wv[i]);
+        __m256 vdw, vdw2, vmw;
+        iscales8(type, w, vidx, b, &vdw, &vdw2, &vmw);
         for (int t = 0; t < NT; t++) {
             const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xq);
@@ -1000,7 +1037,7 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
                 }
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(hsum8x8(p)),
                                          acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(dw2), dx),
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx),
                                          _mm256_cvtepi32_ps(hsum8x8(p2)), acc[t]);
             } else {
                 for (int i = 0; i < 8; i++)
@@ -1009,7 +1046,7 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
                                          acc[t]);
             }
             if (has_min)
-                acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(mw), _mm256_set1_ps(xb->s[tb]), acc[t]);
+                acc[t] = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[tb]), acc[t]);
         }
     }
     for (int t = 0; t < NT; t++) {
