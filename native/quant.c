@@ -1086,11 +1086,134 @@ static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int
 }
 #endif
 
+#if WS_AVX512
+/*
+ * AVX-512: 16 rows x NT tokens. A register holds a pair of rows, 16 weights of each
+ * ([row a | row b]), so one vpdpwssd multiplies 32 weights by the activations (the
+ * same 16 of them in both halves) and a block's 8 pairs reduce to the 16 rows' sums
+ * in one tree. Pair p holds rows (p, p + 4) for p < 4 and (p + 4, p + 8) after, so the
+ * tree leaves the sums in row order. Each float lane then performs its row's sequence,
+ * as in itile_8xt, so the bits are the AVX2 and portable builds'.
+ */
+static inline __m512i dot_i16x2(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* vphaddd within each 128-bit lane, on 512 bits */
+static inline __m512i hadd512(__m512i a, __m512i b) {
+    const __m512 fa = _mm512_castsi512_ps(a), fb = _mm512_castsi512_ps(b);
+    const __m512i even = _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(2, 0, 2, 0)));
+    const __m512i odd = _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(even, odd);
+}
+
+/* 8 pairs [row a: 8 int32 | row b: 8 int32] -> the 16 rows' sums in row order */
+static inline __m512i hsum16(const __m512i p[8]) {
+    const __m512i a = hadd512(hadd512(p[0], p[1]), hadd512(p[2], p[3]));
+    const __m512i b = hadd512(hadd512(p[4], p[5]), hadd512(p[6], p[7]));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline int pair_row(int p, int h) { return p < 4 ? p + 4 * h : p + 4 + 4 * h; }
+
+static inline __attribute__((always_inline)) void
+itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_block *xb, int r,
+           int add, const int NT, const int32_t type) {
+    const int q6 = type == WS_TYPE_Q6_K;
+    const int has_min = type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K;
+    const int gathered = type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
+                         type == WS_TYPE_Q5_0;
+    __m512 acc[WS_XQ_TOKENS];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    int32_t idx[16];
+    for (int i = 0; i < 16; i++) idx[i] = (int32_t)(w[i] - w[0]);
+    const __m512i vidx = _mm512_loadu_si512((const void *)idx);
+    for (int b = 0; b < xb->nb; b++) {
+        __m512i wv[8][2];
+        for (int p = 0; p < 8; p++) {
+            __m256i wa[2], wb[2];
+            iweights16(type, w[pair_row(p, 0)], b, wa);
+            iweights16(type, w[pair_row(p, 1)], b, wb);
+            for (int h = 0; h < 2; h++)
+                wv[p][h] = _mm512_inserti64x4(_mm512_castsi256_si512(wa[h]), wb[h], 1);
+        }
+        __m512 vdw, vdw2 = _mm512_setzero_ps(), vmw = _mm512_setzero_ps();
+        if (gathered) {
+            const __m512i g = _mm512_i32gather_epi32(
+                vidx, (const void *)(w[0] + (size_t)b * row_bytes_of(type, 32)), 1);
+            vdw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            if (type == WS_TYPE_Q4_1)
+                vmw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        } else {
+            float d[16], d2[16], m[16];
+            for (int i = 0; i < 16; i++) {
+                const iscales sc = iscales_of(type, w[i], b);
+                d[i] = sc.dw;
+                d2[i] = sc.dw2;
+                m[i] = sc.mw;
+            }
+            vdw = _mm512_loadu_ps(d);
+            vdw2 = _mm512_loadu_ps(d2);
+            vmw = _mm512_loadu_ps(m);
+        }
+        for (int t = 0; t < NT; t++) {
+            const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
+            const __m512i x0 = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(const void *)xq));
+            const __m512i x1 = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(const void *)(xq + 16)));
+            const size_t tb = (size_t)t * xb->nb + b;
+            const __m512 dx = _mm512_set1_ps(xb->d[tb]);
+            __m512i pr[8];
+            if (q6) {
+                __m512i pr2[8];
+                for (int p = 0; p < 8; p++) {
+                    pr[p] = dot_i16x2(_mm512_setzero_si512(), wv[p][0], x0);
+                    pr2[p] = dot_i16x2(_mm512_setzero_si512(), wv[p][1], x1);
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw, dx), _mm512_cvtepi32_ps(hsum16(pr)),
+                                         acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw2, dx),
+                                         _mm512_cvtepi32_ps(hsum16(pr2)), acc[t]);
+            } else {
+                for (int p = 0; p < 8; p++)
+                    pr[p] = dot_i16x2(dot_i16x2(_mm512_setzero_si512(), wv[p][0], x0), wv[p][1],
+                                      x1);
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw, dx), _mm512_cvtepi32_ps(hsum16(pr)),
+                                         acc[t]);
+            }
+            if (has_min) acc[t] = _mm512_fmadd_ps(vmw, _mm512_set1_ps(xb->s[tb]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        float v[16];
+        _mm512_storeu_ps(v, acc[t]);
+        float *o = out + (size_t)t * ldo + r;
+        for (int i = 0; i < nrows; i++) o[i] = add ? o[i] + v[i] : v[i];
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void
 imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, int r1, int add,
            const int NT, const int32_t type) {
     const size_t rb = row_bytes_of(type, W->cols);
-    for (int r = r0; r < r1; r += 8) {
+    int r = r0;
+#if WS_AVX512
+    for (; r + 8 < r1; r += 16) { /* more than 8 rows left: 16 (repeating the last) */
+        const int nrows = r1 - r < 16 ? r1 - r : 16;
+        const uint8_t *w[16];
+        for (int i = 0; i < 16; i++)
+            w[i] = (const uint8_t *)W->data + (size_t)(r + (i < nrows ? i : nrows - 1)) * rb;
+        itile_16xt(out, ldo, w, nrows, xb, r, add, NT, type);
+    }
+#endif
+    for (; r < r1; r += 8) {
         const int nrows = r1 - r < 8 ? r1 - r : 8;
         const uint8_t *w[8];
         for (int i = 0; i < 8; i++)
