@@ -702,7 +702,8 @@ static void matmul_small_typed(float *out, int ldo, const ws_tensor *W, const fl
  * -(dmin * m) (exact). Integer sums are exact whatever instructions add them, so the
  * portable build, AVX2 (vpmaddwd) and AVX-512 VNNI (vpdpwssd) agree bit for bit, and
  * so do the one-token, verification and prefill shapes, which all run this kernel:
- * 8 rows are the 8 float lanes, so each lane performs its row's sequence.
+ * 8 rows (AVX2) or 16 rows (AVX-512) are the float lanes, each lane performing its
+ * row's sequence.
  */
 static inline int is_int_type(int32_t type) {
     return type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
@@ -815,6 +816,35 @@ static inline __attribute__((always_inline)) iscales iscales_of(const int32_t ty
     }
     }
     return s;
+}
+
+/* the scales (iscales_of) of the 8 sub-blocks of 256-element block kb of K-quant rows
+   w[0..R), decoded once per block: ks[0][s][i] = dw, ks[1][s][i] = dw2, ks[2][s][i] = mw
+   of sub-block s of row i (R <= 16) */
+static inline void kscales(const int32_t type, const uint8_t *const *w, int R, int kb,
+                           float ks[3][8][16]) {
+    for (int i = 0; i < R; i++) {
+        if (type == WS_TYPE_Q6_K) {
+            const uint8_t *b = w[i] + (size_t)kb * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = half_scalar(b + 208);
+            for (int j = 0; j < 8; j++) {
+                ks[0][j][i] = d * (float)sc[2 * j];
+                ks[1][j][i] = d * (float)sc[2 * j + 1];
+                ks[2][j][i] = 0.0f;
+            }
+            continue;
+        }
+        const uint8_t *b = w[i] + (size_t)kb * (type == WS_TYPE_Q5_K ? 176 : 144);
+        const float d = half_scalar(b), dmin = half_scalar(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(j, b + 4, &sc, &mn);
+            ks[0][j][i] = d * (float)sc;
+            ks[1][j][i] = 0.0f;
+            ks[2][j][i] = -(dmin * (float)mn);
+        }
+    }
 }
 
 /* the 32 integer weights of block c of a row (see above) */
@@ -980,10 +1010,10 @@ static inline __m256 halves_ps(__m256i v, int hi) {
 
 /* the scales of block b of 8 rows (iscales_of, lane i for row w[i]; vidx: the rows'
    offsets from w[0]): Q8_0, Q4_0, Q4_1 and Q5_0 gather the f16 pair that leads each
-   block, the K-quants unpack their 6/8-bit scales row by row */
+   block, the K-quants read them from ks (kscales) */
 static inline __attribute__((always_inline)) void
-iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b, __m256 *dw,
-         __m256 *dw2, __m256 *mw) {
+iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
+         const float ks[3][8][16], __m256 *dw, __m256 *dw2, __m256 *mw) {
     if (type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
         type == WS_TYPE_Q5_0) {
         const int bs = row_bytes_of(type, 32);
@@ -994,16 +1024,9 @@ iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b, __m
         *dw2 = _mm256_setzero_ps();
         return;
     }
-    float d[8], d2[8], m[8];
-    for (int i = 0; i < 8; i++) {
-        const iscales s = iscales_of(type, w[i], b);
-        d[i] = s.dw;
-        d2[i] = s.dw2;
-        m[i] = s.mw;
-    }
-    *dw = _mm256_loadu_ps(d);
-    *dw2 = _mm256_loadu_ps(d2);
-    *mw = _mm256_loadu_ps(m);
+    *dw = _mm256_loadu_ps(ks[0][b % 8]);
+    *dw2 = _mm256_loadu_ps(ks[1][b % 8]);
+    *mw = _mm256_loadu_ps(ks[2][b % 8]);
 }
 
 /* 8 rows (w[i]; a repeated row for a short tile) x NT tokens */
@@ -1017,11 +1040,14 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
     int32_t idx[8]; /* the rows' offsets from w[0], for the gathers of the scales */
     for (int i = 0; i < 8; i++) idx[i] = (int32_t)(w[i] - w[0]);
     const __m256i vidx = _mm256_loadu_si256((const __m256i *)(const void *)idx);
+    const int is_k = type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K || type == WS_TYPE_Q6_K;
+    float ks[3][8][16];
     for (int b = 0; b < xb->nb; b++) {
         __m256i wv[8][2];
         for (int i = 0; i < 8; i++) iweights16(type, w[i], b, wv[i]);
+        if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
         __m256 vdw, vdw2, vmw;
-        iscales8(type, w, vidx, b, &vdw, &vdw2, &vmw);
+        iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
         for (int t = 0; t < NT; t++) {
             const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xq);
@@ -1133,6 +1159,7 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
     int32_t idx[16];
     for (int i = 0; i < 16; i++) idx[i] = (int32_t)(w[i] - w[0]);
     const __m512i vidx = _mm512_loadu_si512((const void *)idx);
+    float ks[3][8][16]; /* K-quants: kscales of the current 256-element block */
     for (int b = 0; b < xb->nb; b++) {
         __m512i wv[8][2];
         for (int p = 0; p < 8; p++) {
@@ -1150,16 +1177,10 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
             if (type == WS_TYPE_Q4_1)
                 vmw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
         } else {
-            float d[16], d2[16], m[16];
-            for (int i = 0; i < 16; i++) {
-                const iscales sc = iscales_of(type, w[i], b);
-                d[i] = sc.dw;
-                d2[i] = sc.dw2;
-                m[i] = sc.mw;
-            }
-            vdw = _mm512_loadu_ps(d);
-            vdw2 = _mm512_loadu_ps(d2);
-            vmw = _mm512_loadu_ps(m);
+            if (b % 8 == 0) kscales(type, w, 16, b / 8, ks);
+            vdw = _mm512_loadu_ps(ks[0][b % 8]);
+            vdw2 = _mm512_loadu_ps(ks[1][b % 8]);
+            vmw = _mm512_loadu_ps(ks[2][b % 8]);
         }
         for (int t = 0; t < NT; t++) {
             const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
