@@ -1,22 +1,25 @@
 /*
  * quant.c - weights in their GGUF type and the matrix products over them.
  *
- * The canonical order. A row of any type is first a row of floats: each block is
- * unpacked by the integer and float operations ggml's dequantizers use (small
- * integers times the block scale: exact for every type but Q6_K, whose one rounding
- * is the same operation in every build). Every output element is then the one dot
- * product of ws_simd.h over those floats (8 lanes, fused multiply-adds in order of
- * k, a fixed reduction tree, the tail in order). The F32 kernels are that dot over
- * the stored floats, so an F32 model computes exactly what it did before typed
- * weights existed, and a quantized row gives the bits of its dequantized F32 row.
+ * Two arithmetics, chosen by the weight type, never by the number of tokens:
  *
- * Three ways to run that order, chosen by the number of tokens, never changing the
- * bits: one token (a decode step) unpacks each 32-element chunk of 4 rows into
- * registers and feeds it straight to the FMAs; 2..8 tokens (a verification batch) do
- * the same and feed each unpacked chunk to every token's accumulators; more tokens
- * (prefill) unpack 4 rows once into a per-thread buffer and run the F32 tiles over
- * them for a whole block of tokens, so each weight block is unpacked once per 48
- * tokens.
+ * F32, F16, BF16 rows: the canonical F32 order. Each block is unpacked to floats, and
+ * every output element is the one dot product of ws_simd.h over those floats (8 lanes,
+ * fused multiply-adds in order of k, a fixed reduction tree, the tail in order), so an
+ * F32 model computes exactly what it did before typed weights existed. One token (a
+ * decode step) unpacks each 32-element chunk into registers and feeds it straight to
+ * the FMAs; 2..8 tokens feed each unpacked chunk to every token's accumulators; more
+ * tokens (prefill) unpack 4 rows once into a per-thread buffer and run the F32 tiles
+ * over them for a whole block of tokens.
+ *
+ * Integer types (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K): activations quantized to
+ * 16 bits per block of 32, exact integer block sums, one float order per output
+ * element (see "integer products" below). Decode, verification and prefill all run
+ * that one kernel, 8 tokens at a time, each weight block unpacked once per 8 tokens.
+ *
+ * The unpacking of a block to floats (unpack32_ref) follows ggml's dequantizers: small
+ * integers times the block scale, exact for every type but Q6_K, whose one rounding is
+ * the same operation in every build. The core uses it for embedding rows.
  */
 #include "quant.h"
 #include "ws_simd.h"
@@ -226,27 +229,28 @@ static inline float plain_at(int32_t type, const uint8_t *row, int k) {
 }
 
 /* ------------------------------------------------------------------------- */
-/* unpacking into registers: the same values as unpack32_ref, 8 at a time      */
+/* plain rows into registers: the same values as unpack32_ref, 8 at a time    */
 
 typedef struct {
     lanes8 v[4];
 } chunk32;
 
 #if WS_SIMD
+/* half_to_float by the F16C instruction (the same bits) */
 static inline float half_scalar(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, sizeof h);
     return _cvtsh_ss(h);
 }
+#else
+static inline float half_scalar(const uint8_t *p) { return half_to_float(p); }
+#endif
 
-static inline __m256i load8_u8(const uint8_t *p) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p));
-}
+#if WS_SIMD
 
 static inline __attribute__((always_inline)) chunk32 unpack32(const int32_t type,
                                                               const uint8_t *row, int c) {
     chunk32 w;
-    const __m256i m4 = _mm256_set1_epi32(0xF);
     switch (type) {
     case WS_TYPE_F16:
         for (int g = 0; g < 4; g++)
@@ -260,82 +264,6 @@ static inline __attribute__((always_inline)) chunk32 unpack32(const int32_t type
             w.v[g] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         }
         return w;
-    case WS_TYPE_Q8_0: {
-        const uint8_t *b = row + (size_t)c * 34;
-        const __m256 d = _mm256_set1_ps(half_scalar(b));
-        for (int g = 0; g < 4; g++) {
-            const __m256i q = _mm256_cvtepi8_epi32(
-                _mm_loadl_epi64((const __m128i *)(const void *)(b + 2 + 8 * g)));
-            w.v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
-        }
-        return w;
-    }
-    case WS_TYPE_Q4_0:
-    case WS_TYPE_Q4_1: {
-        const int q41 = type == WS_TYPE_Q4_1;
-        const uint8_t *b = row + (size_t)c * (q41 ? 20 : 18), *qs = b + (q41 ? 4 : 2);
-        const __m256 d = _mm256_set1_ps(half_scalar(b));
-        const __m256i b0 = load8_u8(qs), b1 = load8_u8(qs + 8);
-        const __m256i q[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4),
-                              _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
-        if (q41) {
-            const __m256 m = _mm256_set1_ps(half_scalar(b + 2));
-            for (int g = 0; g < 4; g++) w.v[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[g]), d, m);
-        } else {
-            const __m256i eight = _mm256_set1_epi32(8);
-            for (int g = 0; g < 4; g++)
-                w.v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], eight)));
-        }
-        return w;
-    }
-    case WS_TYPE_Q5_0: {
-        const uint8_t *b = row + (size_t)c * 22, *qs = b + 6;
-        const __m256 d = _mm256_set1_ps(half_scalar(b));
-        const __m256i qh = _mm256_set1_epi32((int)get_le32(b + 2));
-        const __m256i b0 = load8_u8(qs), b1 = load8_u8(qs + 8);
-        const __m256i q[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4),
-                              _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};
-        const __m256i one = _mm256_set1_epi32(1), sixteen = _mm256_set1_epi32(16);
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (int g = 0; g < 4; g++) {
-            const __m256i sh = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * g));
-            const __m256i hb = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, sh), one), 4);
-            const __m256i v = _mm256_sub_epi32(_mm256_or_si256(q[g], hb), sixteen);
-            w.v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
-        }
-        return w;
-    }
-    case WS_TYPE_Q4_K:
-    case WS_TYPE_Q5_K: {
-        const k4_sub k = k4_sub_block(type, row, c);
-        const __m256 d1 = _mm256_set1_ps(half_scalar(k.b) * (float)k.sc);
-        const __m256 m1 = _mm256_set1_ps(-(half_scalar(k.b + 2) * (float)k.mn));
-        for (int g = 0; g < 4; g++) {
-            const __m256i raw = load8_u8(k.qs + 8 * g);
-            __m256i q = k.s & 1 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, m4);
-            if (k.k5) {
-                const __m256i h = _mm256_srli_epi32(load8_u8(k.qh + 8 * g), k.s);
-                q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(1)), 4));
-            }
-            w.v[g] = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(q), m1);
-        }
-        return w;
-    }
-    case WS_TYPE_Q6_K: {
-        const q6_sub k = q6_sub_block(row, c);
-        const int g2 = k.g;
-        const float d = half_scalar(k.b + 208);
-        const __m256 ds0 = _mm256_set1_ps(d * (float)k.sc[0]), ds1 = _mm256_set1_ps(d * (float)k.sc[1]);
-        const __m256i three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
-        for (int g = 0; g < 4; g++) {
-            const __m256i raw = load8_u8(k.ql + 8 * g);
-            const __m256i lo = g2 >= 2 ? _mm256_srli_epi32(raw, 4) : _mm256_and_si256(raw, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(load8_u8(k.qh + 8 * g), 2 * g2), three);
-            const __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), bias);
-            w.v[g] = _mm256_mul_ps(g < 2 ? ds0 : ds1, _mm256_cvtepi32_ps(q));
-        }
-        return w;
-    }
     default:
         for (int g = 0; g < 4; g++)
             w.v[g] = _mm256_loadu_ps((const float *)(const void *)(row + (size_t)c * 128 + 32 * g));
@@ -364,18 +292,6 @@ typedef struct {
     __m512 v[4];
 } chunk32x2;
 
-/* the f16 pairs (d, m) at a and at b as registers [d_a x8 | d_b x8] and
-   [m_a x8 | m_b x8]: one conversion and two permutes instead of four scalar
-   conversions and broadcasts */
-static inline void scales_pair(const uint8_t *a, const uint8_t *b, __m512 *d, __m512 *m) {
-    int32_t sa, sb;
-    memcpy(&sa, a, sizeof sa);
-    memcpy(&sb, b, sizeof sb);
-    const __m512 v = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(sa, sb, 0, 0)));
-    *d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), v);
-    *m = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), v);
-}
-
 static inline __m512 join_ps(__m256 a, __m256 b) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
 }
@@ -384,49 +300,9 @@ static inline __attribute__((always_inline)) chunk32x2 unpack32x2(const int32_t 
                                                                   const uint8_t *ra,
                                                                   const uint8_t *rb, int c) {
     chunk32x2 w;
-    switch (type) {
-    case WS_TYPE_Q8_0: {
-        const uint8_t *a = ra + (size_t)c * 34, *b = rb + (size_t)c * 34;
-        __m512 d, unused;
-        scales_pair(a, b, &d, &unused); /* d, then the first two quants: not used */
-        for (int h = 0; h < 2; h++) {
-            const __m128i la = _mm_loadu_si128((const __m128i *)(const void *)(a + 2 + 16 * h));
-            const __m128i lb = _mm_loadu_si128((const __m128i *)(const void *)(b + 2 + 16 * h));
-            const __m512i lo = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(la, lb));
-            const __m512i hi = _mm512_cvtepi8_epi32(_mm_unpackhi_epi64(la, lb));
-            w.v[2 * h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo));
-            w.v[2 * h + 1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
-        }
-        return w;
-    }
-    case WS_TYPE_Q4_0:
-    case WS_TYPE_Q4_1: {
-        const int q41 = type == WS_TYPE_Q4_1, bs = q41 ? 20 : 18, off = q41 ? 4 : 2;
-        const uint8_t *a = ra + (size_t)c * bs, *b = rb + (size_t)c * bs;
-        const __m128i la = _mm_loadu_si128((const __m128i *)(const void *)(a + off));
-        const __m128i lb = _mm_loadu_si128((const __m128i *)(const void *)(b + off));
-        const __m512i wl = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(la, lb));
-        const __m512i wh = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(la, lb));
-        const __m512i m4 = _mm512_set1_epi32(0xF);
-        const __m512i q[4] = {_mm512_and_si512(wl, m4), _mm512_and_si512(wh, m4),
-                              _mm512_srli_epi32(wl, 4), _mm512_srli_epi32(wh, 4)};
-        __m512 d, m;
-        scales_pair(a, b, &d, &m); /* Q4_0: m is the first quants, not used */
-        if (q41) {
-            for (int g = 0; g < 4; g++) w.v[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[g]), d, m);
-        } else {
-            const __m512i eight = _mm512_set1_epi32(8);
-            for (int g = 0; g < 4; g++)
-                w.v[g] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[g], eight)));
-        }
-        return w;
-    }
-    default: {
-        const chunk32 a = unpack32(type, ra, c), b = unpack32(type, rb, c);
-        for (int g = 0; g < 4; g++) w.v[g] = join_ps(a.v[g], b.v[g]);
-        return w;
-    }
-    }
+    const chunk32 a = unpack32(type, ra, c), b = unpack32(type, rb, c);
+    for (int g = 0; g < 4; g++) w.v[g] = join_ps(a.v[g], b.v[g]);
+    return w;
 }
 #else
 #define WS_AVX512 0
@@ -458,10 +334,15 @@ static inline const uint8_t *row_ptr(const ws_tensor *t, int r) {
     return (const uint8_t *)t->data + (size_t)r * ws_type_row_bytes(t->type, t->cols);
 }
 
-/* a whole row of n elements; plain types may end in a partial chunk */
+/* a whole row of n elements; plain types may end in a partial chunk (quantized rows
+   are unpacked as floats only for a token's embedding: the scalar code) */
 static void unpack_row(int32_t type, const uint8_t *row, int n, float *out) {
     const int n32 = n & ~31;
     for (int c = 0; c < n32 / 32; c++) {
+        if (!is_plain(type)) {
+            unpack32_ref(type, row, c, out + 32 * c);
+            continue;
+        }
         const chunk32 w = unpack32(type, row, c);
         for (int g = 0; g < 4; g++) l8_store(out + 32 * c + 8 * g, w.v[g]);
     }
@@ -685,13 +566,6 @@ qmatvec(float *out, const ws_tensor *W, const float *x, int r0, int r1, int add,
                             int add) { qmatvec(out, W, x, r0, r1, add, WS_TYPE_##T); }
 WS_QMATVEC(F16)
 WS_QMATVEC(BF16)
-WS_QMATVEC(Q8_0)
-WS_QMATVEC(Q4_0)
-WS_QMATVEC(Q4_1)
-WS_QMATVEC(Q5_0)
-WS_QMATVEC(Q4_K)
-WS_QMATVEC(Q5_K)
-WS_QMATVEC(Q6_K)
 
 /* one token: out[r] (+)= dot(W[r], x) for r in [r0, r1) */
 static void matvec_typed(float *out, const ws_tensor *W, const float *x, int r0, int r1,
@@ -699,13 +573,6 @@ static void matvec_typed(float *out, const ws_tensor *W, const float *x, int r0,
     switch (W->type) {
     case WS_TYPE_F16: qmatvec_F16(out, W, x, r0, r1, add); break;
     case WS_TYPE_BF16: qmatvec_BF16(out, W, x, r0, r1, add); break;
-    case WS_TYPE_Q8_0: qmatvec_Q8_0(out, W, x, r0, r1, add); break;
-    case WS_TYPE_Q4_0: qmatvec_Q4_0(out, W, x, r0, r1, add); break;
-    case WS_TYPE_Q4_1: qmatvec_Q4_1(out, W, x, r0, r1, add); break;
-    case WS_TYPE_Q5_0: qmatvec_Q5_0(out, W, x, r0, r1, add); break;
-    case WS_TYPE_Q4_K: qmatvec_Q4_K(out, W, x, r0, r1, add); break;
-    case WS_TYPE_Q5_K: qmatvec_Q5_K(out, W, x, r0, r1, add); break;
-    case WS_TYPE_Q6_K: qmatvec_Q6_K(out, W, x, r0, r1, add); break;
     default: break; /* ws_model_init admits only the types above */
     }
 }
@@ -804,13 +671,6 @@ qmatsmall(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int 
         qmatsmall(out, ldo, W, X, ldx, r0, r1, nt, add, WS_TYPE_##T); }
 WS_QMATSMALL(F16)
 WS_QMATSMALL(BF16)
-WS_QMATSMALL(Q8_0)
-WS_QMATSMALL(Q4_0)
-WS_QMATSMALL(Q4_1)
-WS_QMATSMALL(Q5_0)
-WS_QMATSMALL(Q4_K)
-WS_QMATSMALL(Q5_K)
-WS_QMATSMALL(Q6_K)
 
 /* 2..WS_REG_TOKENS tokens */
 static void matmul_small_typed(float *out, int ldo, const ws_tensor *W, const float *X, int ldx,
@@ -818,93 +678,50 @@ static void matmul_small_typed(float *out, int ldo, const ws_tensor *W, const fl
     switch (W->type) {
     case WS_TYPE_F16: qmatsmall_F16(out, ldo, W, X, ldx, r0, r1, nt, add); break;
     case WS_TYPE_BF16: qmatsmall_BF16(out, ldo, W, X, ldx, r0, r1, nt, add); break;
-    case WS_TYPE_Q8_0: qmatsmall_Q8_0(out, ldo, W, X, ldx, r0, r1, nt, add); break;
-    case WS_TYPE_Q4_0: qmatsmall_Q4_0(out, ldo, W, X, ldx, r0, r1, nt, add); break;
-    case WS_TYPE_Q4_1: qmatsmall_Q4_1(out, ldo, W, X, ldx, r0, r1, nt, add); break;
-    case WS_TYPE_Q5_0: qmatsmall_Q5_0(out, ldo, W, X, ldx, r0, r1, nt, add); break;
-    case WS_TYPE_Q4_K: qmatsmall_Q4_K(out, ldo, W, X, ldx, r0, r1, nt, add); break;
-    case WS_TYPE_Q5_K: qmatsmall_Q5_K(out, ldo, W, X, ldx, r0, r1, nt, add); break;
-    case WS_TYPE_Q6_K: qmatsmall_Q6_K(out, ldo, W, X, ldx, r0, r1, nt, add); break;
     default: break; /* ws_model_init admits only the types above */
     }
 }
 
-void ws_matmul(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0,
-               int r1, int nt, int add, float *scratch) {
-    const int n = W->cols;
-    if (W->type == WS_TYPE_F32) {
-        matmul_f32(out, ldo, (const float *)W->data, X, ldx, n, r0, r1, nt, add);
-        return;
-    }
-    if (nt == 1) {
-        matvec_typed(out, W, X, r0, r1, add);
-        return;
-    }
-    if (nt <= WS_REG_TOKENS) {
-        matmul_small_typed(out, ldo, W, X, ldx, r0, r1, nt, add);
-        return;
-    }
-    for (int tb = 0; tb < nt; tb += WS_TOKEN_BLOCK) {
-        const int te = tb + WS_TOKEN_BLOCK < nt ? tb + WS_TOKEN_BLOCK : nt;
-        int r = r0;
-        for (; r + 4 <= r1; r += 4) {
-            for (int i = 0; i < 4; i++) unpack_row(W->type, row_ptr(W, r + i), n, scratch + (size_t)i * n);
-            tiles_4rows(out + r, ldo, scratch, X, ldx, n, 0, tb, te, add);
-        }
-        for (; r < r1; r++) {
-            unpack_row(W->type, row_ptr(W, r), n, scratch);
-            for (int t = tb; t < te; t++)
-                store_out(out + (size_t)t * ldo + r, dot(scratch, X + (size_t)t * ldx, n), add);
-        }
-    }
-}
-
 /* ------------------------------------------------------------------------- */
-/* integer products: 8-bit activations                                         */
+/* integer products: 16-bit activations                                        */
 /*
- * For Q4_0, Q4_1, Q5_0 and Q8_0 weights the activations are quantized once per
- * product, per token, in blocks of 32 (the weights' block): d = amax / 127,
- * q = rint(x * (127 / amax)) in [-127, 127] (0 for an all-zero block), so x stands
- * for d * q. The block dot product of a weight block with integers w (Q4_1: the
- * unsigned nibbles, else the signed quants) is the exact integer sum isum = w . q,
- * and per output element the canonical order is, block by block in order of k:
- *     acc = fmaf(dw * d, (float)isum, acc)          (dw * d: one float product)
- *     acc = fmaf(mw, s, acc)                        (Q4_1 only; s = d * (float)sum q)
- * from acc = 0. Integer sums are exact whatever instructions add them, so the
- * portable build, AVX2 (maddubs) and VNNI (vpdpbusd) agree bit for bit, and so do
- * the one-token, verification and prefill shapes, which all run this kernel: 8 rows
- * are the 8 float lanes, so each lane performs its row's sequence.
- *
- * Not used by the forward pass: there the activations stay F32. Measured on
- * SmolLM2-135M, quantizing them moves the logits by ~3e-2 of max |logit| from the
- * F32-activation result, and a 1e-7 relative change of the activations (float32 vs
- * the float64 reference) flips enough rounding decisions to move them by ~2e-2, so
- * no float64 reference can hold such a core to 1e-3. ws_tensor_matmul_q8 exposes the
- * kernel to the tests and benchmarks; tests/reference.py's quantize_activations is
- * its model of the quantization.
+ * Every integer weight type (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) multiplies
+ * activations quantized once per product, per token, in blocks of 32 (the weights'
+ * block, or a K-quant's 32-element sub-block): with amax the block's largest |x|,
+ *     dx = amax / 32767,  q = rint(x * (32767 / amax))  in [-32767, 32767]
+ * (nearest even; dx = 0 and q = 0 for an all-zero block), so x stands for dx * q,
+ * 256 times finer than 8 bits. The weights are their small integers w (Q8_0 the
+ * signed quants, Q4_0 nibble - 8, Q4_1 the nibble, Q5_0 5 bits - 16, Q4_K/Q5_K the
+ * 4/5-bit value, Q6_K 6 bits - 32), and per block the integer sum isum = w . q is
+ * exact (|isum| <= 32 * 128 * 32767 < 2^31; Q6_K sums its two 16-element halves
+ * apart, as they have their own scales). Per output element, block by block in
+ * order of k, from acc = 0:
+ *     acc = fmaf(dw * dx, (float)isum, acc)     (Q6_K: once per half)
+ *     acc = fmaf(mw, dx * (float)sum q, acc)    (Q4_1, Q4_K, Q5_K only)
+ * dw: the block's f16 scale (K-quants: d * sc, exact), mw: Q4_1's f16 min, K-quants'
+ * -(dmin * m) (exact). Integer sums are exact whatever instructions add them, so the
+ * portable build, AVX2 (vpmaddwd) and AVX-512 VNNI (vpdpwssd) agree bit for bit, and
+ * so do the one-token, verification and prefill shapes, which all run this kernel:
+ * 8 rows (AVX2) or 16 rows (AVX-512) are the float lanes, each lane performing its
+ * row's sequence.
  */
 static inline int is_int_type(int32_t type) {
-    return type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 || type == WS_TYPE_Q5_0 ||
-           type == WS_TYPE_Q8_0;
+    return type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
+           type == WS_TYPE_Q5_0 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K ||
+           type == WS_TYPE_Q6_K;
 }
 
-#define WS_XQ_TOKENS 8 /* tokens quantized at once: they fit the 4 * cols floats of scratch */
-
-/* a block of tokens' quantized activations: q [nt][n], d, s [nt][n/32], sq [nt][n/32] */
+/* a block of tokens' quantized activations: q [nt][n], dx, s [nt][n/32] */
 typedef struct {
-    const int8_t *q;
-    const float *d, *s;
-    const int32_t *sq;
-    int nb; /* blocks per token */
+    const int16_t *q;
+    const float *d, *s; /* s = dx * (float)sum q */
+    int nb;             /* blocks per token */
 } xq_block;
 
-/* bytes of scratch for WS_XQ_TOKENS tokens of n elements */
-#define XQ_BYTES(n) ((size_t)WS_XQ_TOKENS * ((size_t)(n) + 12 * (size_t)((n) / 32)))
-
-static void quantize_x(const float *x, int n, int8_t *q, float *d, float *s, int32_t *sq) {
+static void quantize_x(const float *x, int n, int16_t *q, float *d, float *s) {
     for (int b = 0; b < n / 32; b++) {
         const float *xb = x + 32 * b;
-        int8_t *qb = q + 32 * b;
+        int16_t *qb = q + 32 * b;
         float amax = 0.0f;
 #if WS_SIMD
         const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -920,20 +737,18 @@ static void quantize_x(const float *x, int n, int8_t *q, float *d, float *s, int
             amax = a > amax ? a : amax;
         }
 #endif
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
         int32_t sum = 0;
 #if WS_SIMD
         const __m256 vid = _mm256_set1_ps(id);
         __m256i i32[4];
-        for (int g = 0; g < 4; g++) {
+        for (int g = 0; g < 4; g++)
             i32[g] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * g), vid));
-        }
-        /* pack 32 int32 to 32 int8 in order */
-        const __m256i p01 = _mm256_packs_epi32(i32[0], i32[1]);
-        const __m256i p23 = _mm256_packs_epi32(i32[2], i32[3]);
-        __m256i p = _mm256_packs_epi16(p01, p23);
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(void *)qb, p);
+        /* 32 int32 to 32 int16 in order (packs works per 128-bit lane) */
+        const __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[0], i32[1]), 0xD8);
+        const __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i32[2], i32[3]), 0xD8);
+        _mm256_storeu_si256((__m256i *)(void *)qb, p01);
+        _mm256_storeu_si256((__m256i *)(void *)(qb + 16), p23);
         const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
                                              _mm256_add_epi32(i32[2], i32[3]));
         int32_t t8[8];
@@ -942,13 +757,12 @@ static void quantize_x(const float *x, int n, int8_t *q, float *d, float *s, int
 #else
         for (int j = 0; j < 32; j++) {
             const int v = (int)rintf(xb[j] * id);
-            qb[j] = (int8_t)v;
+            qb[j] = (int16_t)v;
             sum += v;
         }
 #endif
-        d[b] = amax / 127.0f;
+        d[b] = amax / 32767.0f;
         s[b] = d[b] * (float)sum;
-        sq[b] = sum;
     }
 }
 
@@ -956,87 +770,221 @@ static void quantize_x(const float *x, int n, int8_t *q, float *d, float *s, int
 static xq_block quantize_tokens(const float *X, int ldx, int n, int t0, int nt, void *scratch) {
     xq_block xb;
     const int nb = n / 32;
-    int8_t *q = scratch;
+    int16_t *q = scratch;
     float *d = (float *)(void *)(q + (size_t)WS_XQ_TOKENS * n);
     float *s = d + (size_t)WS_XQ_TOKENS * nb;
-    int32_t *sq = (int32_t *)(void *)(s + (size_t)WS_XQ_TOKENS * nb);
     for (int t = 0; t < nt; t++)
         quantize_x(X + (size_t)(t0 + t) * ldx, n, q + (size_t)t * n, d + (size_t)t * nb,
-                   s + (size_t)t * nb, sq + (size_t)t * nb);
+                   s + (size_t)t * nb);
     xb.q = q;
     xb.d = d;
     xb.s = s;
-    xb.sq = sq;
     xb.nb = nb;
     return xb;
 }
 
-/* bytes per block and offset of the quants in it */
-static inline int iblock_bytes(const int32_t type) {
-    return type == WS_TYPE_Q8_0 ? 34 : type == WS_TYPE_Q4_0 ? 18 : type == WS_TYPE_Q4_1 ? 20 : 22;
+/* the scales of 32-element block c of a row: dw (Q6_K: dw for its first half, dw2 for
+   its second) and mw (0 for the types without a min) */
+typedef struct {
+    float dw, dw2, mw;
+} iscales;
+
+static inline __attribute__((always_inline)) iscales iscales_of(const int32_t type,
+                                                                const uint8_t *row, int c) {
+    iscales s = {0.0f, 0.0f, 0.0f};
+    switch (type) {
+    case WS_TYPE_Q8_0: s.dw = half_scalar(row + (size_t)c * 34); break;
+    case WS_TYPE_Q4_0: s.dw = half_scalar(row + (size_t)c * 18); break;
+    case WS_TYPE_Q4_1:
+        s.dw = half_scalar(row + (size_t)c * 20);
+        s.mw = half_scalar(row + (size_t)c * 20 + 2);
+        break;
+    case WS_TYPE_Q5_0: s.dw = half_scalar(row + (size_t)c * 22); break;
+    case WS_TYPE_Q4_K:
+    case WS_TYPE_Q5_K: {
+        const k4_sub k = k4_sub_block(type, row, c);
+        s.dw = half_scalar(k.b) * (float)k.sc;
+        s.mw = -(half_scalar(k.b + 2) * (float)k.mn);
+        break;
+    }
+    default: { /* Q6_K */
+        const q6_sub k = q6_sub_block(row, c);
+        const float d = half_scalar(k.b + 208);
+        s.dw = d * (float)k.sc[0];
+        s.dw2 = d * (float)k.sc[1];
+        break;
+    }
+    }
+    return s;
 }
 
-/* the integer weights of block b of a row, as the dot products use them: Q4_0 q - 8,
-   Q4_1 q, Q5_0 q - 16, Q8_0 q */
-static inline void iweights_ref(const int32_t type, const uint8_t *blk, int w[32]) {
+/* the scales (iscales_of) of the 8 sub-blocks of 256-element block kb of K-quant rows
+   w[0..R), decoded once per block: ks[0][s][i] = dw, ks[1][s][i] = dw2, ks[2][s][i] = mw
+   of sub-block s of row i (R <= 16) */
+static inline void kscales(const int32_t type, const uint8_t *const *w, int R, int kb,
+                           float ks[3][8][16]) {
+    for (int i = 0; i < R; i++) {
+        if (type == WS_TYPE_Q6_K) {
+            const uint8_t *b = w[i] + (size_t)kb * 210;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = half_scalar(b + 208);
+            for (int j = 0; j < 8; j++) {
+                ks[0][j][i] = d * (float)sc[2 * j];
+                ks[1][j][i] = d * (float)sc[2 * j + 1];
+                ks[2][j][i] = 0.0f;
+            }
+            continue;
+        }
+        const uint8_t *b = w[i] + (size_t)kb * (type == WS_TYPE_Q5_K ? 176 : 144);
+        const float d = half_scalar(b), dmin = half_scalar(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            scale_min_k4(j, b + 4, &sc, &mn);
+            ks[0][j][i] = d * (float)sc;
+            ks[1][j][i] = 0.0f;
+            ks[2][j][i] = -(dmin * (float)mn);
+        }
+    }
+}
+
+/* the 32 integer weights of block c of a row (see above) */
+static inline void iweights_ref(const int32_t type, const uint8_t *row, int c, int w[32]) {
     switch (type) {
     case WS_TYPE_Q8_0:
-        for (int j = 0; j < 32; j++) w[j] = (int8_t)blk[2 + j];
+        for (int j = 0; j < 32; j++) w[j] = (int8_t)row[(size_t)c * 34 + 2 + j];
         return;
     case WS_TYPE_Q4_0:
     case WS_TYPE_Q4_1: {
-        const uint8_t *qs = blk + (type == WS_TYPE_Q4_1 ? 4 : 2);
-        const int off = type == WS_TYPE_Q4_1 ? 0 : 8;
+        const int q41 = type == WS_TYPE_Q4_1;
+        const uint8_t *qs = row + (size_t)c * (q41 ? 20 : 18) + (q41 ? 4 : 2);
+        const int off = q41 ? 0 : 8;
         for (int j = 0; j < 16; j++) {
             w[j] = (qs[j] & 0xF) - off;
             w[j + 16] = (qs[j] >> 4) - off;
         }
         return;
     }
-    default: {
-        const uint8_t *qs = blk + 6;
-        const uint32_t qh = get_le32(blk + 2);
+    case WS_TYPE_Q5_0: {
+        const uint8_t *b = row + (size_t)c * 22, *qs = b + 6;
+        const uint32_t qh = get_le32(b + 2);
         for (int j = 0; j < 16; j++) {
             w[j] = ((qs[j] & 0xF) | (int)((qh >> j) & 1u) << 4) - 16;
             w[j + 16] = ((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1u) << 4) - 16;
         }
         return;
     }
+    case WS_TYPE_Q4_K:
+    case WS_TYPE_Q5_K: {
+        const k4_sub k = k4_sub_block(type, row, c);
+        for (int l = 0; l < 32; l++) {
+            w[l] = k.s & 1 ? k.qs[l] >> 4 : k.qs[l] & 0xF;
+            if (k.k5) w[l] |= ((k.qh[l] >> k.s) & 1) << 4;
+        }
+        return;
     }
+    default: { /* Q6_K */
+        const q6_sub k = q6_sub_block(row, c);
+        const int g = k.g;
+        for (int l = 0; l < 32; l++)
+            w[l] = ((g >= 2 ? k.ql[l] >> 4 : k.ql[l] & 0xF) | ((k.qh[l] >> (2 * g)) & 3) << 4) - 32;
+        return;
+    }
+    }
+}
+
+/* one block's contribution to a row's accumulator, in the canonical order */
+static inline float iblock_acc(float acc, iscales s, int32_t isum, int32_t isum2, float dx,
+                               float sx, const int32_t type) {
+    acc = fmaf(s.dw * dx, (float)isum, acc);
+    if (type == WS_TYPE_Q6_K) acc = fmaf(s.dw2 * dx, (float)isum2, acc);
+    if (type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K)
+        acc = fmaf(s.mw, sx, acc);
+    return acc;
 }
 
 #if WS_SIMD
-/* u8 x s8 products summed in groups of 4 into 8 int32 (exact: no 16-bit saturation
-   for these operands, |u| <= 255 only for Q8_0's |w| <= 128 against |x| <= 127) */
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
+/* 16 unsigned bytes as 16 int16 */
+static inline __m256i load16_u8(const uint8_t *p) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)p));
 }
 
-/* the 32 weights of a block as unsigned bytes (Q8_0: their absolute values) */
-static inline __m256i iweights_u8(const int32_t type, const uint8_t *blk) {
-    if (type == WS_TYPE_Q8_0) {
-        return _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(const void *)(blk + 2)));
+/* the 32 integer weights of block c of a row as two vectors of 16 int16 (the values of
+   iweights_ref: elements 0..15 in w[0], 16..31 in w[1]) */
+static inline __attribute__((always_inline)) void iweights16(const int32_t type,
+                                                             const uint8_t *row, int c,
+                                                             __m256i w[2]) {
+    const __m256i m4 = _mm256_set1_epi16(0xF);
+    switch (type) {
+    case WS_TYPE_Q8_0: {
+        const uint8_t *b = row + (size_t)c * 34 + 2;
+        w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)b));
+        w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(b + 16)));
+        return;
     }
-    const uint8_t *qs = blk + (type == WS_TYPE_Q4_1 ? 4 : type == WS_TYPE_Q4_0 ? 2 : 6);
-    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)qs);
-    const __m128i m4 = _mm_set1_epi8(0xF);
-    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    if (type == WS_TYPE_Q5_0) { /* bit j of qh -> 16 in byte j */
-        const __m256i h = _mm256_set1_epi32((int)get_le32(blk + 2));
-        const __m256i spread = _mm256_shuffle_epi8(
-            h, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
-                                2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    case WS_TYPE_Q4_0:
+    case WS_TYPE_Q4_1:
+    case WS_TYPE_Q5_0: {
+        const int bs = type == WS_TYPE_Q4_1 ? 20 : type == WS_TYPE_Q4_0 ? 18 : 22;
+        const uint8_t *b = row + (size_t)c * bs, *qs = b + (type == WS_TYPE_Q4_1 ? 4 : bs - 16);
+        const __m256i v = load16_u8(qs);
+        w[0] = _mm256_and_si256(v, m4);
+        w[1] = _mm256_srli_epi16(v, 4);
+        if (type == WS_TYPE_Q4_0) {
+            w[0] = _mm256_sub_epi16(w[0], _mm256_set1_epi16(8));
+            w[1] = _mm256_sub_epi16(w[1], _mm256_set1_epi16(8));
+        } else if (type == WS_TYPE_Q5_0) { /* bit j of qh -> 16 in element j */
+            const uint32_t qh = get_le32(b + 2);
+            const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024,
+                                                  2048, 4096, 8192, 16384, (short)0x8000);
+            const __m256i sixteen = _mm256_set1_epi16(16);
+            for (int h = 0; h < 2; h++) {
+                const __m256i hb = _mm256_set1_epi16((short)(qh >> (16 * h)));
+                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(hb, bit), bit);
+                w[h] = _mm256_sub_epi16(_mm256_or_si256(w[h], _mm256_and_si256(set, sixteen)),
+                                        sixteen);
+            }
+        }
+        return;
     }
-    return u;
+    case WS_TYPE_Q4_K:
+    case WS_TYPE_Q5_K: {
+        const k4_sub k = k4_sub_block(type, row, c);
+        const int sh = 4 * (k.s & 1);
+        for (int h = 0; h < 2; h++) {
+            w[h] = _mm256_and_si256(_mm256_srli_epi16(load16_u8(k.qs + 16 * h), sh), m4);
+            if (k.k5) {
+                const __m256i hb = _mm256_srli_epi16(load16_u8(k.qh + 16 * h), k.s);
+                w[h] = _mm256_or_si256(
+                    w[h], _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi16(1)), 4));
+            }
+        }
+        return;
+    }
+    default: { /* Q6_K */
+        const q6_sub k = q6_sub_block(row, c);
+        const int sh = k.g >= 2 ? 4 : 0;
+        for (int h = 0; h < 2; h++) {
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load16_u8(k.ql + 16 * h), sh), m4);
+            const __m256i hi = _mm256_and_si256(
+                _mm256_srli_epi16(load16_u8(k.qh + 16 * h), 2 * k.g), _mm256_set1_epi16(3));
+            w[h] = _mm256_sub_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
+                                    _mm256_set1_epi16(32));
+        }
+        return;
+    }
+    }
+}
+
+/* acc + the int16 products of a and b summed in pairs, as 8 int32 (exact: |a| <= 128
+   and |b| <= 32767 never reach vpmaddwd's one overflowing case) */
+static inline __m256i dot_i16(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
 }
 
 /* 8 vectors of 8 int32 partial sums -> [sum p0, ..., sum p7] */
@@ -1048,43 +996,83 @@ static inline __m256i hsum8x8(const __m256i p[8]) {
                             _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* 8 f16 at stride bytes apart as 8 floats */
-static inline __m256 load_h8(const uint8_t *const p[8], size_t off) {
-    uint16_t h[8];
-    for (int i = 0; i < 8; i++) memcpy(&h[i], p[i] + off, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)h));
+/* the f16 in the low (hi = 0) or high half of each of 8 int32 as 8 floats */
+static inline __m256 halves_ps(__m256i v, int hi) {
+    const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1,
+                                               -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1,
+                                               -1, -1, -1, -1);
+    const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+}
+
+/* the scales of block b of 8 rows (iscales_of, lane i for row w[i]; vidx: the rows'
+   offsets from w[0]): Q8_0, Q4_0, Q4_1 and Q5_0 gather the f16 pair that leads each
+   block, the K-quants read them from ks (kscales) */
+static inline __attribute__((always_inline)) void
+iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
+         const float ks[3][8][16], __m256 *dw, __m256 *dw2, __m256 *mw) {
+    if (type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
+        type == WS_TYPE_Q5_0) {
+        const int bs = row_bytes_of(type, 32);
+        const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)(w[0] + (size_t)b * bs),
+                                                 vidx, 1);
+        *dw = halves_ps(g, 0);
+        *mw = type == WS_TYPE_Q4_1 ? halves_ps(g, 1) : _mm256_setzero_ps();
+        *dw2 = _mm256_setzero_ps();
+        return;
+    }
+    *dw = _mm256_loadu_ps(ks[0][b % 8]);
+    *dw2 = _mm256_loadu_ps(ks[1][b % 8]);
+    *mw = _mm256_loadu_ps(ks[2][b % 8]);
 }
 
 /* 8 rows (w[i]; a repeated row for a short tile) x NT tokens */
 static inline __attribute__((always_inline)) void
 itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_block *xb, int r,
           int add, const int NT, const int32_t type) {
-    const int bs = iblock_bytes(type), q41 = type == WS_TYPE_Q4_1, q80 = type == WS_TYPE_Q8_0;
-    const int corr = type == WS_TYPE_Q4_0 ? 8 : type == WS_TYPE_Q5_0 ? 16 : 0;
+    const int q6 = type == WS_TYPE_Q6_K;
+    const int has_min = type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K;
     __m256 acc[WS_XQ_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    int32_t idx[8]; /* the rows' offsets from w[0], for the gathers of the scales */
+    for (int i = 0; i < 8; i++) idx[i] = (int32_t)(w[i] - w[0]);
+    const __m256i vidx = _mm256_loadu_si256((const __m256i *)(const void *)idx);
+    const int is_k = type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K || type == WS_TYPE_Q6_K;
+    float ks[3][8][16];
     for (int b = 0; b < xb->nb; b++) {
-        const size_t off = (size_t)b * bs;
-        const uint8_t *blk[8];
-        for (int i = 0; i < 8; i++) blk[i] = w[i] + off;
-        __m256i u[8], sg[8];
-        for (int i = 0; i < 8; i++) {
-            u[i] = iweights_u8(type, blk[i]);
-            if (q80) sg[i] = _mm256_loadu_si256((const __m256i *)(const void *)(blk[i] + 2));
-        }
-        const __m256 dw = load_h8(blk, 0);
-        const __m256 mw = q41 ? load_h8(blk, 2) : _mm256_setzero_ps();
+        __m256i wv[8][2];
+        for (int i = 0; i < 8; i++) iweights16(type, w[i], b, wv[i]);
+        if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
+        __m256 vdw, vdw2, vmw;
+        iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
         for (int t = 0; t < NT; t++) {
-            const __m256i x = _mm256_loadu_si256(
-                (const __m256i *)(const void *)(xb->q + (size_t)t * xb->nb * 32 + 32 * b));
-            __m256i p[8];
-            for (int i = 0; i < 8; i++) p[i] = dot_u8s8(u[i], q80 ? _mm256_sign_epi8(x, sg[i]) : x);
-            __m256i isum = hsum8x8(p);
+            const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xq);
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)(xq + 16));
             const size_t tb = (size_t)t * xb->nb + b;
-            if (corr) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(corr * xb->sq[tb]));
-            const __m256 dd = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d[tb]));
-            acc[t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum), acc[t]);
-            if (q41) acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s[tb]), acc[t]);
+            const __m256 dx = _mm256_set1_ps(xb->d[tb]);
+            __m256i p[8];
+            if (q6) {
+                __m256i p2[8];
+                for (int i = 0; i < 8; i++) {
+                    p[i] = dot_i16(_mm256_setzero_si256(), wv[i][0], x0);
+                    p2[i] = dot_i16(_mm256_setzero_si256(), wv[i][1], x1);
+                }
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(hsum8x8(p)),
+                                         acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx),
+                                         _mm256_cvtepi32_ps(hsum8x8(p2)), acc[t]);
+            } else {
+                for (int i = 0; i < 8; i++)
+                    p[i] = dot_i16(dot_i16(_mm256_setzero_si256(), wv[i][0], x0), wv[i][1], x1);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(hsum8x8(p)),
+                                         acc[t]);
+            }
+            if (has_min)
+                acc[t] = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[tb]), acc[t]);
         }
     }
     for (int t = 0; t < NT; t++) {
@@ -1098,20 +1086,24 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
 static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows,
                              const xq_block *xb, int r, int add, const int NT,
                              const int32_t type) {
-    const int bs = iblock_bytes(type), q41 = type == WS_TYPE_Q4_1;
     for (int i = 0; i < nrows; i++) {
         for (int t = 0; t < NT; t++) {
             float acc = 0.0f;
             for (int b = 0; b < xb->nb; b++) {
-                const uint8_t *blk = w[i] + (size_t)b * bs;
                 int wq[32];
-                iweights_ref(type, blk, wq);
-                const int8_t *x = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
-                int32_t isum = 0;
-                for (int j = 0; j < 32; j++) isum += wq[j] * x[j];
+                iweights_ref(type, w[i], b, wq);
+                const int16_t *x = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
+                int32_t isum = 0, isum2 = 0; /* Q6_K: its halves apart */
+                for (int j = 0; j < 16; j++) isum += wq[j] * x[j];
+                for (int j = 16; j < 32; j++) {
+                    if (type == WS_TYPE_Q6_K)
+                        isum2 += wq[j] * x[j];
+                    else
+                        isum += wq[j] * x[j];
+                }
                 const size_t tb = (size_t)t * xb->nb + b;
-                acc = fmaf(half_to_float(blk) * xb->d[tb], (float)isum, acc);
-                if (q41) acc = fmaf(half_to_float(blk + 2), xb->s[tb], acc);
+                acc = iblock_acc(acc, iscales_of(type, w[i], b), isum, isum2, xb->d[tb], xb->s[tb],
+                                 type);
             }
             float *o = out + (size_t)t * ldo + r + i;
             *o = add ? *o + acc : acc;
@@ -1120,11 +1112,129 @@ static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int
 }
 #endif
 
+#if WS_AVX512
+/*
+ * AVX-512: 16 rows x NT tokens. A register holds a pair of rows, 16 weights of each
+ * ([row a | row b]), so one vpdpwssd multiplies 32 weights by the activations (the
+ * same 16 of them in both halves) and a block's 8 pairs reduce to the 16 rows' sums
+ * in one tree. Pair p holds rows (p, p + 4) for p < 4 and (p + 4, p + 8) after, so the
+ * tree leaves the sums in row order. Each float lane then performs its row's sequence,
+ * as in itile_8xt, so the bits are the AVX2 and portable builds'.
+ */
+static inline __m512i dot_i16x2(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+/* vphaddd within each 128-bit lane, on 512 bits */
+static inline __m512i hadd512(__m512i a, __m512i b) {
+    const __m512 fa = _mm512_castsi512_ps(a), fb = _mm512_castsi512_ps(b);
+    const __m512i even = _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(2, 0, 2, 0)));
+    const __m512i odd = _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(even, odd);
+}
+
+/* 8 pairs [row a: 8 int32 | row b: 8 int32] -> the 16 rows' sums in row order */
+static inline __m512i hsum16(const __m512i p[8]) {
+    const __m512i a = hadd512(hadd512(p[0], p[1]), hadd512(p[2], p[3]));
+    const __m512i b = hadd512(hadd512(p[4], p[5]), hadd512(p[6], p[7]));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline int pair_row(int p, int h) { return p < 4 ? p + 4 * h : p + 4 + 4 * h; }
+
+static inline __attribute__((always_inline)) void
+itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_block *xb, int r,
+           int add, const int NT, const int32_t type) {
+    const int q6 = type == WS_TYPE_Q6_K;
+    const int has_min = type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K;
+    const int gathered = type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
+                         type == WS_TYPE_Q5_0;
+    __m512 acc[WS_XQ_TOKENS];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    int32_t idx[16];
+    for (int i = 0; i < 16; i++) idx[i] = (int32_t)(w[i] - w[0]);
+    const __m512i vidx = _mm512_loadu_si512((const void *)idx);
+    float ks[3][8][16]; /* K-quants: kscales of the current 256-element block */
+    for (int b = 0; b < xb->nb; b++) {
+        __m512i wv[8][2];
+        for (int p = 0; p < 8; p++) {
+            __m256i wa[2], wb[2];
+            iweights16(type, w[pair_row(p, 0)], b, wa);
+            iweights16(type, w[pair_row(p, 1)], b, wb);
+            for (int h = 0; h < 2; h++)
+                wv[p][h] = _mm512_inserti64x4(_mm512_castsi256_si512(wa[h]), wb[h], 1);
+        }
+        __m512 vdw, vdw2 = _mm512_setzero_ps(), vmw = _mm512_setzero_ps();
+        if (gathered) {
+            const __m512i g = _mm512_i32gather_epi32(
+                vidx, (const void *)(w[0] + (size_t)b * row_bytes_of(type, 32)), 1);
+            vdw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            if (type == WS_TYPE_Q4_1)
+                vmw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+        } else {
+            if (b % 8 == 0) kscales(type, w, 16, b / 8, ks);
+            vdw = _mm512_loadu_ps(ks[0][b % 8]);
+            vdw2 = _mm512_loadu_ps(ks[1][b % 8]);
+            vmw = _mm512_loadu_ps(ks[2][b % 8]);
+        }
+        for (int t = 0; t < NT; t++) {
+            const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
+            const __m512i x0 = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(const void *)xq));
+            const __m512i x1 = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(const void *)(xq + 16)));
+            const size_t tb = (size_t)t * xb->nb + b;
+            const __m512 dx = _mm512_set1_ps(xb->d[tb]);
+            __m512i pr[8];
+            if (q6) {
+                __m512i pr2[8];
+                for (int p = 0; p < 8; p++) {
+                    pr[p] = dot_i16x2(_mm512_setzero_si512(), wv[p][0], x0);
+                    pr2[p] = dot_i16x2(_mm512_setzero_si512(), wv[p][1], x1);
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw, dx), _mm512_cvtepi32_ps(hsum16(pr)),
+                                         acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw2, dx),
+                                         _mm512_cvtepi32_ps(hsum16(pr2)), acc[t]);
+            } else {
+                for (int p = 0; p < 8; p++)
+                    pr[p] = dot_i16x2(dot_i16x2(_mm512_setzero_si512(), wv[p][0], x0), wv[p][1],
+                                      x1);
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw, dx), _mm512_cvtepi32_ps(hsum16(pr)),
+                                         acc[t]);
+            }
+            if (has_min) acc[t] = _mm512_fmadd_ps(vmw, _mm512_set1_ps(xb->s[tb]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) {
+        float v[16];
+        _mm512_storeu_ps(v, acc[t]);
+        float *o = out + (size_t)t * ldo + r;
+        for (int i = 0; i < nrows; i++) o[i] = add ? o[i] + v[i] : v[i];
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void
 imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, int r1, int add,
            const int NT, const int32_t type) {
-    const size_t rb = (size_t)xb->nb * iblock_bytes(type);
-    for (int r = r0; r < r1; r += 8) {
+    const size_t rb = row_bytes_of(type, W->cols);
+    int r = r0;
+#if WS_AVX512
+    for (; r + 8 < r1; r += 16) { /* more than 8 rows left: 16 (repeating the last) */
+        const int nrows = r1 - r < 16 ? r1 - r : 16;
+        const uint8_t *w[16];
+        for (int i = 0; i < 16; i++)
+            w[i] = (const uint8_t *)W->data + (size_t)(r + (i < nrows ? i : nrows - 1)) * rb;
+        itile_16xt(out, ldo, w, nrows, xb, r, add, NT, type);
+    }
+#endif
+    for (; r < r1; r += 8) {
         const int nrows = r1 - r < 8 ? r1 - r : 8;
         const uint8_t *w[8];
         for (int i = 0; i < 8; i++)
@@ -1156,8 +1266,11 @@ WS_IMATMUL(Q8_0)
 WS_IMATMUL(Q4_0)
 WS_IMATMUL(Q4_1)
 WS_IMATMUL(Q5_0)
+WS_IMATMUL(Q4_K)
+WS_IMATMUL(Q5_K)
+WS_IMATMUL(Q6_K)
 
-/* out (+)= W . X over 8-bit activations, WS_XQ_TOKENS tokens at a time */
+/* out (+)= W . X over 16-bit activations, WS_XQ_TOKENS tokens at a time */
 static void matmul_int(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0,
                        int r1, int nt, int add, void *scratch) {
     for (int t0 = 0; t0 < nt; t0 += WS_XQ_TOKENS) {
@@ -1168,7 +1281,44 @@ static void matmul_int(float *out, int ldo, const ws_tensor *W, const float *X, 
         case WS_TYPE_Q8_0: imatmul_Q8_0(o, ldo, W, &xb, r0, r1, n, add); break;
         case WS_TYPE_Q4_0: imatmul_Q4_0(o, ldo, W, &xb, r0, r1, n, add); break;
         case WS_TYPE_Q4_1: imatmul_Q4_1(o, ldo, W, &xb, r0, r1, n, add); break;
-        default: imatmul_Q5_0(o, ldo, W, &xb, r0, r1, n, add); break;
+        case WS_TYPE_Q5_0: imatmul_Q5_0(o, ldo, W, &xb, r0, r1, n, add); break;
+        case WS_TYPE_Q4_K: imatmul_Q4_K(o, ldo, W, &xb, r0, r1, n, add); break;
+        case WS_TYPE_Q5_K: imatmul_Q5_K(o, ldo, W, &xb, r0, r1, n, add); break;
+        default: imatmul_Q6_K(o, ldo, W, &xb, r0, r1, n, add); break;
+        }
+    }
+}
+
+void ws_matmul(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0,
+               int r1, int nt, int add, float *scratch) {
+    const int n = W->cols;
+    if (W->type == WS_TYPE_F32) {
+        matmul_f32(out, ldo, (const float *)W->data, X, ldx, n, r0, r1, nt, add);
+        return;
+    }
+    if (is_int_type(W->type)) {
+        matmul_int(out, ldo, W, X, ldx, r0, r1, nt, add, scratch);
+        return;
+    }
+    if (nt == 1) {
+        matvec_typed(out, W, X, r0, r1, add);
+        return;
+    }
+    if (nt <= WS_REG_TOKENS) {
+        matmul_small_typed(out, ldo, W, X, ldx, r0, r1, nt, add);
+        return;
+    }
+    for (int tb = 0; tb < nt; tb += WS_TOKEN_BLOCK) {
+        const int te = tb + WS_TOKEN_BLOCK < nt ? tb + WS_TOKEN_BLOCK : nt;
+        int r = r0;
+        for (; r + 4 <= r1; r += 4) {
+            for (int i = 0; i < 4; i++) unpack_row(W->type, row_ptr(W, r + i), n, scratch + (size_t)i * n);
+            tiles_4rows(out + r, ldo, scratch, X, ldx, n, 0, tb, te, add);
+        }
+        for (; r < r1; r++) {
+            unpack_row(W->type, row_ptr(W, r), n, scratch);
+            for (int t = tb; t < te; t++)
+                store_out(out + (size_t)t * ldo + r, dot(scratch, X + (size_t)t * ldx, n), add);
         }
     }
 }
@@ -1199,21 +1349,9 @@ ws_status ws_tensor_matmul(const ws_tensor *t, const float *x, int32_t nt, float
                            size_t cap) {
     if (!tensor_ok(t) || !x || !out || nt <= 0) return WS_ERR_INVALID_ARGUMENT;
     if (cap / (size_t)nt < (size_t)t->rows) return WS_ERR_BUFFER_TOO_SMALL;
-    float *scratch = malloc(sizeof(float) * 4 * (size_t)t->cols);
+    float *scratch = malloc(WS_MATMUL_SCRATCH_BYTES(t->cols));
     if (!scratch) return WS_ERR_OUT_OF_MEMORY;
     ws_matmul(out, t->rows, t, x, t->cols, 0, t->rows, nt, 0, scratch);
-    free(scratch);
-    return WS_OK;
-}
-
-ws_status ws_tensor_matmul_q8(const ws_tensor *t, const float *x, int32_t nt, float *out,
-                              size_t cap) {
-    if (!tensor_ok(t) || !x || !out || nt <= 0 || !is_int_type(t->type))
-        return WS_ERR_INVALID_ARGUMENT;
-    if (cap / (size_t)nt < (size_t)t->rows) return WS_ERR_BUFFER_TOO_SMALL;
-    void *scratch = malloc(XQ_BYTES(t->cols));
-    if (!scratch) return WS_ERR_OUT_OF_MEMORY;
-    matmul_int(out, t->rows, t, x, t->cols, 0, t->rows, nt, 0, scratch);
     free(scratch);
     return WS_OK;
 }

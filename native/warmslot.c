@@ -332,7 +332,7 @@ struct ws_context {
     int32_t *tok_last;  /* [n_batch] last position of the token's slot in the chunk  */
     const uint8_t **rows; /* [n_threads][2][n_ctx] key and value row of each attended
                              position                                                 */
-    float *wbuf;       /* [n_threads][4][wbuf_cols] weight rows unpacked to floats */
+    float *wbuf;       /* [n_threads][WS_MATMUL_SCRATCH_BYTES(wbuf_cols) / 4] ws_matmul's scratch */
     int wbuf_cols;     /* the longest weight row: max(n_embd, n_ff, q_dim)       */
 
     /* the current chunk, read by every thread of the pool */
@@ -585,7 +585,8 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->vbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     ctx->wbuf_cols = hp->n_embd > hp->n_ff ? hp->n_embd : hp->n_ff;
     if (ctx->q_dim > ctx->wbuf_cols) ctx->wbuf_cols = ctx->q_dim;
-    ctx->wbuf = alloc_floats((size_t)params.n_threads * 4 * (size_t)ctx->wbuf_cols, &ok);
+    ctx->wbuf = alloc_floats((size_t)params.n_threads * (WS_MATMUL_SCRATCH_BYTES(ctx->wbuf_cols) /
+                                                         sizeof(float)), &ok);
     if (ok) {
         ctx->tokens = calloc((size_t)params.n_slots * (size_t)params.n_ctx, sizeof(int32_t));
         ctx->n_past = calloc((size_t)params.n_slots, sizeof(int32_t));
@@ -1002,7 +1003,7 @@ static void forward_worker(ws_context *ctx, int ith) {
 
     /* every thread normalises the whole chunk into its own buffer: no barrier needed */
     float *xn = ctx->xn + (size_t)ith * (size_t)ctx->params.n_batch * (size_t)E; /* [nt][E] */
-    float *wbuf = ctx->wbuf + (size_t)ith * 4 * (size_t)ctx->wbuf_cols; /* [4][cols] */
+    float *wbuf = ctx->wbuf + (size_t)ith * (WS_MATMUL_SCRATCH_BYTES(ctx->wbuf_cols) / sizeof(float));
     const int n_units = hp->n_head + 2 * hp->n_head_kv;
 
     const int gemma = hp->arch == WS_ARCH_GEMMA3;

@@ -104,16 +104,10 @@ const char *ws_type_name(int32_t type);
 ws_status ws_tensor_dequantize(const ws_tensor *t, int32_t row, int reference, float *out,
                                size_t cap);
 /* out[j][r] = the dot product of row r of t with x[j] ([nt][cols]), for every row r,
- * by the kernel a forward pass uses for a batch of nt tokens (out: [nt][rows]). */
+ * by the kernel a forward pass uses for a batch of nt tokens (out: [nt][rows]); for
+ * the integer types over x quantized to 16 bits per block of 32 (quant.c). */
 ws_status ws_tensor_matmul(const ws_tensor *t, const float *x, int32_t nt, float *out,
                            size_t cap);
-/* The same product over 8-bit activations (Q4_0, Q4_1, Q5_0, Q8_0 only, else
- * WS_ERR_INVALID_ARGUMENT): each token's x quantized per block of 32 (d = amax / 127,
- * q = rint(x * 127 / amax)), integer block dot products, one float scale per block.
- * The forward pass does not use it; kept for the tests and benchmarks. */
-ws_status ws_tensor_matmul_q8(const ws_tensor *t, const float *x, int32_t nt, float *out,
-                              size_t cap);
-
 /* Borrowed weights of one layer; matrices as [rows][cols], norms as F32. */
 typedef struct {
     const float *attn_norm;   /* [n_embd]                          */

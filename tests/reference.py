@@ -42,25 +42,6 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
-# weight types whose products native's ws_tensor_matmul_q8 computes over 8-bit
-# activations (the forward pass keeps F32 activations)
-INT8_ACTIVATION_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q8_0"})
-
-
-def quantize_activations(x: np.ndarray) -> np.ndarray:
-    """x as the core's 8-bit activation blocks stand for it: per token, blocks of 32
-    float32 values, d = amax / 127, q = rint(x * (127 / amax)) (nearest even; 0 for an
-    all-zero block), each value replaced by d * q. Every step in float32, as the core."""
-    x32 = np.asarray(x, dtype=np.float32)
-    blocks = x32.reshape(*x32.shape[:-1], -1, 32)
-    amax = np.abs(blocks).max(-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv)
-    d = (amax / np.float32(127)).astype(np.float32)
-    return (d.astype(np.float64) * q.astype(np.float64)).reshape(x.shape)
-
-
 class _Float64(dict):
     """Read access to F32 weights as float64, widened on each use."""
 

@@ -9,6 +9,7 @@ import pytest
 
 from inference_svc.core import Context, Model
 from tests.factory import Shape, write_model
+from tests.int16_model import INT_TYPES
 from tests.reference import forward
 
 pytestmark = pytest.mark.native
@@ -36,6 +37,13 @@ SHAPES = {
 }
 
 
+# Integer weight types multiply activations quantized to 16 bits per block of 32 (a step
+# of amax / 32767): on these random models that moves the logits by 1e-4..2e-4 of the
+# largest (measured: q4_0 1.4e-4, q6_k 1.9e-4, q4_k 3e-6), where 8 bits would move them
+# by ~3e-2. The bound sits between them and under the project's rule of 1e-3.
+INT_BOUND = 5e-4
+
+
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
@@ -58,7 +66,7 @@ def test_logits_match_reference(tmp_path: Path, name: str) -> None:
         ref = forward(model.hparams, model.content.dequantized(), tokens)
         got = ctx.decode(0, tokens, logits_all=True)
     assert got.shape == (40, shape.n_vocab)
-    assert rel_err(got, ref) < 1e-4
+    assert rel_err(got, ref) < (INT_BOUND if shape.dtype in INT_TYPES else 1e-4)
 
 
 def test_last_logits_equal_last_row_of_all(small_model_path: Path) -> None:

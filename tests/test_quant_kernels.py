@@ -1,11 +1,10 @@
 """The typed weight kernels: for every type, the build's unpacking equals the scalar
-unpacking and gguf's dequantizer bit for bit, and every product equals the canonical F32
-dot product over the unpacked row bit for bit, for 1..9 tokens (the one-token register
-path, the register path of 2..8 tokens and the unpacked-rows batch path), row counts
-that are not a multiple of the tile, and plain rows whose length is not a multiple of the
-SIMD width. The 8-bit-activation product (ws_tensor_matmul_q8: Q4_0, Q4_1, Q5_0, Q8_0) is
-the reference's quantized activations times the unpacked rows, with the same bits for
-every token count and build."""
+unpacking and gguf's dequantizer bit for bit. F32/F16/BF16 products equal the canonical
+F32 dot product over the row bit for bit, for 1..9 tokens (the one-token register path,
+the register path of 2..8 tokens and the unpacked-rows batch path), row counts that are
+not a multiple of the tile, and rows whose length is not a multiple of the SIMD width.
+Every integer type's product (16-bit activations) equals tests/int16_model.py's scalar
+model bit for bit, for every token count (decode, verification, prefill) and build."""
 
 from __future__ import annotations
 
@@ -16,14 +15,14 @@ import pytest
 from inference_svc.core.binding import ffi, lib
 from tests.factory import QUANT_TYPES, stored_bytes
 from tests.gemma3kit import gemma_path, needs_gemma3
-from tests.reference import INT8_ACTIVATION_TYPES, quantize_activations
+from tests.int16_model import INT_TYPES, dequantize_activations, fmaf32, product, quantize
 
 pytestmark = pytest.mark.native
 
 TYPE_IDS = {name: int(gguf.GGMLQuantizationType[name.upper()]) for name in
             ("f32", "f16", "bf16", *QUANT_TYPES)}
 K_TYPES = ("q4_k", "q5_k", "q6_k")
-INT_TYPES = sorted(t.lower() for t in INT8_ACTIVATION_TYPES)
+PLAIN_TYPES = ("f32", "f16", "bf16")
 
 
 def encode(values: np.ndarray, dtype: str, rng: np.random.Generator) -> np.ndarray:
@@ -56,13 +55,12 @@ class Tensor:
     def rows_f32(self, reference: bool = False) -> np.ndarray:
         return np.stack([self.row(r, reference) for r in range(self.rows)])
 
-    def matmul(self, x: np.ndarray, q8: bool = False) -> np.ndarray:
-        """W . x by the forward pass's kernels, or (q8) over 8-bit activations."""
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """W . x by the forward pass's kernels."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], self.rows), np.float32)
-        fn = lib.ws_tensor_matmul_q8 if q8 else lib.ws_tensor_matmul
-        assert fn(self.c, ffi.from_buffer("float[]", x), x.shape[0],
-                  ffi.from_buffer("float[]", out), out.size) == 0
+        assert lib.ws_tensor_matmul(self.c, ffi.from_buffer("float[]", x), x.shape[0],
+                                    ffi.from_buffer("float[]", out), out.size) == 0
         return out
 
 
@@ -96,7 +94,7 @@ def test_unpacking_matches_scalar_code_and_gguf(dtype: str) -> None:
         assert got.tobytes() == expected.astype(np.float32).tobytes(), dtype
 
 
-@pytest.mark.parametrize("dtype", sorted(TYPE_IDS))
+@pytest.mark.parametrize("dtype", PLAIN_TYPES)
 def test_products_are_the_canonical_dot_over_unpacked_rows(dtype: str) -> None:
     rng = np.random.default_rng(2)
     for rows, cols in sizes(dtype):
@@ -117,34 +115,42 @@ def test_products_are_the_canonical_dot_over_unpacked_rows(dtype: str) -> None:
 
 def tie_blocks(cols: int, rng: np.random.Generator) -> np.ndarray:
     """Activations whose quantization is decided by the rounding rule: blocks with
-    amax 127 (scale 1) holding exact halves (+-2.5, +-3.5, 0.5: nearest even rounds
+    amax 32767 (scale 1) holding exact halves (+-2.5, +-3.5, 0.5: nearest even rounds
     them to 2, 4, 0, away from zero would not), and one all-zero block."""
     x = rng.standard_normal(cols).astype(np.float32)
     x[:32] = 0.0
     for b in range(1, cols // 32, 2):
-        x[32 * b:32 * b + 6] = [127.0, 2.5, -2.5, 3.5, -3.5, 0.5]
+        x[32 * b:32 * b + 6] = [32767.0, 2.5, -2.5, 3.5, -3.5, 0.5]
     return x
 
 
+def int_sizes(dtype: str) -> list[tuple[int, int]]:
+    """(rows, cols): row counts that are not a multiple of the 8-row tile."""
+    return [(7, 256), (5, 768), (17, 512)] if dtype in K_TYPES else [(7, 32), (9, 96),
+                                                                      (17, 160), (6, 128)]
+
+
 @pytest.mark.parametrize("dtype", INT_TYPES)
-def test_int8_activation_products_match_the_quantized_reference(dtype: str) -> None:
-    """W . x is computed over the activations as tests/reference.py quantizes them: the
-    float64 product of its quantized activations with the unpacked rows, to float32
-    rounding (one activation quantized differently would be off by ~1e-2 of the scale),
-    with the bits of each token alone for every batch size (the one-token, verification
-    and prefill paths), ties included."""
+def test_integer_products_match_the_scalar_model(dtype: str) -> None:
+    """W . x is the scalar model's integer product bit for bit, for one token (decode),
+    2..8 (verification) and more (prefill, several groups of tokens), ties of the
+    activations' rounding included; each token alone gives the batch's bits; and the
+    result is the float64 product of the quantized activations with the unpacked rows
+    to float32 rounding."""
     rng = np.random.default_rng(2)
-    for rows, cols in [(7, 32), (9, 96), (17, 160), (6, 128)]:
+    for rows, cols in int_sizes(dtype):
         values = rng.standard_normal((rows, cols)).astype(np.float32)
-        t = Tensor(encode(values, dtype, rng), dtype, rows, cols)
+        raw = encode(values, dtype, rng).reshape(rows, -1)
+        t = Tensor(raw, dtype, rows, cols)
         unpacked = t.rows_f32().astype(np.float64)
         for nt in (1, 2, 5, 8, 9, 20):
             x = rng.standard_normal((nt, cols)).astype(np.float32)
             x[0] = tie_blocks(cols, rng)
-            got = t.matmul(x, q8=True)
-            alone = np.concatenate([t.matmul(x[i:i + 1], q8=True) for i in range(nt)])
+            got = t.matmul(x)
+            assert got.tobytes() == product(raw, dtype, cols, x).tobytes(), (dtype, rows, nt)
+            alone = np.concatenate([t.matmul(x[i:i + 1]) for i in range(nt)])
             assert alone.tobytes() == got.tobytes(), (dtype, rows, cols, nt)
-            ref = quantize_activations(x) @ unpacked.T
+            ref = dequantize_activations(x) @ unpacked.T
             scale = np.abs(x).max(1, keepdims=True) * np.abs(unpacked).sum(1)[None, :]
             assert (np.abs(got - ref) <= 1e-6 * scale).all(), (dtype, rows, cols, nt)
 
@@ -163,14 +169,14 @@ def native_variants() -> list[tuple[str, object]]:
 
 
 @pytest.mark.parametrize("dtype", INT_TYPES)
-def test_int8_activation_products_have_the_same_bits_in_every_build(dtype: str) -> None:
-    """VNNI (vpdpbusd), AVX2 (maddubs) and the scalar build sum the same integers and
-    combine the blocks in the same float order."""
+def test_integer_products_have_the_same_bits_in_every_build(dtype: str) -> None:
+    """AVX-512 VNNI (vpdpwssd), AVX2 (vpmaddwd) and the scalar build sum the same
+    integers and combine the blocks in the same float order."""
     variants = native_variants()
     if len(variants) < 2:
         pytest.skip("only one native build is present (make native-portable native-avx2)")
     rng = np.random.default_rng(5)
-    rows, cols = 19, 192
+    rows, cols = 19, 512
     raw = np.ascontiguousarray(encode(rng.standard_normal((rows, cols)).astype(np.float32),
                                       dtype, rng))
     x = rng.standard_normal((11, cols)).astype(np.float32)
@@ -182,28 +188,21 @@ def test_int8_activation_products_have_the_same_bits_in_every_build(dtype: str) 
         t.data, t.type, t.rows, t.cols = buf, TYPE_IDS[dtype], rows, cols
         for nt in (1, 4, 11):
             out = np.empty((nt, rows), np.float32)
-            assert mod.lib.ws_tensor_matmul_q8(t, mod.ffi.from_buffer("float[]", x[:nt]), nt,
-                                               mod.ffi.from_buffer("float[]", out),
-                                               out.size) == 0
+            assert mod.lib.ws_tensor_matmul(t, mod.ffi.from_buffer("float[]", x[:nt]), nt,
+                                            mod.ffi.from_buffer("float[]", out),
+                                            out.size) == 0
             digests.setdefault(nt, {})[name] = out.tobytes()
     for nt, by_build in digests.items():
         assert len(set(by_build.values())) == 1, (dtype, nt, sorted(by_build))
 
 
-def test_int8_activation_product_refuses_other_types() -> None:
-    t = Tensor(np.zeros((2, 64), np.uint8), "f16", 2, 32)
-    out = np.empty(2, np.float32)
-    x = np.ones(32, np.float32)
-    assert lib.ws_tensor_matmul_q8(t.c, ffi.from_buffer("float[]", x), 1,
-                                   ffi.from_buffer("float[]", out), out.size) == 1
-
-
 def test_activation_quantization_rounds_to_nearest_even() -> None:
     x = np.zeros(64, np.float32)
-    x[:6] = [127.0, 2.5, -2.5, 3.5, -3.5, 0.5]
-    q = quantize_activations(x[None, :])[0]
-    assert q[:6].tolist() == [127.0, 2.0, -2.0, 4.0, -4.0, 0.0]
-    assert not q[32:].any()  # an all-zero block stays zero
+    x[:6] = [32767.0, 2.5, -2.5, 3.5, -3.5, 0.5]
+    q, dx = quantize(x[None, :])
+    assert q[0, 0, :6].tolist() == [32767, 2, -2, 4, -4, 0]
+    assert dx[0].tolist() == [1.0, 0.0]
+    assert not q[0, 1].any()  # an all-zero block stays zero
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q5_0", "q8_0", *K_TYPES])
@@ -225,6 +224,21 @@ def test_random_blocks_every_bit_pattern(dtype: str) -> None:
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[dtype.upper()])
     assert t.rows_f32().tobytes() == expected.reshape(rows, cols).astype(np.float32).tobytes()
     assert t.rows_f32(reference=True).tobytes() == t.rows_f32().tobytes()
+    # the largest integers (Q8_0's -128, the ends of every range) against activations
+    # of +-32767: the integer sums stay exact
+    x = np.where(rng.random((3, cols)) < 0.5, -1.0, 1.0).astype(np.float32)
+    x[1] = rng.standard_normal(cols)
+    assert t.matmul(x).tobytes() == product(raw, dtype, cols, x).tobytes()
+
+
+def test_the_models_fused_multiply_add_rounds_once() -> None:
+    """(1 + 2^-23) * 2^-24 * (1 - 2^-23) + (1 + 2^-23) lies just below a float32
+    midpoint; in float64 it rounds onto the midpoint, and rounding that to float32
+    (ties to even) would give 1 + 2^-22. One rounding gives 1 + 2^-23."""
+    a, b, c = np.float32(1 + 2**-23), np.float32(2**-24 * (1 - 2**-23)), np.float32(1 + 2**-23)
+    assert np.float32(np.float64(a) * np.float64(b) + np.float64(c)) == np.float32(1 + 2**-22)
+    assert fmaf32(a, b, c) == np.float32(1 + 2**-23)
+    assert fmaf32(np.float32(3), np.float32(5), np.float32(-1)) == np.float32(14)
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -244,7 +258,7 @@ def test_bad_arguments_are_refused() -> None:
 @needs_gemma3
 def test_real_tensors_of_gemma3() -> None:
     """Real Q4_K, Q5_0, Q6_K, Q8_0 tensors (Gemma 3 270M Q4_K_M): the kernels unpack
-    them as gguf does and multiply them in the canonical order."""
+    them as gguf does and multiply them as the scalar model does."""
     from inference_svc.core.gguf_parse import parse
 
     data = np.fromfile(gemma_path(), dtype=np.uint8)
@@ -266,11 +280,7 @@ def test_real_tensors_of_gemma3() -> None:
         expected = gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
         assert unpacked.tobytes() == expected.tobytes(), info.name
         assert t.rows_f32(reference=True).tobytes() == unpacked.tobytes()
-        plain = Tensor(unpacked.view(np.uint8), "f32", rows, cols)
-        for nt in (1, 5):
+        for nt in (1, 5, 12):
             x = rng.standard_normal((nt, cols)).astype(np.float32)
-            assert t.matmul(x).tobytes() == plain.matmul(x).tobytes(), (info.name, nt)
-            if name in INT_TYPES:
-                ref = quantize_activations(x) @ unpacked.astype(np.float64).T
-                assert np.abs(t.matmul(x, q8=True) - ref).max() <= 1e-5 * np.abs(ref).max()
+            assert t.matmul(x).tobytes() == product(raw, name, cols, x).tobytes(), info.name
     assert {"q4_k", "q5_0", "q6_k", "q8_0"} <= seen
