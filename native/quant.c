@@ -1029,12 +1029,55 @@ iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
     *mw = _mm256_loadu_ps(ks[2][b % 8]);
 }
 
+/*
+ * The tokens' steps over block b of a tile, one text for both widths so that their float
+ * steps, hence their bits, are the same (P: the intrinsics' prefix, _mm256 or _mm512; S:
+ * its integer suffix; LOADX: 16 int16 activations as the width wants them; DOT / HSUM:
+ * the width's pairwise product and row-sum tree): per token, acc += (dw * dx) * (the rows'
+ * sums of w . x), Q6_K's second half likewise with dw2, then mw * (dx * sum q) for the
+ * types with a minimum.
+ */
+#define ITILE_TOKENS(P, S, LOADX, DOT, HSUM, acc, NT, xb, b, wv, vdw, vdw2, vmw, type)         \
+    for (int t_ = 0; t_ < (NT); t_++) {                                                        \
+        const int16_t *xq_ = (xb)->q + (size_t)t_ * (xb)->nb * 32 + 32 * (b);                  \
+        const __typeof__(LOADX(xq_)) x0_ = LOADX(xq_), x1_ = LOADX(xq_ + 16);                  \
+        const size_t tb_ = (size_t)t_ * (xb)->nb + (b);                                        \
+        const __typeof__(vdw) dx_ = P##_set1_ps((xb)->d[tb_]);                                 \
+        __typeof__(LOADX(xq_)) p_[8];                                                          \
+        if ((type) == WS_TYPE_Q6_K) {                                                          \
+            __typeof__(LOADX(xq_)) p2_[8];                                                     \
+            for (int i_ = 0; i_ < 8; i_++) {                                                   \
+                p_[i_] = DOT(P##_setzero_##S(), (wv)[i_][0], x0_);                             \
+                p2_[i_] = DOT(P##_setzero_##S(), (wv)[i_][1], x1_);                            \
+            }                                                                                  \
+            acc[t_] = P##_fmadd_ps(P##_mul_ps(vdw, dx_), P##_cvtepi32_ps(HSUM(p_)), acc[t_]);  \
+            acc[t_] = P##_fmadd_ps(P##_mul_ps(vdw2, dx_), P##_cvtepi32_ps(HSUM(p2_)), acc[t_]); \
+        } else {                                                                               \
+            for (int i_ = 0; i_ < 8; i_++)                                                     \
+                p_[i_] = DOT(DOT(P##_setzero_##S(), (wv)[i_][0], x0_), (wv)[i_][1], x1_);      \
+            acc[t_] = P##_fmadd_ps(P##_mul_ps(vdw, dx_), P##_cvtepi32_ps(HSUM(p_)), acc[t_]);  \
+        }                                                                                      \
+        if ((type) == WS_TYPE_Q4_1 || (type) == WS_TYPE_Q4_K || (type) == WS_TYPE_Q5_K)        \
+            acc[t_] = P##_fmadd_ps(vmw, P##_set1_ps((xb)->s[tb_]), acc[t_]);                   \
+    }
+
+/* a tile's results, lane i of acc[t] for row r + i of token t, stored or added to out */
+#define ITILE_STORE(P, acc, NT, out, ldo, r, nrows, add)                                       \
+    for (int t_ = 0; t_ < (NT); t_++) {                                                        \
+        float v_[16];                                                                          \
+        P##_storeu_ps(v_, acc[t_]);                                                            \
+        float *o_ = (out) + (size_t)t_ * (ldo) + (r);                                          \
+        for (int i_ = 0; i_ < (nrows); i_++) o_[i_] = (add) ? o_[i_] + v_[i_] : v_[i_];        \
+    }
+
+static inline __m256i load_x8(const int16_t *q) {
+    return _mm256_loadu_si256((const __m256i *)(const void *)q);
+}
+
 /* 8 rows (w[i]; a repeated row for a short tile) x NT tokens */
 static inline __attribute__((always_inline)) void
 itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_block *xb, int r,
           int add, const int NT, const int32_t type) {
-    const int q6 = type == WS_TYPE_Q6_K;
-    const int has_min = type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K;
     __m256 acc[WS_XQ_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     int32_t idx[8]; /* the rows' offsets from w[0], for the gathers of the scales */
@@ -1048,39 +1091,10 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
         if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
         __m256 vdw, vdw2, vmw;
         iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
-        for (int t = 0; t < NT; t++) {
-            const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xq);
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)(xq + 16));
-            const size_t tb = (size_t)t * xb->nb + b;
-            const __m256 dx = _mm256_set1_ps(xb->d[tb]);
-            __m256i p[8];
-            if (q6) {
-                __m256i p2[8];
-                for (int i = 0; i < 8; i++) {
-                    p[i] = dot_i16(_mm256_setzero_si256(), wv[i][0], x0);
-                    p2[i] = dot_i16(_mm256_setzero_si256(), wv[i][1], x1);
-                }
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(hsum8x8(p)),
-                                         acc[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx),
-                                         _mm256_cvtepi32_ps(hsum8x8(p2)), acc[t]);
-            } else {
-                for (int i = 0; i < 8; i++)
-                    p[i] = dot_i16(dot_i16(_mm256_setzero_si256(), wv[i][0], x0), wv[i][1], x1);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(hsum8x8(p)),
-                                         acc[t]);
-            }
-            if (has_min)
-                acc[t] = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[tb]), acc[t]);
-        }
+        ITILE_TOKENS(_mm256, si256, load_x8, dot_i16, hsum8x8, acc, NT, xb, b, wv, vdw, vdw2,
+                     vmw, type)
     }
-    for (int t = 0; t < NT; t++) {
-        float v[8];
-        _mm256_storeu_ps(v, acc[t]);
-        float *o = out + (size_t)t * ldo + r;
-        for (int i = 0; i < nrows; i++) o[i] = add ? o[i] + v[i] : v[i];
-    }
+    ITILE_STORE(_mm256, acc, NT, out, ldo, r, nrows, add)
 }
 #else
 static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows,
@@ -1145,13 +1159,16 @@ static inline __m512i hsum16(const __m512i p[8]) {
                             _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* 16 int16 activations in both 256-bit halves (each register holds two rows) */
+static inline __m512i load_x16(const int16_t *q) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(const void *)q));
+}
+
 static inline int pair_row(int p, int h) { return p < 4 ? p + 4 * h : p + 4 + 4 * h; }
 
 static inline __attribute__((always_inline)) void
 itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_block *xb, int r,
            int add, const int NT, const int32_t type) {
-    const int q6 = type == WS_TYPE_Q6_K;
-    const int has_min = type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K;
     const int gathered = type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
                          type == WS_TYPE_Q5_0;
     __m512 acc[WS_XQ_TOKENS];
@@ -1182,41 +1199,10 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
             vdw2 = _mm512_loadu_ps(ks[1][b % 8]);
             vmw = _mm512_loadu_ps(ks[2][b % 8]);
         }
-        for (int t = 0; t < NT; t++) {
-            const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
-            const __m512i x0 = _mm512_broadcast_i64x4(
-                _mm256_loadu_si256((const __m256i *)(const void *)xq));
-            const __m512i x1 = _mm512_broadcast_i64x4(
-                _mm256_loadu_si256((const __m256i *)(const void *)(xq + 16)));
-            const size_t tb = (size_t)t * xb->nb + b;
-            const __m512 dx = _mm512_set1_ps(xb->d[tb]);
-            __m512i pr[8];
-            if (q6) {
-                __m512i pr2[8];
-                for (int p = 0; p < 8; p++) {
-                    pr[p] = dot_i16x2(_mm512_setzero_si512(), wv[p][0], x0);
-                    pr2[p] = dot_i16x2(_mm512_setzero_si512(), wv[p][1], x1);
-                }
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw, dx), _mm512_cvtepi32_ps(hsum16(pr)),
-                                         acc[t]);
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw2, dx),
-                                         _mm512_cvtepi32_ps(hsum16(pr2)), acc[t]);
-            } else {
-                for (int p = 0; p < 8; p++)
-                    pr[p] = dot_i16x2(dot_i16x2(_mm512_setzero_si512(), wv[p][0], x0), wv[p][1],
-                                      x1);
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw, dx), _mm512_cvtepi32_ps(hsum16(pr)),
-                                         acc[t]);
-            }
-            if (has_min) acc[t] = _mm512_fmadd_ps(vmw, _mm512_set1_ps(xb->s[tb]), acc[t]);
-        }
+        ITILE_TOKENS(_mm512, si512, load_x16, dot_i16x2, hsum16, acc, NT, xb, b, wv, vdw, vdw2,
+                     vmw, type)
     }
-    for (int t = 0; t < NT; t++) {
-        float v[16];
-        _mm512_storeu_ps(v, acc[t]);
-        float *o = out + (size_t)t * ldo + r;
-        for (int i = 0; i < nrows; i++) o[i] = add ? o[i] + v[i] : v[i];
-    }
+    ITILE_STORE(_mm512, acc, NT, out, ldo, r, nrows, add)
 }
 #endif
 
