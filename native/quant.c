@@ -934,6 +934,12 @@ static inline __attribute__((always_inline)) void iweights16(const int32_t type,
             w[1] = _mm256_sub_epi16(w[1], _mm256_set1_epi16(8));
         } else if (type == WS_TYPE_Q5_0) { /* bit j of qh -> 16 in element j */
             const uint32_t qh = get_le32(b + 2);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+            /* nibble - 16 where the bit is clear: the same values in one masked step */
+            for (int h = 0; h < 2; h++)
+                w[h] = _mm256_mask_sub_epi16(w[h], (__mmask16)~(qh >> (16 * h)), w[h],
+                                             _mm256_set1_epi16(16));
+#else
             const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024,
                                                   2048, 4096, 8192, 16384, (short)0x8000);
             const __m256i sixteen = _mm256_set1_epi16(16);
@@ -943,15 +949,16 @@ static inline __attribute__((always_inline)) void iweights16(const int32_t type,
                 w[h] = _mm256_sub_epi16(_mm256_or_si256(w[h], _mm256_and_si256(set, sixteen)),
                                         sixteen);
             }
+#endif
         }
         return;
     }
     case WS_TYPE_Q4_K:
     case WS_TYPE_Q5_K: {
         const k4_sub k = k4_sub_block(type, row, c);
-        const int sh = 4 * (k.s & 1);
         for (int h = 0; h < 2; h++) {
-            w[h] = _mm256_and_si256(_mm256_srli_epi16(load16_u8(k.qs + 16 * h), sh), m4);
+            const __m256i v = load16_u8(k.qs + 16 * h); /* shifts by constants: cheaper */
+            w[h] = _mm256_and_si256(k.s & 1 ? _mm256_srli_epi16(v, 4) : v, m4);
             if (k.k5) {
                 const __m256i hb = _mm256_srli_epi16(load16_u8(k.qh + 16 * h), k.s);
                 w[h] = _mm256_or_si256(
@@ -962,13 +969,20 @@ static inline __attribute__((always_inline)) void iweights16(const int32_t type,
     }
     default: { /* Q6_K */
         const q6_sub k = q6_sub_block(row, c);
-        const int sh = k.g >= 2 ? 4 : 0;
         for (int h = 0; h < 2; h++) {
-            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(load16_u8(k.ql + 16 * h), sh), m4);
-            const __m256i hi = _mm256_and_si256(
-                _mm256_srli_epi16(load16_u8(k.qh + 16 * h), 2 * k.g), _mm256_set1_epi16(3));
-            w[h] = _mm256_sub_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)),
-                                    _mm256_set1_epi16(32));
+            /* bits 2g, 2g + 1 of qh to bits 4, 5, by shifts of constant counts */
+            const __m256i l = load16_u8(k.ql + 16 * h), qh = load16_u8(k.qh + 16 * h);
+            const __m256i lo = _mm256_and_si256(k.g >= 2 ? _mm256_srli_epi16(l, 4) : l, m4);
+            __m256i hi;
+            switch (k.g) {
+            case 0: hi = _mm256_slli_epi16(qh, 4); break;
+            case 1: hi = _mm256_slli_epi16(qh, 2); break;
+            case 2: hi = qh; break;
+            default: hi = _mm256_srli_epi16(qh, 2); break;
+            }
+            w[h] = _mm256_sub_epi16(
+                _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi16(0x30))),
+                _mm256_set1_epi16(32));
         }
         return;
     }

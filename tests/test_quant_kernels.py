@@ -211,7 +211,7 @@ def test_random_blocks_every_bit_pattern(dtype: str) -> None:
     finite f16 scales unpack as gguf's dequantizer does."""
     rng = np.random.default_rng(3)
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[dtype.upper()]]
-    rows, cols = 5, 4 * block
+    rows, cols = 21, 4 * block  # a 16-row tile and a tail
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     if dtype not in K_TYPES:  # the block's f16 scale(s) lead: keep them finite
         nscales = 2 if dtype == "q4_1" else 1
