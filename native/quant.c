@@ -1180,6 +1180,54 @@ static inline __m512i load_x16(const int16_t *q) {
 
 static inline int pair_row(int p, int h) { return p < 4 ? p + 4 * h : p + 4 + 4 * h; }
 
+/* 16 bytes at a and 16 at b as one 256-bit register */
+static inline __m256i join16(const uint8_t *a, const uint8_t *b) {
+    return _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)a)),
+        _mm_loadu_si128((const __m128i *)(const void *)b), 1);
+}
+
+/* block c of rows ra and rb as a pair's two registers (wv[h]: row ra's elements 16h ..
+   16h + 15, then row rb's; iweights16's values). The 32-element types widen both rows'
+   bytes in one instruction, the K-quants join two iweights16. */
+static inline __attribute__((always_inline)) void
+iweights_pair(const int32_t type, const uint8_t *ra, const uint8_t *rb, int c, __m512i wv[2]) {
+    switch (type) {
+    case WS_TYPE_Q8_0: {
+        const size_t o = (size_t)c * 34 + 2;
+        for (int h = 0; h < 2; h++)
+            wv[h] = _mm512_cvtepi8_epi16(join16(ra + o + 16 * h, rb + o + 16 * h));
+        return;
+    }
+    case WS_TYPE_Q4_0:
+    case WS_TYPE_Q4_1:
+    case WS_TYPE_Q5_0: {
+        const size_t bs = row_bytes_of(type, 32), o = (size_t)c * bs;
+        const __m512i v = _mm512_cvtepu8_epi16(join16(ra + o + bs - 16, rb + o + bs - 16));
+        wv[0] = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+        wv[1] = _mm512_srli_epi16(v, 4);
+        if (type == WS_TYPE_Q4_0)
+            for (int h = 0; h < 2; h++) wv[h] = _mm512_sub_epi16(wv[h], _mm512_set1_epi16(8));
+        if (type == WS_TYPE_Q5_0) { /* nibble - 16 where the element's fifth bit is clear */
+            const uint32_t qa = get_le32(ra + o + 2), qb = get_le32(rb + o + 2);
+            const uint32_t bits[2] = {(qa & 0xFFFFu) | qb << 16, qa >> 16 | (qb & 0xFFFF0000u)};
+            for (int h = 0; h < 2; h++)
+                wv[h] = _mm512_mask_sub_epi16(wv[h], (__mmask32)~bits[h], wv[h],
+                                              _mm512_set1_epi16(16));
+        }
+        return;
+    }
+    default: {
+        __m256i wa[2], wb[2];
+        iweights16(type, ra, c, wa);
+        iweights16(type, rb, c, wb);
+        for (int h = 0; h < 2; h++)
+            wv[h] = _mm512_inserti64x4(_mm512_castsi256_si512(wa[h]), wb[h], 1);
+        return;
+    }
+    }
+}
+
 static inline __attribute__((always_inline)) void
 itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_block *xb, int r,
            int add, const int NT, const int32_t type) {
@@ -1193,13 +1241,8 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
     float ks[3][8][16]; /* K-quants: kscales of the current 256-element block */
     for (int b = 0; b < xb->nb; b++) {
         __m512i wv[8][2];
-        for (int p = 0; p < 8; p++) {
-            __m256i wa[2], wb[2];
-            iweights16(type, w[pair_row(p, 0)], b, wa);
-            iweights16(type, w[pair_row(p, 1)], b, wb);
-            for (int h = 0; h < 2; h++)
-                wv[p][h] = _mm512_inserti64x4(_mm512_castsi256_si512(wa[h]), wb[h], 1);
-        }
+        for (int p = 0; p < 8; p++)
+            iweights_pair(type, w[pair_row(p, 0)], w[pair_row(p, 1)], b, wv[p]);
         __m512 vdw, vdw2 = _mm512_setzero_ps(), vmw = _mm512_setzero_ps();
         if (gathered) {
             const __m512i g = _mm512_i32gather_epi32(
