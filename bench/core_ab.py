@@ -1,14 +1,24 @@
 """The decoding core before and after a change, measured side by side.
 
     .venv/bin/python bench/core_ab.py --before REV [--reps 7] [--threads 2]
+    .venv/bin/python bench/core_ab.py --before REV --model PATH [--reps 16] [--threads 1]
 
 Checks REV out into a temporary git worktree, builds its native core there (with
-this venv), then runs the same probe alternately in fresh processes of the two
-trees (before, after, after, before, ...): a 512-token prefill, 128 decode steps
-after a 128-token prompt, a 4000-token prefill and 64 decode steps at 4000 tokens of
-context, on the bundled target. Prints a table and, last, one JSON line with the
-medians and the after/before ratios. Absolute rates on a shared 2-core machine move
-between runs; the ratios of one interleaved run are the figure to quote.
+this venv), then measures both trees. Prints a table and, last, one JSON line with
+the medians and the after/before ratios. Absolute rates on a shared 2-core machine
+move between runs; the ratios of one interleaved run are the figure to quote.
+
+Without --model: the same probe alternately in fresh processes of the two trees
+(before, after, after, before, ...): a 512-token prefill, 128 decode steps after a
+128-token prompt, a 4000-token prefill and 64 decode steps at 4000 tokens of context,
+on the bundled target (rates, tokens/s).
+
+With --model (any GGUF): one process per tree, each with the model loaded and warmed
+for the whole run, and the same calls sent to both in lockstep, alternating which
+goes first: a decode step and a 5-token verification (every token's logits) after a
+512-token prompt, each rolled back, and a 512-token prefill (times, ms). A process's
+memory layout moves its speed by several per cent, a neighbour's load moves it from
+minute to minute; lockstep calls in two long-lived processes cancel the second.
 """
 
 from __future__ import annotations
@@ -59,12 +69,76 @@ def probe(tree: Path, threads: int) -> dict[str, float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+WORKER = r'''
+import random, sys, time
+sys.path.insert(0, sys.argv[1])
+from inference_svc.core.model import Context, Model
+m = Model.load(sys.argv[2])
+rnd = random.Random(1)
+toks = [rnd.randrange(m.n_vocab) for _ in range(620)]
+c = Context(m, n_slots=1, n_ctx=640, n_threads=int(sys.argv[3]), n_batch=512)
+c.decode(0, toks[:512])
+n = c.n_tokens(0)
+def after_prompt(k):
+    t = time.perf_counter()
+    c.decode(0, toks[600:600 + k], logits_all=True)
+    d = time.perf_counter() - t
+    c.truncate(0, n)
+    return d
+def prefill():
+    c.truncate(0, 0)
+    t = time.perf_counter()
+    c.decode(0, toks[:512])
+    return time.perf_counter() - t
+calls = {"decode_ms": lambda: after_prompt(1), "verify5_ms": lambda: after_prompt(5),
+         "prefill_512_ms": prefill}
+print("ready", flush=True)
+for line in sys.stdin:
+    print(1e3 * calls[line.strip()](), flush=True)
+'''
+CALLS = ("decode_ms", "verify5_ms", "prefill_512_ms")
+
+
+def lockstep(trees: dict[str, Path], model: Path, threads: int,
+             reps: int) -> dict[str, list[dict[str, float]]]:
+    """Each call of CALLS sent to both trees' workers in turn, reps times."""
+    procs = {k: subprocess.Popen([sys.executable, "-c", WORKER, str(t), str(model), str(threads)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for k, t in trees.items()}
+    try:
+        for k, p in procs.items():
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the {k} worker did not start")
+        runs: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
+        for rep in range(reps):
+            row: dict[str, dict[str, float]] = {k: {} for k in trees}
+            for call in CALLS:
+                for k in (("before", "after") if rep % 2 == 0 else ("after", "before")):
+                    p = procs[k]
+                    assert p.stdin is not None and p.stdout is not None
+                    p.stdin.write(call + "\n")
+                    p.stdin.flush()
+                    row[k][call] = float(p.stdout.readline())
+            for k in trees:
+                runs[k].append(row[k])
+        return runs
+    finally:
+        for p in procs.values():
+            if p.stdin:
+                p.stdin.close()
+            p.wait(timeout=60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", default="HEAD~1", help="git revision to compare against")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", type=Path, help="a GGUF: lockstep calls (see above)")
+    ap.add_argument("--reps", type=int, default=None, help="default 7, with --model 16")
+    ap.add_argument("--threads", type=int, default=None, help="default 2, with --model 1")
     a = ap.parse_args()
+    reps = a.reps or (16 if a.model else 7)
+    threads = a.threads or (1 if a.model else 2)
     rev = subprocess.run(["git", "rev-parse", "--short", a.before], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout.strip()
     tmp = Path(tempfile.mkdtemp(prefix="warmslot-ab-"))
@@ -77,10 +151,13 @@ def main() -> int:
                        cwd=before, check=True, capture_output=True,
                        env={**os.environ, "PYTHONPATH": str(before)})
         trees = {"before": before, "after": ROOT}
-        runs: dict[str, list[dict[str, float]]] = {k: [] for k in trees}
-        for rep in range(a.reps):
-            for k in (("before", "after") if rep % 2 == 0 else ("after", "before")):
-                runs[k].append(probe(trees[k], a.threads))
+        if a.model:
+            runs = lockstep(trees, a.model.resolve(), threads, reps)
+        else:
+            runs = {k: [] for k in trees}
+            for rep in range(reps):
+                for k in (("before", "after") if rep % 2 == 0 else ("after", "before")):
+                    runs[k].append(probe(trees[k], threads))
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT,
                        capture_output=True)
@@ -88,10 +165,11 @@ def main() -> int:
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     ratio = {m: round(med["after"][m] / med["before"][m], 3) for m in med["after"]}
     for m in med["after"]:
-        print(f"{m:18s} before {med['before'][m]:9.0f}  after {med['after'][m]:9.0f}  "
-              f"{ratio[m]:.2f}x")
-    print(json.dumps({"bench": "core_ab", "before": rev, "reps": a.reps, "threads": a.threads,
-                      "median": {k: {m: round(x, 1) for m, x in v.items()}
+        print(f"{m:18s} before {med['before'][m]:9.1f}  after {med['after'][m]:9.1f}  "
+              f"{ratio[m]:.3f}x")
+    print(json.dumps({"bench": "core_ab", "before": rev, "model": str(a.model or "target.gguf"),
+                      "reps": reps, "threads": threads,
+                      "median": {k: {m: round(x, 2) for m, x in v.items()}
                                  for k, v in med.items()},
                       "after_vs_before": ratio,
                       "samples": {k: v for k, v in runs.items()}}))
