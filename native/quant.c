@@ -1180,6 +1180,59 @@ static inline __m512i load_x16(const int16_t *q) {
 
 static inline int pair_row(int p, int h) { return p < 4 ? p + 4 * h : p + 4 + 4 * h; }
 
+/* kscales for 16 rows (vidx: their offsets from w[0]), lanes for rows: the packed scales
+   gathered and decoded in vectors, the same integers and the same float products */
+static inline __attribute__((always_inline)) void
+kscales16(const int32_t type, const uint8_t *w0, __m512i vidx, int kb, float ks[3][8][16]) {
+    const __m512i b6 = _mm512_set1_epi32(63), b4 = _mm512_set1_epi32(0xF);
+    if (type == WS_TYPE_Q6_K) {
+        const uint8_t *blk = w0 + (size_t)kb * 210;
+        __m512i sc[4]; /* the 16 int8 scales, 4 per lane each */
+        for (int k = 0; k < 4; k++) sc[k] = _mm512_i32gather_epi32(vidx, blk + 192 + 4 * k, 1);
+        /* d: the f16 at 208, as the high half of the dword at 206 (inside the block) */
+        const __m512i gd = _mm512_i32gather_epi32(vidx, blk + 206, 1);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(gd, 16)));
+        for (int j = 0; j < 8; j++)
+            for (int h = 0; h < 2; h++) {
+                const int e = 2 * j + h; /* scale e: byte e % 4 of sc[e / 4], sign-extended */
+                const __m512i v =
+                    _mm512_srai_epi32(_mm512_slli_epi32(sc[e / 4], 24 - 8 * (e % 4)), 24);
+                _mm512_storeu_ps(ks[h][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
+            }
+        for (int j = 0; j < 8; j++) _mm512_storeu_ps(ks[2][j], _mm512_setzero_ps());
+        return;
+    }
+    const uint8_t *blk = w0 + (size_t)kb * (type == WS_TYPE_Q5_K ? 176 : 144);
+    const __m512i g = _mm512_i32gather_epi32(vidx, blk, 1); /* d | dmin */
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    __m512i q[3]; /* the 12 scale bytes, 4 per lane each (scale_min_k4's q) */
+    for (int k = 0; k < 3; k++) q[k] = _mm512_i32gather_epi32(vidx, blk + 4 + 4 * k, 1);
+    for (int j = 0; j < 8; j++) {
+        const int sh = 8 * (j % 4);
+        __m512i sc, mn;
+        if (j < 4) {
+            sc = _mm512_and_si512(_mm512_srli_epi32(q[0], sh), b6);
+            mn = _mm512_and_si512(_mm512_srli_epi32(q[1], sh), b6);
+        } else {
+            const __m512i hi2 = _mm512_set1_epi32(3);
+            const __m512i t = _mm512_srli_epi32(q[2], sh);
+            sc = _mm512_or_si512(
+                _mm512_and_si512(t, b4),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q[0], sh + 6), hi2), 4));
+            mn = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32(t, 4), b4),
+                _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q[1], sh + 6), hi2), 4));
+        }
+        _mm512_storeu_ps(ks[0][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_storeu_ps(ks[1][j], _mm512_setzero_ps());
+        /* -(dmin * m): the product, then its sign flipped */
+        const __m512i dm = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+        _mm512_storeu_ps(ks[2][j], _mm512_castsi512_ps(
+                                       _mm512_xor_si512(dm, _mm512_set1_epi32((int)0x80000000u))));
+    }
+}
+
 /* 16 bytes at a and 16 at b as one 256-bit register */
 static inline __m256i join16(const uint8_t *a, const uint8_t *b) {
     return _mm256_inserti128_si256(
@@ -1251,7 +1304,7 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
             if (type == WS_TYPE_Q4_1)
                 vmw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
         } else {
-            if (b % 8 == 0) kscales(type, w, 16, b / 8, ks);
+            if (b % 8 == 0) kscales16(type, w[0], vidx, b / 8, ks);
             vdw = _mm512_loadu_ps(ks[0][b % 8]);
             vdw2 = _mm512_loadu_ps(ks[1][b % 8]);
             vmw = _mm512_loadu_ps(ks[2][b % 8]);
