@@ -15,7 +15,7 @@
  * Integer types (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K): activations quantized to
  * 16 bits per block of 32, exact integer block sums, one float order per output
  * element (see "integer products" below). Decode, verification and prefill all run
- * that one kernel, 8 tokens at a time, each weight block unpacked once per 8 tokens.
+ * that one kernel, up to 16 tokens at a time, each weight block unpacked once for them.
  *
  * The unpacking of a block to floats (unpack32_ref) follows ggml's dequantizers: small
  * integers times the block scale, exact for every type but Q6_K, whose one rounding is
@@ -1350,7 +1350,8 @@ imatmul(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, int
     case 5: imatmul_nt(out, ldo, W, xb, r0, r1, add, 5, type); break;
     case 6: imatmul_nt(out, ldo, W, xb, r0, r1, add, 6, type); break;
     case 7: imatmul_nt(out, ldo, W, xb, r0, r1, add, 7, type); break;
-    default: imatmul_nt(out, ldo, W, xb, r0, r1, add, 8, type); break;
+    case 8: imatmul_nt(out, ldo, W, xb, r0, r1, add, 8, type); break;
+    default: imatmul_nt(out, ldo, W, xb, r0, r1, add, WS_XQ_TOKENS, type); break;
     }
 }
 
@@ -1366,11 +1367,12 @@ WS_IMATMUL(Q4_K)
 WS_IMATMUL(Q5_K)
 WS_IMATMUL(Q6_K)
 
-/* out (+)= W . X over 16-bit activations, WS_XQ_TOKENS tokens at a time */
+/* out (+)= W . X over 16-bit activations: WS_XQ_TOKENS tokens at a time, a rest of
+   9..15 as 8 and then the others (the tiles are compiled for 1..8 and 16 tokens) */
 static void matmul_int(float *out, int ldo, const ws_tensor *W, const float *X, int ldx, int r0,
                        int r1, int nt, int add, void *scratch) {
-    for (int t0 = 0; t0 < nt; t0 += WS_XQ_TOKENS) {
-        const int n = nt - t0 < WS_XQ_TOKENS ? nt - t0 : WS_XQ_TOKENS;
+    for (int t0 = 0, n; t0 < nt; t0 += n) {
+        n = nt - t0 >= WS_XQ_TOKENS ? WS_XQ_TOKENS : nt - t0 > 8 ? 8 : nt - t0;
         const xq_block xb = quantize_tokens(X, ldx, W->cols, t0, n, scratch);
         float *o = out + (size_t)t0 * ldo;
         switch (W->type) {

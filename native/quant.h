@@ -14,7 +14,7 @@ int ws_type_block(int32_t type);
 void ws_row_f32(const ws_tensor *t, int32_t row, float *out);
 
 /* tokens whose activations an integer product quantizes at once */
-#define WS_XQ_TOKENS 8
+#define WS_XQ_TOKENS 16
 
 /* bytes of WS_XQ_TOKENS tokens of rows of `cols` elements as 16-bit activations
    with two floats per block of 32 */
