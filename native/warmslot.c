@@ -1050,14 +1050,23 @@ static void forward_worker(ws_context *ctx, int ith) {
         }
         pool_barrier(pool);
 
-        /* attention: one task per (token, query head), split evenly over the threads;
-           a thread's consecutive heads of one token and KV head run together */
-        split_range(nt * hp->n_head, ith, nth, 1, &a, &b);
-        for (int i = a; i < b;) {
-            const int t = i / hp->n_head, h = i % hp->n_head;
-            const int he = b - i < hp->n_head - h ? h + (b - i) : hp->n_head;
-            attend(ctx, ith, tslot[t], l, tpos[t], t, h, he);
-            i += he - h;
+        /* attention. A chunk of many tokens (a prefill) deals its tokens out in turn, so
+           that the threads share its later tokens' longer contexts alike (contiguous
+           halves would give one thread three quarters of a causal prefill's work). A few
+           tokens (decode, verification): one task per (token, query head), split evenly
+           over the threads, a thread's consecutive heads of one token and KV head run
+           together. Which thread runs a task does not change its arithmetic. */
+        if (nt >= 4 * nth) {
+            for (int t = ith; t < nt; t += nth)
+                attend(ctx, ith, tslot[t], l, tpos[t], t, 0, hp->n_head);
+        } else {
+            split_range(nt * hp->n_head, ith, nth, 1, &a, &b);
+            for (int i = a; i < b;) {
+                const int t = i / hp->n_head, h = i % hp->n_head;
+                const int he = b - i < hp->n_head - h ? h + (b - i) : hp->n_head;
+                attend(ctx, ith, tslot[t], l, tpos[t], t, h, he);
+                i += he - h;
+            }
         }
         pool_barrier(pool);
         if (local) ring_commit(ctx, l, ith, nth, nt);
