@@ -1186,7 +1186,7 @@ static inline __attribute__((always_inline)) void
 kscales16(const int32_t type, const uint8_t *w0, __m512i vidx, int kb, float ks[3][8][16]) {
     const __m512i b6 = _mm512_set1_epi32(63), b4 = _mm512_set1_epi32(0xF);
     if (type == WS_TYPE_Q6_K) {
-        const uint8_t *blk = w0 + (size_t)kb * 210;
+        const uint8_t *blk = w0 + (size_t)kb * row_bytes_of(type, 256);
         __m512i sc[4]; /* the 16 int8 scales, 4 per lane each */
         for (int k = 0; k < 4; k++) sc[k] = _mm512_i32gather_epi32(vidx, blk + 192 + 4 * k, 1);
         /* d: the f16 at 208, as the high half of the dword at 206 (inside the block) */
@@ -1202,10 +1202,13 @@ kscales16(const int32_t type, const uint8_t *w0, __m512i vidx, int kb, float ks[
         for (int j = 0; j < 8; j++) _mm512_storeu_ps(ks[2][j], _mm512_setzero_ps());
         return;
     }
-    const uint8_t *blk = w0 + (size_t)kb * (type == WS_TYPE_Q5_K ? 176 : 144);
+    const uint8_t *blk = w0 + (size_t)kb * row_bytes_of(type, 256);
     const __m512i g = _mm512_i32gather_epi32(vidx, blk, 1); /* d | dmin */
     const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+    /* -dmin: -(dmin * m) is (-dmin) * m exactly (rounding is symmetric in sign) */
+    const __m512 ndmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))),
+        _mm512_set1_epi32((int)0x80000000u)));
     __m512i q[3]; /* the 12 scale bytes, 4 per lane each (scale_min_k4's q) */
     for (int k = 0; k < 3; k++) q[k] = _mm512_i32gather_epi32(vidx, blk + 4 + 4 * k, 1);
     for (int j = 0; j < 8; j++) {
@@ -1226,10 +1229,7 @@ kscales16(const int32_t type, const uint8_t *w0, __m512i vidx, int kb, float ks[
         }
         _mm512_storeu_ps(ks[0][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
         _mm512_storeu_ps(ks[1][j], _mm512_setzero_ps());
-        /* -(dmin * m): the product, then its sign flipped */
-        const __m512i dm = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
-        _mm512_storeu_ps(ks[2][j], _mm512_castsi512_ps(
-                                       _mm512_xor_si512(dm, _mm512_set1_epi32((int)0x80000000u))));
+        _mm512_storeu_ps(ks[2][j], _mm512_mul_ps(ndmin, _mm512_cvtepi32_ps(mn)));
     }
 }
 
@@ -1247,7 +1247,7 @@ static inline __attribute__((always_inline)) void
 iweights_pair(const int32_t type, const uint8_t *ra, const uint8_t *rb, int c, __m512i wv[2]) {
     switch (type) {
     case WS_TYPE_Q8_0: {
-        const size_t o = (size_t)c * 34 + 2;
+        const size_t o = (size_t)c * row_bytes_of(type, 32) + 2;
         for (int h = 0; h < 2; h++)
             wv[h] = _mm512_cvtepi8_epi16(join16(ra + o + 16 * h, rb + o + 16 * h));
         return;
