@@ -1281,6 +1281,113 @@ iweights_pair(const int32_t type, const uint8_t *ra, const uint8_t *rb, int c, _
     }
 }
 
+/* The 16 rows of a tile are read as 16 short interleaved streams, which the hardware
+   prefetcher follows poorly: block b of nb prefetches its share of the next tile's
+   bytes (contiguous, next_len of them) */
+static inline void prefetch_share(const uint8_t *next, size_t next_len, int nb, int b) {
+    const size_t step = (next_len / (size_t)nb + 63) & ~(size_t)63;
+    for (size_t o = (size_t)b * step; o < (size_t)(b + 1) * step && o < next_len; o += 64)
+        _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+}
+
+/* the f16 scales (and Q4_1's minimums) of block b of 16 rows of a 32-element type */
+static inline __attribute__((always_inline)) void
+gathered_scales(const int32_t type, const uint8_t *w0, __m512i vidx, int b, __m512 *dw,
+                __m512 *mw) {
+    const __m512i g =
+        _mm512_i32gather_epi32(vidx, (const void *)(w0 + (size_t)b * row_bytes_of(type, 32)), 1);
+    *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    *mw = type == WS_TYPE_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
+                               : _mm512_setzero_ps();
+}
+
+/* 8 bytes at each of 4 rows (offset o) as one 256-bit register, row a's first */
+static inline __m256i join8x4(const uint8_t *a, const uint8_t *b, const uint8_t *c,
+                              const uint8_t *d, size_t o) {
+    const __m128d ab = _mm_loadh_pd(
+        _mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)(const void *)(a + o))),
+        (const double *)(const void *)(b + o));
+    const __m128d cd = _mm_loadh_pd(
+        _mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)(const void *)(c + o))),
+        (const double *)(const void *)(d + o));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_castpd_si128(ab)),
+                                   _mm_castpd_si128(cd), 1);
+}
+
+/* Block c of four rows r[0..4) as a quad's four registers: wq[s] holds elements 8s ..
+   8s + 7 of each row, one row per 128-bit lane (iweights16's values), for the
+   32-element types */
+static inline __attribute__((always_inline)) void
+iweights_quad(const int32_t type, const uint8_t *const r[4], int c, __m512i wq[4]) {
+    const size_t bs = row_bytes_of(type, 32), o = (size_t)c * bs;
+    if (type == WS_TYPE_Q8_0) {
+        for (int s = 0; s < 4; s++)
+            wq[s] = _mm512_cvtepi8_epi16(join8x4(r[0], r[1], r[2], r[3], o + 2 + 8 * (size_t)s));
+        return;
+    }
+    const size_t qs = o + bs - 16;
+    for (int h = 0; h < 2; h++) { /* bytes 8h .. 8h + 7: elements 8h.. (low), 16 + 8h.. (high) */
+        const __m512i v = _mm512_cvtepu8_epi16(join8x4(r[0], r[1], r[2], r[3], qs + 8 * (size_t)h));
+        wq[h] = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+        wq[2 + h] = _mm512_srli_epi16(v, 4);
+    }
+    if (type == WS_TYPE_Q4_0)
+        for (int s = 0; s < 4; s++) wq[s] = _mm512_sub_epi16(wq[s], _mm512_set1_epi16(8));
+    if (type == WS_TYPE_Q5_0) { /* nibble - 16 where the element's fifth bit is clear */
+        uint32_t qh[4];
+        for (int i = 0; i < 4; i++) qh[i] = get_le32(r[i] + o + 2);
+        for (int s = 0; s < 4; s++) {
+            uint32_t m = 0;
+            for (int i = 0; i < 4; i++) m |= ((qh[i] >> (8 * s)) & 0xFFu) << (8 * i);
+            wq[s] = _mm512_mask_sub_epi16(wq[s], (__mmask32)~m, wq[s], _mm512_set1_epi16(16));
+        }
+    }
+}
+
+/* A prefill's 16 rows x 16 tokens for the 32-element types with four rows to a register
+   (quad q: rows q, q + 4, q + 8, q + 12, one per 128-bit lane), so that a token's block
+   leaves each row's sum in 4 lanes instead of 8 and a tree of 3 additions puts the 16
+   sums in row order. The integer sums are the same exact values, each lane then performs
+   its row's sequence: the bits of itile_16xt. */
+static inline __attribute__((always_inline)) void
+itile_16x16_quad(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_block *xb,
+                 int r, int add, const uint8_t *next, size_t next_len, const int32_t type) {
+    const int NT = WS_XQ_TOKENS;
+    __m512 acc[WS_XQ_TOKENS];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    int32_t idx[16];
+    for (int i = 0; i < 16; i++) idx[i] = (int32_t)(w[i] - w[0]);
+    const __m512i vidx = _mm512_loadu_si512((const void *)idx);
+    for (int b = 0; b < xb->nb; b++) {
+        prefetch_share(next, next_len, xb->nb, b);
+        __m512i wq[4][4];
+        for (int q = 0; q < 4; q++) {
+            const uint8_t *rq[4] = {w[q], w[q + 4], w[q + 8], w[q + 12]};
+            iweights_quad(type, rq, b, wq[q]);
+        }
+        __m512 vdw, vmw;
+        gathered_scales(type, w[0], vidx, b, &vdw, &vmw);
+        for (int t = 0; t < NT; t++) {
+            const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
+            __m512i xs[4];
+            for (int s = 0; s < 4; s++)
+                xs[s] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)(xq + 8 * s)));
+            __m512i a[4];
+            for (int q = 0; q < 4; q++) {
+                a[q] = dot_i16x2(_mm512_setzero_si512(), wq[q][0], xs[0]);
+                for (int s = 1; s < 4; s++) a[q] = dot_i16x2(a[q], wq[q][s], xs[s]);
+            }
+            const __m512i sum = hadd512(hadd512(a[0], a[1]), hadd512(a[2], a[3]));
+            const size_t tb = (size_t)t * xb->nb + b;
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(vdw, _mm512_set1_ps(xb->d[tb])),
+                                     _mm512_cvtepi32_ps(sum), acc[t]);
+            if (type == WS_TYPE_Q4_1)
+                acc[t] = _mm512_fmadd_ps(vmw, _mm512_set1_ps(xb->s[tb]), acc[t]);
+        }
+    }
+    ITILE_STORE(_mm512, acc, NT, out, ldo, r, nrows, add)
+}
+
 static inline __attribute__((always_inline)) void
 itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_block *xb, int r,
            int add, const uint8_t *next, size_t next_len, const int NT, const int32_t type) {
@@ -1292,23 +1399,14 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
     for (int i = 0; i < 16; i++) idx[i] = (int32_t)(w[i] - w[0]);
     const __m512i vidx = _mm512_loadu_si512((const void *)idx);
     float ks[3][8][16]; /* K-quants: kscales of the current 256-element block */
-    /* The 16 rows are read as 16 short interleaved streams, which the hardware
-       prefetcher follows poorly: the next tile's bytes (contiguous) are prefetched
-       here, an equal share of their cache lines per block. */
-    const size_t pf_step = (next_len / (size_t)xb->nb + 63) & ~(size_t)63;
     for (int b = 0; b < xb->nb; b++) {
-        for (size_t o = (size_t)b * pf_step; o < (size_t)(b + 1) * pf_step && o < next_len; o += 64)
-            _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+        prefetch_share(next, next_len, xb->nb, b);
         __m512i wv[8][2];
         for (int p = 0; p < 8; p++)
             iweights_pair(type, w[pair_row(p, 0)], w[pair_row(p, 1)], b, wv[p]);
         __m512 vdw, vdw2 = _mm512_setzero_ps(), vmw = _mm512_setzero_ps();
         if (gathered) {
-            const __m512i g = _mm512_i32gather_epi32(
-                vidx, (const void *)(w[0] + (size_t)b * row_bytes_of(type, 32)), 1);
-            vdw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-            if (type == WS_TYPE_Q4_1)
-                vmw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+            gathered_scales(type, w[0], vidx, b, &vdw, &vmw);
         } else {
             if (b % 8 == 0) kscales16(type, w[0], vidx, b / 8, ks);
             vdw = _mm512_loadu_ps(ks[0][b % 8]);
@@ -1334,8 +1432,12 @@ imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, 
         for (int i = 0; i < 16; i++)
             w[i] = (const uint8_t *)W->data + (size_t)(r + (i < nrows ? i : nrows - 1)) * rb;
         const int next_rows = r + 16 < r1 ? (r1 - r - 16 < 16 ? r1 - r - 16 : 16) : 0;
-        itile_16xt(out, ldo, w, nrows, xb, r, add, (const uint8_t *)W->data + (size_t)(r + 16) * rb,
-                   (size_t)next_rows * rb, NT, type);
+        const uint8_t *next = (const uint8_t *)W->data + (size_t)(r + 16) * rb;
+        if (NT == WS_XQ_TOKENS && (type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 ||
+                                   type == WS_TYPE_Q4_1 || type == WS_TYPE_Q5_0))
+            itile_16x16_quad(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, type);
+        else
+            itile_16xt(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, NT, type);
     }
 #endif
     for (; r < r1; r += 8) {
