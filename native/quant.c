@@ -1282,10 +1282,15 @@ iweights_pair(const int32_t type, const uint8_t *ra, const uint8_t *rb, int c, _
 }
 
 /* The 16 rows of a tile are read as 16 short interleaved streams, which the hardware
-   prefetcher follows poorly: block b of nb prefetches its share of the next tile's
-   bytes (contiguous, next_len of them) */
-static inline void prefetch_share(const uint8_t *next, size_t next_len, int nb, int b) {
-    const size_t step = (next_len / (size_t)nb + 63) & ~(size_t)63;
+   prefetcher follows poorly: each block of a tile prefetches an equal share of the next
+   tile's bytes (contiguous, next_len of them): step bytes (pf_step), from block b's. */
+static inline size_t pf_step(size_t next_len, int nb) {
+    return (next_len / (size_t)nb + 63) & ~(size_t)63;
+}
+
+static inline __attribute__((always_inline)) void prefetch_share(const uint8_t *next,
+                                                                 size_t next_len, size_t step,
+                                                                 int b) {
     for (size_t o = (size_t)b * step; o < (size_t)(b + 1) * step && o < next_len; o += 64)
         _mm_prefetch((const char *)next + o, _MM_HINT_T0);
 }
@@ -1358,8 +1363,9 @@ itile_16x16_quad(float *out, int ldo, const uint8_t *const w[16], int nrows, con
     int32_t idx[16];
     for (int i = 0; i < 16; i++) idx[i] = (int32_t)(w[i] - w[0]);
     const __m512i vidx = _mm512_loadu_si512((const void *)idx);
+    const size_t step = pf_step(next_len, xb->nb);
     for (int b = 0; b < xb->nb; b++) {
-        prefetch_share(next, next_len, xb->nb, b);
+        prefetch_share(next, next_len, step, b);
         __m512i wq[4][4];
         for (int q = 0; q < 4; q++) {
             const uint8_t *rq[4] = {w[q], w[q + 4], w[q + 8], w[q + 12]};
@@ -1399,8 +1405,9 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
     for (int i = 0; i < 16; i++) idx[i] = (int32_t)(w[i] - w[0]);
     const __m512i vidx = _mm512_loadu_si512((const void *)idx);
     float ks[3][8][16]; /* K-quants: kscales of the current 256-element block */
+    const size_t step = pf_step(next_len, xb->nb);
     for (int b = 0; b < xb->nb; b++) {
-        prefetch_share(next, next_len, xb->nb, b);
+        prefetch_share(next, next_len, step, b);
         __m512i wv[8][2];
         for (int p = 0; p < 8; p++)
             iweights_pair(type, w[pair_row(p, 0)], w[pair_row(p, 1)], b, wv[p]);
