@@ -711,6 +711,13 @@ static inline int is_int_type(int32_t type) {
            type == WS_TYPE_Q6_K;
 }
 
+/* the integer types of 32-element blocks, one f16 scale (and Q4_1's minimum) at each
+   block's start */
+static inline int is_block32_type(int32_t type) {
+    return type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
+           type == WS_TYPE_Q5_0;
+}
+
 /* a block of tokens' quantized activations: q [nt][n], dx, s [nt][n/32] */
 typedef struct {
     const int16_t *q;
@@ -1028,8 +1035,7 @@ static inline __m256 halves_ps(__m256i v, int hi) {
 static inline __attribute__((always_inline)) void
 iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
          const float ks[3][8][16], __m256 *dw, __m256 *dw2, __m256 *mw) {
-    if (type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
-        type == WS_TYPE_Q5_0) {
+    if (is_block32_type(type)) {
         const int bs = row_bytes_of(type, 32);
         const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)(w[0] + (size_t)b * bs),
                                                  vidx, 1);
@@ -1282,8 +1288,8 @@ iweights_pair(const int32_t type, const uint8_t *ra, const uint8_t *rb, int c, _
 }
 
 /* The 16 rows of a tile are read as 16 short interleaved streams, which the hardware
-   prefetcher follows poorly: each block of a tile prefetches an equal share of the next
-   tile's bytes (contiguous, next_len of them): step bytes (pf_step), from block b's. */
+   prefetcher follows poorly: block b of a tile prefetches bytes [b * step, (b + 1) * step)
+   of the next tile's next_len (contiguous), step = pf_step(next_len, blocks per row). */
 static inline size_t pf_step(size_t next_len, int nb) {
     return (next_len / (size_t)nb + 63) & ~(size_t)63;
 }
@@ -1397,8 +1403,7 @@ itile_16x16_quad(float *out, int ldo, const uint8_t *const w[16], int nrows, con
 static inline __attribute__((always_inline)) void
 itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_block *xb, int r,
            int add, const uint8_t *next, size_t next_len, const int NT, const int32_t type) {
-    const int gathered = type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
-                         type == WS_TYPE_Q5_0;
+    const int gathered = is_block32_type(type);
     __m512 acc[WS_XQ_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
     int32_t idx[16];
@@ -1440,8 +1445,7 @@ imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, 
             w[i] = (const uint8_t *)W->data + (size_t)(r + (i < nrows ? i : nrows - 1)) * rb;
         const int next_rows = r + 16 < r1 ? (r1 - r - 16 < 16 ? r1 - r - 16 : 16) : 0;
         const uint8_t *next = (const uint8_t *)W->data + (size_t)(r + 16) * rb;
-        if (NT == WS_XQ_TOKENS && (type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 ||
-                                   type == WS_TYPE_Q4_1 || type == WS_TYPE_Q5_0))
+        if (NT == WS_XQ_TOKENS && is_block32_type(type))
             itile_16x16_quad(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, type);
         else
             itile_16xt(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, NT, type);
