@@ -361,8 +361,7 @@ class Engine:
     def unbind_slot(self, slot: int) -> None:
         """Empties an idle slot and unbinds its session (engine thread)."""
         self.dec.clear(slot)
-        s = self.sched.slots[slot]
-        s.session, s.tokens = None, []
+        self.sched.slots[slot].session = None
 
     def slot_last_used_ms(self, slot: int) -> int:
         return self.sched.slots[slot].last_used_unix_ms
@@ -504,10 +503,11 @@ class Engine:
                     return
             else:
                 # a Chat's prompt is its session's whole conversation: what the session
-                # holds of it is kept, the rest processed (as cache_prompt does)
-                tokens = (dec.tokens(slot) if job.session is not None
-                          else self.sched.slots[slot].tokens)
-                common = common_prefix(tokens, p.prompt) if p.cache_prompt else 0
+                # holds of it is kept, the rest processed (as cache_prompt does). The
+                # slot's tokens are read from the core, their one source: moving a
+                # session out (sessions.enter) may have emptied the slot since it was
+                # last idle
+                common = common_prefix(dec.tokens(slot), p.prompt) if p.cache_prompt else 0
                 keep = min(common, len(p.prompt) - 1)
                 if 0 < keep < dec.keep_min(slot):
                     # the sliding-window layers no longer hold the window of position
