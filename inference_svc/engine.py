@@ -102,6 +102,11 @@ class GenJob(Job):
         self.counters0 = Counters()
         self.t_start = self.t_first = 0.0
         self.on_fail: Callable[[GenJob], None] | None = None  # ends a session reservation
+        # told the whole reply's text when the generation ends (a session's Chat keeps
+        # it); while set, the reply is collected
+        self.on_finish: Callable[[GenJob, str], None] | None = None
+        self.reply_tokens: list[int] = []
+        self.reply_text: list[str] = []  # with stop strings: the text sent
 
     def fail(self, exc: BaseException) -> None:
         self.running = False
@@ -508,6 +513,9 @@ class Engine:
                 # session out (sessions.enter) may have emptied the slot since it was
                 # last idle
                 common = common_prefix(dec.tokens(slot), p.prompt) if p.cache_prompt else 0
+                if job.session is not None:
+                    # turns the session held that the conversation does not repeat
+                    job.timings.session_n_discarded = max(dec.n_tokens(slot) - common, 0)
                 keep = min(common, len(p.prompt) - 1)
                 if 0 < keep < dec.keep_min(slot):
                     # the sliding-window layers no longer hold the window of position
@@ -626,6 +634,10 @@ class Engine:
                 reason = StopReason.MAX_TOKENS
                 break
         joined = "".join(text) if job.text is not None else None
+        if job.on_finish is not None:
+            job.reply_tokens += out
+            if joined:
+                job.reply_text.append(joined)
         out_lps = lps[:len(out)] if lps is not None else None
         if reason is not None:
             self._finish(job, reason, stop, out, joined, out_lps)
@@ -666,8 +678,18 @@ class Engine:
                 lps: list[TokenLogprob] | None = None) -> None:
         """Ends a generation: its last tokens and text go out with the timings."""
         if job.text is not None and reason is not StopReason.STOP_STRING:
-            text = (text or "") + job.text.flush()
+            tail = job.text.flush()
+            text = (text or "") + tail
+            job.reply_text.append(tail)
         tm = self._close_out(job)
+        if job.on_finish is not None:
+            reply = ("".join(job.reply_text) if job.text is not None
+                     else self.tokenizer.decode(job.reply_tokens))
+            try:
+                job.on_finish(job, reply)
+            except Exception:  # noqa: BLE001 - the generation itself succeeded
+                self.log.exception("recording the reply failed",
+                                   extra=log.fields(slot=job.slot))
         last = Chunk(tokens or [], text, lps) if tokens or text else None
         job.out.put(Finished(reason, tm, stop, job.params.seed, last))
         job.ended.set()

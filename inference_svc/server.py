@@ -84,7 +84,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Chat(self, request: pb.ChatRequest,
              context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        yield from self._stream(lambda rc: GenerateParams.from_chat(request, rc), context)
+        def params_of(rc: RequestContext) -> GenerateParams:
+            history: tuple[chat.Message, ...] = ()
+            if request.append and request.HasField("session"):
+                left = _time_remaining(context)
+                history = self._rt().sessions.conversation(
+                    request.session, None if left is None else time.monotonic() + left)
+            return GenerateParams.from_chat(request, rc, history)
+
+        yield from self._stream(params_of, context)
 
     def _stream(self, params_of: Callable[[RequestContext], GenerateParams],
                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:

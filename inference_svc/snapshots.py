@@ -8,12 +8,14 @@ before anything touches a slot, so the engine only has to apply the result.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from inference_svc import slotfile
+from inference_svc import chat_record, slotfile
+from inference_svc.chat import Message
 from inference_svc.core import Context, Model
 from inference_svc.slotfile import DTYPE_BY_NAME, KVLayout, ModelSpec
 from inference_svc.store import SlotStore
@@ -105,6 +107,21 @@ def encode_slot(target_state: bytes | memoryview, draft_state: bytes | memoryvie
     return bufs.encode(tview, dview, draft)
 
 
+def with_chat(enc: EncodedSlot, messages: Sequence[Message]) -> EncodedSlot:
+    """The slot files of `enc` with a session's conversation in the target's CHAT
+    section (chat_record), the sidecar naming the new target's digest. The files are
+    encoded again (a copy each): a session's store write, off any request's path."""
+    t = slotfile.decode_target(enc.target)
+    target = slotfile.encode_target(dataclasses.replace(
+        t, extra=(*chat_record.others(t.extra), chat_record.pack(messages))))
+    digest = slotfile.digest(target)
+    draft = None
+    if enc.draft is not None:
+        d = slotfile.decode_draft(enc.draft)
+        draft = memoryview(slotfile.encode_draft(dataclasses.replace(d, target_digest=digest)))
+    return EncodedSlot(memoryview(target), draft, digest, enc.n_tokens)
+
+
 @dataclass(frozen=True)
 class PreparedRestore:
     """Checked content ready to be applied to a slot."""
@@ -114,6 +131,7 @@ class PreparedRestore:
     draft_state: memoryview | None  # the sidecar's draft state; None: apply the policy
     draft_note: str  # why draft_state is None
     n_read: int
+    chat: tuple[Message, ...] | None = None  # a session's conversation (CHAT section)
 
 
 def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
@@ -139,4 +157,4 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
         except slotfile.SlotFileError as exc:
             note = str(exc)
     return PreparedRestore(slotfile.core_parts_from_target(t), t.n_tokens, draft_state, note,
-                           n_read)
+                           n_read, chat_record.unpack(t.extra))
