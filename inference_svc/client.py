@@ -2,6 +2,7 @@
 
     python -m inference_svc.client generate "def fibonacci(n):" --max-tokens 64
     python -m inference_svc.client chat --session alice --system "Be brief."
+    echo "What did I ask you?" | python -m inference_svc.client chat --session alice
     python -m inference_svc.client save 0 session-a
     python -m inference_svc.client erase 0
     python -m inference_svc.client restore 1 session-a
