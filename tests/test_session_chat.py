@@ -23,8 +23,9 @@ from inference_svc.scheduler import common_prefix
 from inference_svc.server import Server
 from inference_svc.snapshots import model_spec, prepare_restore
 from inference_svc.store import LocalStore
+from snapshot_svc.testing import running_server
 from tests.fixtures.servicekit import running, service_config
-from tests.resumekit import DRAFT, TARGET
+from tests.resumekit import DRAFT, TARGET, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,6 +44,7 @@ def tok() -> Iterator[Tokenizer]:
 
 
 def config(tmp_path: Path, **kw: object) -> object:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     template = tmp_path / "template.jinja"
     template.write_text(TEMPLATE)
     base: dict[str, object] = dict(slots=2, ctx=256, session_ram_mb=64, instance_id="t",
@@ -199,3 +201,32 @@ def test_the_conversation_goes_to_the_store_and_survives_a_restart(
         _, _, t = chat(c, [u3], session="a", append=True)
         assert (t.session_tier, t.cache_n + t.prompt_n) == (
             pb.SESSION_TIER_NEW, len(prompt_of(tok, [u3])))
+
+
+def test_the_conversation_moves_to_another_replica_with_its_draft(
+        tmp_path: Path, tok: Tokenizer) -> None:
+    """Through a snapshot service: replica B continues the conversation replica A
+    wrote, with A's draft state (the sidecar names the target file with its CHAT
+    section), so its speculative counts are those of a session never moved."""
+    u1, u2 = ("user", "hello there"), ("user", "and then")
+    with running_server(tmp_path / "snap") as snap, \
+            running(config(tmp_path / "a", slots=1, session_ram_mb=0, instance_id="a",
+                           snapshot_addr=snap.address, slot_save_path=None)) as ra, \
+            running(config(tmp_path / "b", instance_id="b", snapshot_addr=snap.address,
+                           slot_save_path=None)) as rb, \
+            running(config(tmp_path / "ref", instance_id="ref")) as ref, \
+            InferenceClient(addr(ra)) as ca, InferenceClient(addr(rb)) as cb, \
+            InferenceClient(addr(ref)) as cr:
+        r1, toks1, _ = chat(ca, [u1], session="s", append=True)
+        chat(ca, [u1], session="other", append=True)  # replica A writes s to the service
+        wait_until(lambda: {x.name: x.tier for x in ca.sessions()}["s"] == pb.SESSION_TIER_STORE)
+        n1 = len(prompt_of(tok, [u1])) + len(toks1)
+        r2, toks2, t = chat(cb, [u2], session="s", append=True)
+        assert (t.session_tier, t.cache_n, t.session_n_discarded) == (
+            pb.SESSION_TIER_STORE, n1, 0)
+        # the reference: the same two turns on a session that never left its slot
+        chat(cr, [u1], session="s", append=True)
+        want, want_toks, w = chat(cr, [u2], session="s", append=True)
+        assert (r2, toks2) == (want, want_toks)
+        assert (t.draft_n, t.draft_n_accepted, t.draft_prompt_n) == (
+            w.draft_n, w.draft_n_accepted, w.draft_prompt_n)
