@@ -434,6 +434,33 @@ def test_failed_draft_frees_its_staged_target_at_once(tmp_path: Path, why: str) 
             == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_cancelled_draft_frees_its_staged_target_at_once(tmp_path: Path) -> None:
+    """The same when the client cancels the draft's stream halfway."""
+    with running_server(tmp_path / "d", max_snapshot_bytes=5000, spare_bytes=0,
+                        stage_ttl_s=300.0) as srv, grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.SnapshotStub(ch)
+        t = blob(1, 3000)
+        stage_target(stub, "s", t, timeout=20)
+        release = threading.Event()
+
+        def halfway() -> Iterator[pb.PutRequest]:
+            yield from put_requests("s", pb.PART_DRAFT, blob(2, 100), size=200,
+                                    target_sha256=sha(t))
+            release.wait(20)  # the rest never comes
+
+        call = stub.Put.future(halfway(), timeout=20)
+        try:
+            _wait_until(lambda: any(srv.store.tmp.iterdir()))  # the draft is arriving
+            call.cancel()
+            _wait_until(lambda: stored_files(srv) == {"blobs": [], "manifests": [],
+                                                      "tmp": []})
+        finally:
+            release.set()
+        assert srv.store.usage() == (0, 0)
+        assert status_of(lambda: stub.Stat(pb.StatRequest(name="s"), timeout=20)) \
+            == grpc.StatusCode.NOT_FOUND
+
+
 # --- shared content ------------------------------------------------------------------------
 
 
