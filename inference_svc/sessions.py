@@ -39,7 +39,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from inference_svc import log, slotfile
+from inference_svc import chat_record, log, slotfile
 from inference_svc.chat import Message
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import DataLoss, NotFound
@@ -62,13 +62,7 @@ from inference_svc.session_names import (
     from_store_name,
 )
 from inference_svc.slots import SlotManager
-from inference_svc.snapshots import (
-    EncodedSlot,
-    PreparedRestore,
-    encode_slot,
-    prepare_restore,
-    with_chat,
-)
+from inference_svc.snapshots import EncodedSlot, PreparedRestore, encode_slot, prepare_restore
 from inference_svc.store import SlotStore
 from snapshot_svc.clientlib import auth
 
@@ -689,9 +683,9 @@ class SessionHost:
     def _encode(self, held: Held) -> EncodedSlot:
         """The slot files of a session's captured state, with its conversation."""
         assert held.raw_target is not None
-        enc = encode_slot(held.raw_target, held.draft, self.slots.target_spec,
-                          self.slots.draft_spec)
-        return with_chat(enc, held.chat) if held.chat else enc
+        return encode_slot(held.raw_target, held.draft, self.slots.target_spec,
+                           self.slots.draft_spec,
+                           (chat_record.pack(held.chat),) if held.chat else ())
 
     def _delete_stored(self, key: str, deadline: float | None) -> bool:
         """Removes the session's copies from the store and the local fallback (in that

@@ -8,7 +8,6 @@ before anything touches a slot, so the engine only has to apply the result.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,16 +48,21 @@ class SlotFileBuffers:
     state straight into the place the files hold it (`target` and `draft` allocate;
     Engine.capture takes them); `encode` then writes the headers and digests around
     it. The state is copied once, by the core, on its way to the store (a target of a
-    model with sliding-window layers too: its buffer has room for the window section)."""
+    model with sliding-window layers too: its buffer has room for the window section).
+    `tail`: optional sections the target file holds after the KV (a session's
+    conversation, chat_record), written in room left for them."""
 
-    def __init__(self, target: ModelSpec) -> None:
+    def __init__(self, target: ModelSpec, tail: Sequence[slotfile.Section] = ()) -> None:
         self._spec = target
+        self._tail = tuple(tail)
+        self._tail_size = slotfile.sections_size(self._tail)
         self._target: memoryview | None = None
         self._draft: memoryview | None = None
 
     def target(self, state_len: int) -> memoryview:
         """Room for `state_len` bytes of target state; the view the core writes."""
-        self._target = _file_buffer(slotfile.target_file_size(state_len, self._spec))
+        self._target = _file_buffer(slotfile.target_file_size(state_len, self._spec,
+                                                              self._tail_size))
         return self._target[slotfile.target_state_at(self._spec):][:state_len]
 
     def draft(self, state_len: int) -> memoryview:
@@ -71,8 +75,8 @@ class SlotFileBuffers:
         """The slot files of the state the core wrote (`target_state`, `draft_state`:
         the views it returned, which must fill the rooms allocated)."""
         tbuf = _written(self._target, target_state,
-                        lambda n: slotfile.target_file_size(n, self._spec))
-        tbuf, n_tokens, tdigest = slotfile.seal_target(tbuf, self._spec)
+                        lambda n: slotfile.target_file_size(n, self._spec, self._tail_size))
+        tbuf, n_tokens, tdigest = slotfile.seal_target(tbuf, self._spec, self._tail)
         dbuf = None
         if draft_state is not None and draft is not None:
             dbuf = _written(self._draft, draft_state, slotfile.draft_file_size)
@@ -94,10 +98,12 @@ def _written(buf: memoryview | None, state: memoryview, file_size: Callable[[int
 
 
 def encode_slot(target_state: bytes | memoryview, draft_state: bytes | memoryview | None,
-                target: ModelSpec, draft: ModelSpec | None) -> EncodedSlot:
+                target: ModelSpec, draft: ModelSpec | None,
+                tail: Sequence[slotfile.Section] = ()) -> EncodedSlot:
     """The slot files of core state read apart (Context.get_state,
-    SpecDecoder.draft_state): copied into SlotFileBuffers and encoded there."""
-    bufs = SlotFileBuffers(target)
+    SpecDecoder.draft_state): copied into SlotFileBuffers and encoded there. `tail`:
+    optional sections of the target file after the KV."""
+    bufs = SlotFileBuffers(target, tail)
     tview = bufs.target(len(target_state))
     tview[:] = memoryview(target_state).cast("B")
     dview = None
@@ -105,21 +111,6 @@ def encode_slot(target_state: bytes | memoryview, draft_state: bytes | memoryvie
         dview = bufs.draft(len(draft_state))
         dview[:] = memoryview(draft_state).cast("B")
     return bufs.encode(tview, dview, draft)
-
-
-def with_chat(enc: EncodedSlot, messages: Sequence[Message]) -> EncodedSlot:
-    """The slot files of `enc` with a session's conversation in the target's CHAT
-    section (chat_record), the sidecar naming the new target's digest. The files are
-    encoded again (a copy each): a session's store write, off any request's path."""
-    t = slotfile.decode_target(enc.target)
-    target = slotfile.encode_target(dataclasses.replace(
-        t, extra=(*chat_record.others(t.extra), chat_record.pack(messages))))
-    digest = slotfile.digest(target)
-    draft = None
-    if enc.draft is not None:
-        d = slotfile.decode_draft(enc.draft)
-        draft = memoryview(slotfile.encode_draft(dataclasses.replace(d, target_digest=digest)))
-    return EncodedSlot(memoryview(target), draft, digest, enc.n_tokens)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_svc import chat_record
 from inference_svc import client as cli
 from inference_svc.chat import Message
 from inference_svc.client import InferenceClient
@@ -21,6 +22,7 @@ from inference_svc.core import Model, Tokenizer
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.scheduler import common_prefix
 from inference_svc.server import Server
+from inference_svc.slotfile import CorruptSlotFile, Section
 from inference_svc.snapshots import model_spec, prepare_restore
 from inference_svc.store import LocalStore
 from snapshot_svc.testing import running_server
@@ -230,3 +232,15 @@ def test_the_conversation_moves_to_another_replica_with_its_draft(
         assert (r2, toks2) == (want, want_toks)
         assert (t.draft_n, t.draft_n_accepted, t.draft_prompt_n) == (
             w.draft_n, w.draft_n_accepted, w.draft_prompt_n)
+
+
+def test_the_conversation_section_round_trips_and_refuses_what_is_not_one() -> None:
+    msgs = (Message("system", "h\u00e9 \U0001f342 \"q\"\n"), Message("user", ""),
+            Message("assistant", "<|endoftext|>"))
+    assert chat_record.unpack((Section(b"XTRA", 0, b"x"), chat_record.pack(msgs))) == msgs
+    assert chat_record.unpack(()) is None
+    for junk in (b"{", b'{"a": 1}', b'[["user"]]', b'[["user", 3]]', b"\xff", b'["x"]'):
+        with pytest.raises(CorruptSlotFile, match="CHAT section is not a conversation"):
+            chat_record.unpack((Section(b"CHAT", 0, junk),))
+    with pytest.raises(CorruptSlotFile, match="appears twice"):
+        chat_record.unpack((chat_record.pack(msgs), chat_record.pack(msgs)))
