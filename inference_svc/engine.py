@@ -507,6 +507,16 @@ class Engine:
                         f"context of {self.n_ctx} tokens (start a new session)"))
                     return
             else:
+                if (job.session is not None and p.history is not None
+                        and self.sessions is not None
+                        and not self.sessions.continues(job.session, p.history)):
+                    # rendered before another turn of the session changed its
+                    # conversation: running it would drop that turn
+                    job.fail(FailedPrecondition(
+                        f"session {job.session_name!r}: its conversation changed (another "
+                        "turn of it ran, or it was deleted) after this Chat was rendered; "
+                        "send the messages again"))
+                    return
                 # a Chat's prompt is its session's whole conversation: what the session
                 # holds of it is kept, the rest processed (as cache_prompt does). The
                 # slot's tokens are read from the core, their one source: moving a

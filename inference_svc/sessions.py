@@ -242,6 +242,12 @@ class SessionHost:
             return ()
         return prepared.chat or ()
 
+    def continues(self, k: str, history: tuple[Message, ...]) -> bool:
+        """True when session `k` still keeps the conversation `history` (what an
+        `append` Chat's messages were rendered after)."""
+        with self._lock:
+            return self._chats.get(k, ()) == history
+
     def _set_chat(self, k: str, messages: tuple[Message, ...] | None) -> None:
         """Under the lock: the conversation session `k` keeps (None: none)."""
         if messages:

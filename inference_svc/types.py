@@ -146,6 +146,8 @@ class GenerateParams:
     # once the reply is added (chat_reply: as an assistant message)
     messages: tuple[chat.Message, ...] = ()
     chat_reply: bool = False
+    # an `append` Chat: the session's conversation its messages continue (None: not one)
+    history: tuple[chat.Message, ...] | None = None
 
     @classmethod
     def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
@@ -188,7 +190,8 @@ class GenerateParams:
         params = cls._build(req, rc, prompt, -1, True, False)
         if params.session is None:
             return params
-        return dataclasses.replace(params, messages=tuple(messages), chat_reply=agp)
+        return dataclasses.replace(params, messages=tuple(messages), chat_reply=agp,
+                                   history=tuple(history) if req.append else None)
 
     @classmethod
     def _build(cls, req: pb.GenerateRequest | pb.ChatRequest, rc: RequestContext,

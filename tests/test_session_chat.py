@@ -17,7 +17,7 @@ import pytest
 from inference_svc import chat_record
 from inference_svc import client as cli
 from inference_svc.chat import Message
-from inference_svc.client import InferenceClient
+from inference_svc.client import InferenceClient, make_chat_request
 from inference_svc.core import Model, Tokenizer
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.scheduler import common_prefix
@@ -26,6 +26,7 @@ from inference_svc.slotfile import CorruptSlotFile, Section
 from inference_svc.snapshots import model_spec, prepare_restore
 from inference_svc.store import LocalStore
 from snapshot_svc.testing import running_server
+from tests.enginekit import EngineHold
 from tests.fixtures.servicekit import running, service_config
 from tests.resumekit import DRAFT, TARGET, wait_until
 
@@ -244,3 +245,36 @@ def test_the_conversation_section_round_trips_and_refuses_what_is_not_one() -> N
             chat_record.unpack((Section(b"CHAT", 0, junk),))
     with pytest.raises(CorruptSlotFile, match="appears twice"):
         chat_record.unpack((chat_record.pack(msgs), chat_record.pack(msgs)))
+
+
+def test_two_appends_at_once_never_drop_a_turn(tmp_path: Path, tok: Tokenizer) -> None:
+    """Two `append` Chats of one session queued together are rendered after the same
+    conversation: the first runs, the second is refused (FAILED_PRECONDITION) rather
+    than dropping the first's turn; sent again it continues both."""
+    u1, u2, u3 = ("user", "hello there"), ("user", "and then"), ("user", "or else")
+    with running(config(tmp_path)) as srv, InferenceClient(addr(srv)) as c:
+        r1, _, _ = chat(c, [u1], session="a", append=True)
+        engine = srv._engine
+        assert engine is not None
+        hold = EngineHold(engine)
+        try:
+            first = c.chat_stream(make_chat_request([u2], session="a", append=True, **GREEDY))
+            second = c.chat_stream(make_chat_request([u3], session="a", append=True,
+                                                     **GREEDY))
+            wait_until(lambda: len(engine.sched.waiting) == 2)
+        finally:
+            hold.release()
+        rs = list(first)
+        r2, n2 = "".join(r.text for r in rs), rs[-1].timings
+        toks2 = [x for r in rs for x in r.tokens]
+        with pytest.raises(grpc.RpcError) as err:
+            list(second)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "conversation changed" in err.value.details()
+        kept = held(c)["a"]
+        assert kept == n2.cache_n + n2.prompt_n + n2.predicted_n
+        _, _, t = chat(c, [u3], session="a", append=True)
+        ids = prompt_of(tok, [u1, ("assistant", r1), u2, ("assistant", r2), u3])
+        same = common_prefix(prompt_of(tok, [u1, ("assistant", r1), u2]) + toks2, ids)
+        assert (t.cache_n, t.prompt_n, t.session_n_discarded) == (
+            same, len(ids) - same, kept - same)
