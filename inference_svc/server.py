@@ -84,15 +84,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Chat(self, request: pb.ChatRequest,
              context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        read: list[SessionHost] = []  # the host that read the session for this turn
+
         def params_of(rc: RequestContext) -> GenerateParams:
             history: tuple[chat.Message, ...] = ()
             if request.append and request.HasField("session"):
                 left = _time_remaining(context)
-                history = self._rt().sessions.conversation(
+                host = self._rt().sessions
+                history = host.conversation(
                     request.session, None if left is None else time.monotonic() + left)
+                read.append(host)
             return GenerateParams.from_chat(request, rc, history)
 
-        yield from self._stream(params_of, context)
+        try:
+            yield from self._stream(params_of, context)
+        finally:
+            for host in read:
+                host.forget_read(request.session)
 
     def _stream(self, params_of: Callable[[RequestContext], GenerateParams],
                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:

@@ -147,6 +147,9 @@ class SessionHost:
         # each session's chat conversation (its Chats' messages and replies), whatever
         # tier holds its state
         self._chats: dict[str, tuple[Message, ...]] = {}
+        # a session's state `conversation` read from the store for its coming turn, and
+        # the milliseconds that took: `prepare` takes it instead of reading it again
+        self._peeked: dict[str, tuple[PreparedRestore, float]] = {}
         self._stale: set[str] = set()  # of those, the ones whose older store copy remains
         self._write_failed: float | None = None  # time.monotonic() of the last failed write
         self._closed = False
@@ -178,14 +181,16 @@ class SessionHost:
                 if self.engine.session_resident(k) or self._held(k) or self.store is None:
                     return
                 t0 = time.perf_counter()
-                # a copy a stop left in the local fallback is newer than the store's
-                source = (self.fallback.store if self.fallback is not None
-                          and self.fallback.has(k) else self.store)
-                try:
-                    prepared = prepare_restore(source, k, self.slots.target_spec,
-                                               self.slots.draft_spec, deadline)
-                except NotFound:
-                    return
+                with self._lock:
+                    peeked = self._peeked.pop(k, None)
+                if peeked is not None:
+                    prepared, ms = peeked
+                    t0 -= ms / 1e3
+                else:
+                    try:
+                        prepared = self._read_stored(k, deadline)
+                    except NotFound:
+                        return
                 with self._lock:
                     self._set_chat(k, prepared.chat)
                     v = next(self._versions)
@@ -226,21 +231,37 @@ class SessionHost:
     def conversation(self, name: str, deadline: float | None) -> tuple[Message, ...]:
         """The chat conversation the caller's session `name` keeps (empty for a new
         session, or one whose turns were all Generates). A session only in the store
-        is read from there (its state is read again, checked, by the turn's `prepare`)."""
+        is read from there, checked, and kept for its coming turn's `prepare`, until
+        `forget_read`."""
         k = caller_key(name).store_name
         with self._lock:
             kept = self._chats.get(k)
             known = k in self._ver or k in self._ram or k in self._staged or k in self._lost
         if kept is not None or known or self.store is None or self.engine.session_resident(k):
             return kept or ()
-        source = (self.fallback.store if self.fallback is not None and self.fallback.has(k)
-                  else self.store)
+        t0 = time.perf_counter()
         try:
-            prepared = prepare_restore(source, k, self.slots.target_spec,
-                                       self.slots.draft_spec, deadline)
+            prepared = self._read_stored(k, deadline)
         except NotFound:
             return ()
+        with self._lock:
+            self._peeked[k] = (prepared, 1e3 * (time.perf_counter() - t0))
         return prepared.chat or ()
+
+    def forget_read(self, name: str) -> None:
+        """Lets go of what `conversation` read for the turn of `name` (once the turn
+        was submitted, or failed before)."""
+        with self._lock:
+            self._peeked.pop(caller_key(name).store_name, None)
+
+    def _read_stored(self, k: str, deadline: float | None) -> PreparedRestore:
+        """Session `k` read from the store, checked (NotFound when absent)."""
+        # a copy a stop left in the local fallback is newer than the store's
+        source = (self.fallback.store if self.fallback is not None and self.fallback.has(k)
+                  else self.store)
+        assert source is not None
+        return prepare_restore(source, k, self.slots.target_spec, self.slots.draft_spec,
+                               deadline)
 
     def continues(self, k: str, history: tuple[Message, ...]) -> bool:
         """True when session `k` still keeps the conversation `history` (what an

@@ -188,9 +188,26 @@ def test_the_conversation_goes_to_the_store_and_survives_a_restart(
                              Message("assistant", r2))
     assert (prepared.n_tokens, prepared.draft_note) == (n2, "")
     assert prepared.draft_state is not None
-    # a new server reads them back
+    # a new server reads them back, each once: the conversation and the state the
+    # turn continues are one read
     with running(cfg) as srv, InferenceClient(addr(srv)) as c:
+        store = srv._store
+        assert store is not None
+        loads: list[str] = []
+        load = store.load
+
+        def counted(name: str, **kw: object) -> object:
+            loads.append(name)
+            return load(name, **kw)  # type: ignore[arg-type]
+
+        store.load = counted  # type: ignore[method-assign]
         _, _, t = chat(c, [u3], session="a", append=True)
+        assert loads == ["session~~a"]
+        # a turn refused once its session was read keeps nothing of it
+        with pytest.raises(grpc.RpcError) as err:
+            c.chat([u3], session="other", append=True, max_tokens=10**6)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert loads[1:] == ["session~~other"] and srv._sessions._peeked == {}
         ids3 = prompt_of(tok, [u1, ("assistant", r1), u2, ("assistant", r2), u3])
         # the reply's text rendered again may end in other tokens than the ones
         # generated (here its last one merges with the template's newline): those
