@@ -782,6 +782,7 @@ class SessionHost:
                 self._stale.discard(k)
                 self._ver.pop(k, None)
                 self._chats.pop(k, None)
+                self._peeked.pop(k, None)  # read for a turn: it must not come back
                 self._turns.pop(k, None)
             if self.store is not None:
                 stored = 0
