@@ -234,18 +234,21 @@ class SessionHost:
         is read from there, checked, and kept for its coming turn's `prepare`, until
         `forget_read`."""
         k = caller_key(name).store_name
-        with self._lock:
-            kept = self._chats.get(k)
-            known = k in self._ver or k in self._ram or k in self._staged or k in self._lost
-        if kept is not None or known or self.store is None or self.engine.session_resident(k):
-            return kept or ()
-        t0 = time.perf_counter()
-        try:
-            prepared = self._read_stored(k, deadline)
-        except NotFound:
-            return ()
-        with self._lock:
-            self._peeked[k] = (prepared, 1e3 * (time.perf_counter() - t0))
+        with self._key_lock(k):  # ordered with deletions, as prepare's reads
+            with self._lock:
+                kept = self._chats.get(k)
+                known = (k in self._ver or k in self._ram or k in self._staged
+                         or k in self._lost)
+            if (kept is not None or known or self.store is None
+                    or self.engine.session_resident(k)):
+                return kept or ()
+            t0 = time.perf_counter()
+            try:
+                prepared = self._read_stored(k, deadline)
+            except NotFound:
+                return ()
+            with self._lock:
+                self._peeked[k] = (prepared, 1e3 * (time.perf_counter() - t0))
         return prepared.chat or ()
 
     def forget_read(self, name: str) -> None:
