@@ -2,6 +2,7 @@
 
     python -m inference_svc.client generate "def fibonacci(n):" --max-tokens 64
     python -m inference_svc.client chat --session alice --system "Be brief."
+    echo "What did I ask you?" | python -m inference_svc.client chat --session alice
     python -m inference_svc.client save 0 session-a
     python -m inference_svc.client erase 0
     python -m inference_svc.client restore 1 session-a
@@ -134,10 +135,12 @@ def make_request(prompt: str | list[int], *, id_slot: int | None = None,
 
 
 def make_chat_request(messages: list[tuple[str, str]], *,
-                      add_generation_prompt: bool | None = None,
+                      add_generation_prompt: bool | None = None, append: bool = False,
                       **options: Any) -> pb.ChatRequest:
-    """A ChatRequest of (role, content) messages; options: those of `set_options`."""
-    req = pb.ChatRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages])
+    """A ChatRequest of (role, content) messages; `append`: they continue the
+    conversation the session keeps. options: those of `set_options`."""
+    req = pb.ChatRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+                         append=append)
     if add_generation_prompt is not None:
         req.add_generation_prompt = add_generation_prompt
     return set_options(req, **options)
@@ -202,7 +205,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--truncate", action="store_true", help="drop old prompt tokens to fit")
     g.add_argument("--json", action="store_true", help="print the last response as JSON")
     ch = sub.add_parser("chat", help="talk with the model: one line of stdin is one turn")
-    ch.add_argument("--system", help="system message first in the conversation")
+    ch.add_argument("--system", help="system message first in the conversation (with "
+                                     "--session: appended with this invocation's first line)")
     _option_flags(ch)
     for name, hlp in (("save", "save a slot"), ("restore", "restore a slot")):
         s = sub.add_parser(name, help=hlp)
@@ -254,22 +258,29 @@ def _options(a: argparse.Namespace) -> dict[str, Any]:
 
 def chat_loop(c: InferenceClient, a: argparse.Namespace, lines: Iterator[str],
               out: Any) -> list[tuple[str, str]]:
-    """One turn per input line: the whole conversation goes with every turn (with
-    --session the server reuses the state it kept, so only the new turn is processed);
-    the reply is streamed to `out`. Returns the conversation."""
+    """One turn per input line; the reply is streamed to `out`. Without --session the
+    whole conversation goes with every turn. With --session the server keeps the
+    conversation (and its state): each turn sends only its new messages, appended to
+    it, so a later invocation with the same session continues it. Returns this
+    invocation's messages and replies."""
     messages: list[tuple[str, str]] = [("system", a.system)] if a.system else []
+    unsent = list(messages)  # with --session: what the server does not keep yet
     for line in lines:
         text = line.rstrip("\n")
         if not text.strip():
             continue
         messages.append(("user", text))
+        unsent.append(("user", text))
+        req = (make_chat_request(unsent, append=True, **_options(a)) if a.session
+               else make_chat_request(messages, **_options(a)))
         reply: list[str] = []
-        for r in c.chat_stream(make_chat_request(messages, **_options(a))):
+        for r in c.chat_stream(req):
             reply.append(r.text)
             out.write(r.text)
             out.flush()
         out.write("\n")
         messages.append(("assistant", "".join(reply)))
+        unsent = []
     return messages
 
 

@@ -102,6 +102,11 @@ class GenJob(Job):
         self.counters0 = Counters()
         self.t_start = self.t_first = 0.0
         self.on_fail: Callable[[GenJob], None] | None = None  # ends a session reservation
+        # told the whole reply's text when the generation ends (a session's Chat keeps
+        # it); while set, the reply is collected
+        self.on_finish: Callable[[GenJob, str], None] | None = None
+        self.reply_tokens: list[int] = []
+        self.reply_text: list[str] = []  # with stop strings: the text sent
 
     def fail(self, exc: BaseException) -> None:
         self.running = False
@@ -361,8 +366,7 @@ class Engine:
     def unbind_slot(self, slot: int) -> None:
         """Empties an idle slot and unbinds its session (engine thread)."""
         self.dec.clear(slot)
-        s = self.sched.slots[slot]
-        s.session, s.tokens = None, []
+        self.sched.slots[slot].session = None
 
     def slot_last_used_ms(self, slot: int) -> int:
         return self.sched.slots[slot].last_used_unix_ms
@@ -503,11 +507,25 @@ class Engine:
                         f"context of {self.n_ctx} tokens (start a new session)"))
                     return
             else:
+                if (job.session is not None and p.history is not None
+                        and self.sessions is not None
+                        and not self.sessions.continues(job.session, p.history)):
+                    # rendered before another turn of the session changed its
+                    # conversation: running it would drop that turn
+                    job.fail(FailedPrecondition(
+                        f"session {job.session_name!r}: its conversation changed (another "
+                        "turn of it ran, or it was deleted) after this Chat was rendered; "
+                        "send the messages again"))
+                    return
                 # a Chat's prompt is its session's whole conversation: what the session
-                # holds of it is kept, the rest processed (as cache_prompt does)
-                tokens = (dec.tokens(slot) if job.session is not None
-                          else self.sched.slots[slot].tokens)
-                common = common_prefix(tokens, p.prompt) if p.cache_prompt else 0
+                # holds of it is kept, the rest processed (as cache_prompt does). The
+                # slot's tokens are read from the core, their one source: moving a
+                # session out (sessions.enter) may have emptied the slot since it was
+                # last idle
+                common = common_prefix(dec.tokens(slot), p.prompt) if p.cache_prompt else 0
+                if job.session is not None:
+                    # turns the session held that the conversation does not repeat
+                    job.timings.session_n_discarded = max(dec.n_tokens(slot) - common, 0)
                 keep = min(common, len(p.prompt) - 1)
                 if 0 < keep < dec.keep_min(slot):
                     # the sliding-window layers no longer hold the window of position
@@ -626,6 +644,10 @@ class Engine:
                 reason = StopReason.MAX_TOKENS
                 break
         joined = "".join(text) if job.text is not None else None
+        if job.on_finish is not None:
+            job.reply_tokens += out
+            if joined:
+                job.reply_text.append(joined)
         out_lps = lps[:len(out)] if lps is not None else None
         if reason is not None:
             self._finish(job, reason, stop, out, joined, out_lps)
@@ -666,8 +688,18 @@ class Engine:
                 lps: list[TokenLogprob] | None = None) -> None:
         """Ends a generation: its last tokens and text go out with the timings."""
         if job.text is not None and reason is not StopReason.STOP_STRING:
-            text = (text or "") + job.text.flush()
+            tail = job.text.flush()
+            text = (text or "") + tail
+            job.reply_text.append(tail)
         tm = self._close_out(job)
+        if job.on_finish is not None:
+            reply = ("".join(job.reply_text) if job.text is not None
+                     else self.tokenizer.decode(job.reply_tokens))
+            try:
+                job.on_finish(job, reply)
+            except Exception:  # noqa: BLE001 - the generation itself succeeded
+                self.log.exception("recording the reply failed",
+                                   extra=log.fields(slot=job.slot))
         last = Chunk(tokens or [], text, lps) if tokens or text else None
         job.out.put(Finished(reason, tm, stop, job.params.seed, last))
         job.ended.set()

@@ -29,7 +29,8 @@ once its grace has passed.
 The scheduler decides; the executor (the engine's model side) runs. Time comes
 from an injected clock, so every decision can be tested without sleeping. It is
 not thread-safe: the engine calls the queue methods (`submit`, `admit`,
-`start_drain`, `close_queue`) under its lock and `run_round` from its own thread.
+`start_drain`, `close_queue`) under its lock, and `admit` (which reads the idle slots'
+tokens from the executor) and `run_round` from its own thread.
 """
 
 from __future__ import annotations
@@ -164,7 +165,6 @@ class _Slot:
     def __init__(self, i: int) -> None:
         self.id = i
         self.job: Job | None = None
-        self.tokens: list[int] = []  # as of the last time it was idle
         self.session: str | None = None  # the session bound to the slot
         self.last_used = 0.0  # clock
         self.last_used_unix_ms = 0
@@ -272,10 +272,20 @@ class Scheduler:
 
         def key(i: int) -> tuple[bool, bool, int, float]:
             s = self.slots[i]
+            # the slot's tokens from the executor, their one source (the engine's
+            # admission runs on its thread): no copy here to fall out of step when a
+            # session moves out of a slot or a slot is erased or restored
             return (s.session in wanted, s.session is not None,
-                    -common_prefix(s.tokens, prompt) if prompt else 0, s.last_used)
+                    -common_prefix(self._tokens_of(i), prompt) if prompt else 0,
+                    s.last_used)
 
         return min(sorted(idle), key=key)
+
+    def _tokens_of(self, slot: int) -> list[int]:
+        try:
+            return self.ex.slot_tokens(slot)
+        except Exception:  # noqa: BLE001 - a slot that cannot be read is matched as empty
+            return []
 
     def wake_in(self) -> float | None:
         """Seconds until the first waiting job expires (None: nothing waits)."""
@@ -404,9 +414,5 @@ class Scheduler:
     def _release(self, slot: int) -> None:
         s = self.slots[slot]
         s.job = None
-        try:
-            s.tokens = self.ex.slot_tokens(slot)
-        except BaseException:  # noqa: BLE001 - a slot that cannot be read is matched as empty
-            s.tokens = []
         s.last_used = self.clock()
         s.last_used_unix_ms = int(self.wall() * 1000)

@@ -84,7 +84,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def Chat(self, request: pb.ChatRequest,
              context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        yield from self._stream(lambda rc: GenerateParams.from_chat(request, rc), context)
+        read: list[SessionHost] = []  # the host that read the session for this turn
+
+        def params_of(rc: RequestContext) -> GenerateParams:
+            history: tuple[chat.Message, ...] = ()
+            if request.append and request.HasField("session"):
+                left = _time_remaining(context)
+                host = self._rt().sessions
+                history = host.conversation(
+                    request.session, None if left is None else time.monotonic() + left)
+                read.append(host)
+            return GenerateParams.from_chat(request, rc, history)
+
+        try:
+            yield from self._stream(params_of, context)
+        finally:
+            for host in read:
+                host.forget_read(request.session)
 
     def _stream(self, params_of: Callable[[RequestContext], GenerateParams],
                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:

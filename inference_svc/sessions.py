@@ -16,6 +16,12 @@ before the request queues, so the engine thread only applies checked state.
 Without a store the host-memory tier is the last one: a session pushed out of it
 is dropped (logged, counted as `dropped`).
 
+A session also keeps its chat conversation: the messages of its Chats and their
+replies (`conversation`), which an `append` Chat continues. It goes with the session's
+state to the store (the slot file's CHAT section, inference_svc.chat_record) and comes
+back with it; the tokens stay the truth of what the slot holds (a Chat's prompt keeps
+only the tokens it shares with them).
+
 A conversation never silently goes back in time. Each state of a session has a version;
 the host knows which version the store holds. When a turn fails and its slot is emptied
 (or a displaced session's state cannot be captured), the session continues from the
@@ -33,7 +39,8 @@ import time
 import weakref
 from dataclasses import dataclass
 
-from inference_svc import log, slotfile
+from inference_svc import chat_record, log, slotfile
+from inference_svc.chat import Message
 from inference_svc.engine import Engine, GenJob
 from inference_svc.errors import DataLoss, NotFound
 from inference_svc.fallback import Fallback
@@ -55,7 +62,7 @@ from inference_svc.session_names import (
     from_store_name,
 )
 from inference_svc.slots import SlotManager
-from inference_svc.snapshots import PreparedRestore, encode_slot, prepare_restore
+from inference_svc.snapshots import EncodedSlot, PreparedRestore, encode_slot, prepare_restore
 from inference_svc.store import SlotStore
 from snapshot_svc.clientlib import auth
 
@@ -94,6 +101,7 @@ class Held:
     in_store: bool = False  # the store holds this very state: nothing to write
     writing: bool = False  # the writer is storing it
     deleted: bool = False  # DeleteSession removed it (a write in flight is undone)
+    chat: tuple[Message, ...] | None = None  # its chat conversation, written with it
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,12 @@ class SessionHost:
         self._turns: dict[str, Turn] = {}  # each session's running (or last) turn
         self._writing: set[str] = set()  # sessions being written: one write at a time each
         self._lost: dict[str, str] = {}  # sessions whose state was lost: the report
+        # each session's chat conversation (its Chats' messages and replies), whatever
+        # tier holds its state
+        self._chats: dict[str, tuple[Message, ...]] = {}
+        # a session's state `conversation` read from the store for its coming turn, and
+        # the milliseconds that took: `prepare` takes it instead of reading it again
+        self._peeked: dict[str, tuple[PreparedRestore, float]] = {}
         self._stale: set[str] = set()  # of those, the ones whose older store copy remains
         self._write_failed: float | None = None  # time.monotonic() of the last failed write
         self._closed = False
@@ -156,6 +170,8 @@ class SessionHost:
         key = caller_key(name)
         job.session, job.session_name = key.store_name, key.name
         k = key.store_name
+        if job.params.conversation:
+            job.on_finish = self._keep_reply
         with self._key_lock(k):
             with self._lock:
                 self._reserved[k] += 1
@@ -165,15 +181,18 @@ class SessionHost:
                 if self.engine.session_resident(k) or self._held(k) or self.store is None:
                     return
                 t0 = time.perf_counter()
-                # a copy a stop left in the local fallback is newer than the store's
-                source = (self.fallback.store if self.fallback is not None
-                          and self.fallback.has(k) else self.store)
-                try:
-                    prepared = prepare_restore(source, k, self.slots.target_spec,
-                                               self.slots.draft_spec, deadline)
-                except NotFound:
-                    return
                 with self._lock:
+                    peeked = self._peeked.pop(k, None)
+                if peeked is not None:
+                    prepared, ms = peeked
+                    t0 -= ms / 1e3
+                else:
+                    try:
+                        prepared = self._read_stored(k, deadline)
+                    except NotFound:
+                        return
+                with self._lock:
+                    self._set_chat(k, prepared.chat)
                     v = next(self._versions)
                     self._staged[k] = Held(
                         k, prepared.target_parts, prepared.draft_state, prepared.draft_note,
@@ -208,6 +227,67 @@ class SessionHost:
         with self._lock:
             self._lost.pop(k, None)
         raise DataLoss(msg)
+
+    def conversation(self, name: str, deadline: float | None) -> tuple[Message, ...]:
+        """The chat conversation the caller's session `name` keeps (empty for a new
+        session, or one whose turns were all Generates). A session only in the store
+        is read from there, checked, and kept for its coming turn's `prepare`, until
+        `forget_read`."""
+        k = caller_key(name).store_name
+        with self._key_lock(k):  # ordered with deletions, as prepare's reads
+            with self._lock:
+                kept = self._chats.get(k)
+                known = (k in self._ver or k in self._ram or k in self._staged
+                         or k in self._lost)
+            if (kept is not None or known or self.store is None
+                    or self.engine.session_resident(k)):
+                return kept or ()
+            t0 = time.perf_counter()
+            try:
+                prepared = self._read_stored(k, deadline)
+            except NotFound:
+                return ()
+            with self._lock:
+                self._peeked[k] = (prepared, 1e3 * (time.perf_counter() - t0))
+        return prepared.chat or ()
+
+    def forget_read(self, name: str) -> None:
+        """Lets go of what `conversation` read for the turn of `name` (once the turn
+        was submitted, or failed before)."""
+        with self._lock:
+            self._peeked.pop(caller_key(name).store_name, None)
+
+    def _read_stored(self, k: str, deadline: float | None) -> PreparedRestore:
+        """Session `k` read from the store, checked (NotFound when absent)."""
+        # a copy a stop left in the local fallback is newer than the store's
+        source = (self.fallback.store if self.fallback is not None and self.fallback.has(k)
+                  else self.store)
+        assert source is not None
+        return prepare_restore(source, k, self.slots.target_spec, self.slots.draft_spec,
+                               deadline)
+
+    def continues(self, k: str, history: tuple[Message, ...]) -> bool:
+        """True when session `k` still keeps the conversation `history` (what an
+        `append` Chat's messages were rendered after)."""
+        with self._lock:
+            return self._chats.get(k, ()) == history
+
+    def _set_chat(self, k: str, messages: tuple[Message, ...] | None) -> None:
+        """Under the lock: the conversation session `k` keeps (None: none)."""
+        if messages:
+            self._chats[k] = messages
+        else:
+            self._chats.pop(k, None)
+
+    def _keep_reply(self, job: GenJob, reply: str) -> None:
+        """At the end of a session's Chat (engine thread): the session keeps the Chat's
+        conversation and, after a generation prompt, the reply as the assistant's."""
+        p = job.params
+        if job.session is None:
+            return
+        messages = p.messages + ((Message("assistant", reply),) if p.chat_reply else ())
+        with self._lock:
+            self._set_chat(job.session, messages)
 
     def release(self, job: Job) -> None:
         """Ends the job's reservation of its session (idempotent). Called when the job
@@ -269,6 +349,7 @@ class SessionHost:
             else:
                 self._ver.pop(k, None)
                 self._store_ver.pop(k, None)
+                self._chats.pop(k, None)
                 older = (f"the store held an older state of {stored[1]} tokens, removed "
                          "rather than continued" if stored is not None
                          else "no other copy of it was kept")
@@ -340,6 +421,8 @@ class SessionHost:
                 if held is None:
                     self.engine.reset(slot)
                     tier = TIER_NEW
+                    with self._lock:
+                        self._chats.pop(k, None)
                 else:
                     self.slots._apply(slot, PreparedRestore(  # noqa: SLF001 - same checks
                         held.parts, held.n_tokens, held.draft, held.draft_note, held.size))
@@ -375,9 +458,10 @@ class SessionHost:
         size = len(state.target) + (len(state.draft) if state.draft is not None else 0)
         with self._lock:
             version = self._ver.get(key, 0)
+            chat = self._chats.get(key)
         return Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
                     size, eng.slot_last_used_ms(slot), TIER_RAM, version=version,
-                    raw_target=state.target)
+                    raw_target=state.target, chat=chat)
 
     def _put(self, held: Held) -> None:
         """Puts a session captured from its slot into the RAM tier without ever holding
@@ -588,6 +672,8 @@ class SessionHost:
             self.log.warning("session dropped: the RAM tier is full and no store is "
                              "configured", extra=log.fields(session=held.key,
                                                             n_tokens=held.n_tokens))
+            with self._lock:
+                self._chats.pop(held.key, None)  # gone with its state
             return True
         assert held.raw_target is not None
         k = held.key
@@ -598,8 +684,7 @@ class SessionHost:
                 return True  # a newer state of it is there already
             self._writing.add(k)
         try:
-            enc = encode_slot(held.raw_target, held.draft, self.slots.target_spec,
-                              self.slots.draft_spec)
+            enc = self._encode(held)
             store.save(k, enc.target, enc.draft, target_sha256=enc.target_sha256,
                        deadline=deadline)
         except Exception as exc:  # noqa: BLE001 - kept in RAM, retried
@@ -624,6 +709,13 @@ class SessionHost:
         if undo:  # deleted while it was being written: it must not come back
             self._delete_stored(k, deadline)
         return True
+
+    def _encode(self, held: Held) -> EncodedSlot:
+        """The slot files of a session's captured state, with its conversation."""
+        assert held.raw_target is not None
+        return encode_slot(held.raw_target, held.draft, self.slots.target_spec,
+                           self.slots.draft_spec,
+                           (chat_record.pack(held.chat),) if held.chat else ())
 
     def _delete_stored(self, key: str, deadline: float | None) -> bool:
         """Removes the session's copies from the store and the local fallback (in that
@@ -692,6 +784,8 @@ class SessionHost:
                 was_lost = self._lost.pop(k, None) is not None
                 self._stale.discard(k)
                 self._ver.pop(k, None)
+                self._chats.pop(k, None)
+                self._peeked.pop(k, None)  # read for a turn: it must not come back
                 self._turns.pop(k, None)
             if self.store is not None:
                 stored = 0
@@ -777,8 +871,7 @@ class SessionHost:
             return False
         assert held.raw_target is not None
         try:
-            enc = encode_slot(held.raw_target, held.draft, self.slots.target_spec,
-                              self.slots.draft_spec)
+            enc = self._encode(held)
             fb.store.save(held.key, enc.target, enc.draft, target_sha256=enc.target_sha256)
         except Exception as exc:  # noqa: BLE001 - counted as failed
             self.log.error("session not saved at stop, also not to the local fallback",

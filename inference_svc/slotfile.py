@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inference_svc.core.binding import lib as _core
@@ -303,11 +304,17 @@ def target_state_at(model: ModelSpec) -> int:
     return TARGET_STATE_AT + window_room(model)
 
 
-def target_file_size(state_len: int, model: ModelSpec) -> int:
+def sections_size(sections: Sequence[Section]) -> int:
+    """The bytes sections take in a file (headers and payloads)."""
+    return sum(SECTION_HEADER.size + len(s.payload) for s in sections)
+
+
+def target_file_size(state_len: int, model: ModelSpec, tail: int = 0) -> int:
     """The size of the target file buffer of a core state of `state_len` bytes of this
     model: the file itself, or for a model with sliding-window layers, room for the
-    longer of its two versions."""
-    return target_state_at(model) + state_len + DIGEST_LEN
+    longer of its two versions. `tail`: bytes of optional sections after the KV
+    (sections_size)."""
+    return target_state_at(model) + state_len + tail + DIGEST_LEN
 
 
 def draft_file_size(state_len: int) -> int:
@@ -325,20 +332,24 @@ def _trailer(buf: memoryview) -> str:
     return h.hexdigest()
 
 
-def seal_target(buf: memoryview, model: ModelSpec) -> tuple[memoryview, int, str]:
-    """Turns `buf` (target_file_size(n, model) bytes holding n bytes of core slot state
-    at target_state_at(model), the bytes target_from_core reads) into the target file
-    that encode_target(target_from_core(state, model)) writes, in place: (the file, a
-    view of buf; n_tokens; hex SHA-256 of the file). The KV stays where the core wrote
-    it; only the tokens move (down, over the core's header) and headers are written
-    around them. A windowed state (sliding-window layers holding their window only)
-    fills the whole buffer, with the SWIN section between tokens and KV; any other
-    state of a windowed model is a version-2 file that starts window_room(model)
-    bytes in."""
+def seal_target(buf: memoryview, model: ModelSpec,
+                tail: Sequence[Section] = ()) -> tuple[memoryview, int, str]:
+    """Turns `buf` (target_file_size(n, model, sections_size(tail)) bytes holding n
+    bytes of core slot state at target_state_at(model), the bytes target_from_core
+    reads) into the target file that encode_target of target_from_core(state, model)
+    with `tail` as its extra (optional) sections writes, in place: (the file, a view of
+    buf; n_tokens; hex SHA-256 of the file). The KV stays where the core wrote it; only
+    the tokens move (down, over the core's header) and headers are written around
+    them, the tail sections after the KV. A windowed state (sliding-window layers
+    holding their window only) fills the whole buffer, with the SWIN section between
+    tokens and KV; any other state of a windowed model is a version-2 file that starts
+    window_room(model) bytes in."""
     room = window_room(model)
-    if len(buf) < target_file_size(_CORE_KV_HEAD.size, model):
+    after = sections_size(tail)
+    if len(buf) < target_file_size(_CORE_KV_HEAD.size, model, after):
         raise ValueError(f"a target file buffer of {len(buf)} bytes holds no core state")
-    n, window = _core_kv_head(buf[TARGET_STATE_AT + room:-DIGEST_LEN], model)
+    n, window = _core_kv_head(buf[TARGET_STATE_AT + room:len(buf) - DIGEST_LEN - after],
+                              model)
     if window is None:
         buf = buf[room:]  # a version-2 file: no window section, the room unused
     toks = TARGET_STATE_AT + (room if window is not None else 0) + _CORE_KV_HEAD.size
@@ -353,11 +364,16 @@ def seal_target(buf: memoryview, model: ModelSpec) -> tuple[memoryview, int, str
         buf[pos:pos + len(swin)] = swin
         pos += len(swin)
     # the KV section's header ends where the core wrote the KV: toks + 4 * n
-    SECTION_HEADER.pack_into(buf, pos, TAG_KV, FLAG_REQUIRED,
-                             len(buf) - DIGEST_LEN - pos - SECTION_HEADER.size)
+    end = len(buf) - DIGEST_LEN - after  # where the core's state ends
+    SECTION_HEADER.pack_into(buf, pos, TAG_KV, FLAG_REQUIRED, end - pos - SECTION_HEADER.size)
+    for s in tail:
+        SECTION_HEADER.pack_into(buf, end, s.tag, s.flags, len(s.payload))
+        end += SECTION_HEADER.size
+        buf[end:end + len(s.payload)] = s.payload
+        end += len(s.payload)
     version, n_sections = (TARGET_VERSION, 2) if window is None else (TARGET_VERSION_WINDOW, 3)
     buf[:HEADER_LEN] = _target_head(model.fingerprint, model.layout, model.n_ctx,
-                                    model.n_vocab, n, n_sections, version)
+                                    model.n_vocab, n, n_sections + len(tail), version)
     return buf, n, _trailer(buf)
 
 

@@ -8,12 +8,13 @@ before anything touches a slot, so the engine only has to apply the result.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from inference_svc import slotfile
+from inference_svc import chat_record, slotfile
+from inference_svc.chat import Message
 from inference_svc.core import Context, Model
 from inference_svc.slotfile import DTYPE_BY_NAME, KVLayout, ModelSpec
 from inference_svc.store import SlotStore
@@ -47,16 +48,21 @@ class SlotFileBuffers:
     state straight into the place the files hold it (`target` and `draft` allocate;
     Engine.capture takes them); `encode` then writes the headers and digests around
     it. The state is copied once, by the core, on its way to the store (a target of a
-    model with sliding-window layers too: its buffer has room for the window section)."""
+    model with sliding-window layers too: its buffer has room for the window section).
+    `tail`: optional sections the target file holds after the KV (a session's
+    conversation, chat_record), written in room left for them."""
 
-    def __init__(self, target: ModelSpec) -> None:
+    def __init__(self, target: ModelSpec, tail: Sequence[slotfile.Section] = ()) -> None:
         self._spec = target
+        self._tail = tuple(tail)
+        self._tail_size = slotfile.sections_size(self._tail)
         self._target: memoryview | None = None
         self._draft: memoryview | None = None
 
     def target(self, state_len: int) -> memoryview:
         """Room for `state_len` bytes of target state; the view the core writes."""
-        self._target = _file_buffer(slotfile.target_file_size(state_len, self._spec))
+        self._target = _file_buffer(slotfile.target_file_size(state_len, self._spec,
+                                                              self._tail_size))
         return self._target[slotfile.target_state_at(self._spec):][:state_len]
 
     def draft(self, state_len: int) -> memoryview:
@@ -69,8 +75,8 @@ class SlotFileBuffers:
         """The slot files of the state the core wrote (`target_state`, `draft_state`:
         the views it returned, which must fill the rooms allocated)."""
         tbuf = _written(self._target, target_state,
-                        lambda n: slotfile.target_file_size(n, self._spec))
-        tbuf, n_tokens, tdigest = slotfile.seal_target(tbuf, self._spec)
+                        lambda n: slotfile.target_file_size(n, self._spec, self._tail_size))
+        tbuf, n_tokens, tdigest = slotfile.seal_target(tbuf, self._spec, self._tail)
         dbuf = None
         if draft_state is not None and draft is not None:
             dbuf = _written(self._draft, draft_state, slotfile.draft_file_size)
@@ -92,10 +98,12 @@ def _written(buf: memoryview | None, state: memoryview, file_size: Callable[[int
 
 
 def encode_slot(target_state: bytes | memoryview, draft_state: bytes | memoryview | None,
-                target: ModelSpec, draft: ModelSpec | None) -> EncodedSlot:
+                target: ModelSpec, draft: ModelSpec | None,
+                tail: Sequence[slotfile.Section] = ()) -> EncodedSlot:
     """The slot files of core state read apart (Context.get_state,
-    SpecDecoder.draft_state): copied into SlotFileBuffers and encoded there."""
-    bufs = SlotFileBuffers(target)
+    SpecDecoder.draft_state): copied into SlotFileBuffers and encoded there. `tail`:
+    optional sections of the target file after the KV."""
+    bufs = SlotFileBuffers(target, tail)
     tview = bufs.target(len(target_state))
     tview[:] = memoryview(target_state).cast("B")
     dview = None
@@ -114,6 +122,7 @@ class PreparedRestore:
     draft_state: memoryview | None  # the sidecar's draft state; None: apply the policy
     draft_note: str  # why draft_state is None
     n_read: int
+    chat: tuple[Message, ...] | None = None  # a session's conversation (CHAT section)
 
 
 def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
@@ -139,4 +148,4 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
         except slotfile.SlotFileError as exc:
             note = str(exc)
     return PreparedRestore(slotfile.core_parts_from_target(t), t.n_tokens, draft_state, note,
-                           n_read)
+                           n_read, chat_record.unpack(t.extra))

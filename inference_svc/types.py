@@ -142,6 +142,12 @@ class GenerateParams:
     session: str | None = None
     # the prompt is the session's whole conversation (Chat), not what follows it
     conversation: bool = False
+    # a Chat's conversation (the session's kept part included): what its session keeps
+    # once the reply is added (chat_reply: as an assistant message)
+    messages: tuple[chat.Message, ...] = ()
+    chat_reply: bool = False
+    # an `append` Chat: the session's conversation its messages continue (None: not one)
+    history: tuple[chat.Message, ...] | None = None
 
     @classmethod
     def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
@@ -162,17 +168,30 @@ class GenerateParams:
                           req.truncate_prompt, cut_short)
 
     @classmethod
-    def from_chat(cls, req: pb.ChatRequest, rc: RequestContext) -> GenerateParams:
-        """The Generate request of a Chat: the rendered conversation as its prompt."""
+    def from_chat(cls, req: pb.ChatRequest, rc: RequestContext,
+                  history: Sequence[chat.Message] = ()) -> GenerateParams:
+        """The Generate request of a Chat: the rendered conversation as its prompt.
+        `history`: the conversation the session keeps, which an `append` Chat's
+        messages continue."""
         template = chat.require(rc.chat)
-        messages = [chat.Message(m.role, m.content) for m in req.messages]
+        if req.append and not req.HasField("session"):
+            raise InvalidArgument("append continues the conversation a session keeps: "
+                                  "set session")
+        messages = [*history, *(chat.Message(m.role, m.content) for m in req.messages)]
+        if not req.messages:
+            raise InvalidArgument("messages is empty: a conversation needs at least one "
+                                  "message" + (" to append" if req.append else ""))
         size = sum(len(m.role.encode("utf-8", "surrogatepass"))
                    + len(m.content.encode("utf-8", "surrogatepass")) for m in messages)
         agp = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
         tok = rc.tokenizer
         prompt = (tok.run(lambda: template.tokens(messages, agp), size)
                   if isinstance(tok, BoundedTokenizer) else template.tokens(messages, agp))
-        return cls._build(req, rc, prompt, -1, True, False)
+        params = cls._build(req, rc, prompt, -1, True, False)
+        if params.session is None:
+            return params
+        return dataclasses.replace(params, messages=tuple(messages), chat_reply=agp,
+                                   history=tuple(history) if req.append else None)
 
     @classmethod
     def _build(cls, req: pb.GenerateRequest | pb.ChatRequest, rc: RequestContext,
@@ -250,6 +269,7 @@ class Timings:
     queue_ms: float = 0.0
     session_tier: int = 0  # pb.SessionTier: where the session was found (0: no session)
     session_restore_ms: float = 0.0
+    session_n_discarded: int = 0  # session tokens the prompt did not continue, dropped
 
     def add_counters(self, c: Counters) -> None:
         self.draft_n, self.draft_n_accepted = c.n_drafted, c.n_accepted
@@ -273,7 +293,8 @@ class Timings:
             id_slot=self.id_slot, prompt_per_second=self.prompt_per_second,
             predicted_per_second=self.predicted_per_second, n_truncated=self.n_truncated,
             n_steps=self.n_steps, queue_ms=self.queue_ms, session_tier=self.session_tier,
-            session_restore_ms=self.session_restore_ms)
+            session_restore_ms=self.session_restore_ms,
+            session_n_discarded=self.session_n_discarded)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ together (a manifest per name, written last, names both). Two implement it:
 The gRPC handlers (server.py) see only this interface, so a client cannot tell which
 backend serves it. The call sequence of a Put: `check_header` -> `begin_put` ->
 `upload.write`... -> `finish_put` (commits, or stages a target whose draft follows), or
-`upload.abort` on any failure; a failed draft also calls `drop_staged` so the target
-it was meant to commit goes with it. A Get: `open_part` -> `reader.read`... ->
+`upload.abort` on any failure. A draft claims its staged target (`claimed_target`) as
+soon as its header is read: a draft Put that fails afterwards, for whatever reason (a
+refused header included), calls `drop_staged` so the target it was meant to commit goes
+with it. A Get: `open_part` -> `reader.read`... ->
 `reader.close`.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from snapshot_svc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
-from snapshot_svc.names import validate_name
+from snapshot_svc.names import name_problem, validate_name
 from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.spares import SparePool
 
@@ -67,6 +69,15 @@ def check_header(max_snapshot_bytes: int, name: str, part: Part, size: int, sha2
     elif target_sha256:
         raise InvalidArgument("target_sha256 applies to draft parts only")
     return UploadHeader(name, part, size, sha256, meta, draft_follows, target_sha256)
+
+
+def claimed_target(name: str, part: Part, target_sha256: str) -> tuple[str, str] | None:
+    """The staged target a Put's header claims, as (stored name, target digest), taken
+    before any other check of the header; None for a target part, or for a name or
+    digest no target can be staged under (nothing to drop, no key built from them)."""
+    if part is not Part.DRAFT or not SHA256_HEX.fullmatch(target_sha256):
+        return None
+    return None if name_problem(name) is not None else (name, target_sha256)
 
 
 def check_trailer_sha256(header: UploadHeader, sha256: str) -> None:

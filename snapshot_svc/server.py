@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, limits, tenants
-from snapshot_svc.backend import Backend
+from snapshot_svc.backend import Backend, claimed_target
 from snapshot_svc.clientlib import auth, metrics_http, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
@@ -137,7 +137,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         t0 = time.perf_counter()
         label, code = "unknown", "OK"
         upload = None
-        header = None
+        claimed: tuple[str, str] | None = None  # a draft's staged target, dropped on failure
         done = False
         try:
             first = next(request_iterator, None)
@@ -146,8 +146,10 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             h = first.header
             part = self._part(h.part)
             label = part.label
+            stored = tenants.stored_name(auth.CURRENT.get(), h.name)
+            claimed = claimed_target(stored, part, h.target_sha256)
             header = self.store.check_header(
-                tenants.stored_name(auth.CURRENT.get(), h.name), part, h.size, h.sha256,
+                stored, part, h.size, h.sha256,
                 PartMeta(h.format_version, h.fingerprint, h.n_tokens),
                 draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
                 target_sha256=h.target_sha256, trailer=self.drafts)
@@ -201,9 +203,10 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         finally:
             if upload is not None:
                 upload.abort()
-            if not done and header is not None and header.part is Part.DRAFT:
-                # the paired save failed: its staged target goes now, not at its expiry
-                self.store.drop_staged(header.name, header.target_sha256)
+            if not done and claimed is not None:
+                # the paired save failed, whatever the reason (its header refused too):
+                # its staged target goes now, not at its expiry
+                self.store.drop_staged(*claimed)
             self.metrics.puts.labels(label, code).inc()
             self.metrics.put_seconds.labels(label).observe(time.perf_counter() - t0)
 

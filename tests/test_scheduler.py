@@ -156,7 +156,7 @@ def test_any_slot_job_takes_the_longest_prefix_then_the_lru_slot(
         clock.t += 1
         submit(s, FakeJob(f"fill{slot}", slot, s, prompt=prompt))
         step(s)
-    assert [x.tokens for x in s.slots] == [[1, 2, 3], [1, 2, 9], [7]]
+    assert [ex.slot_tokens(i) for i in range(3)] == [[1, 2, 3], [1, 2, 9], [7]]
     assert [x.last_used for x in s.slots] == [101.0, 102.0, 103.0]
     j = FakeJob("p", -1, s, prompt=[1, 2, 9, 4])
     submit(s, j)
@@ -310,7 +310,7 @@ def test_executor_failure_fails_the_job_and_empties_its_slot(
     ex.raise_on = "bad"
     step(s)
     assert isinstance(bad.error, RuntimeError) and errors == ["core failure"]
-    assert ("reset", 0) in ex.log and s.slots[0].tokens == [] and s.slots[0].job is None
+    assert ("reset", 0) in ex.log and ex.slot_tokens(0) == [] and s.slots[0].job is None
     assert s.active == [good] and good.error is None
 
 
@@ -334,14 +334,37 @@ def test_drain_fails_the_waiting_and_cuts_the_running_after_the_grace(
     assert sum(e[0] == "unit" for e in ex.log) == 2
 
 
-def test_released_slot_records_its_tokens_and_time(ex: FakeExecutor, clock: Clock) -> None:
+def test_released_slot_records_its_time(ex: FakeExecutor, clock: Clock) -> None:
     s = make(ex, clock, n_slots=1)
     clock.t = 1234.5
     submit(s, FakeJob("j", 0, s, prompt=[4, 5, 6]))
     step(s)
     sl = s.slots[0]
-    assert (sl.tokens, sl.last_used, sl.last_used_unix_ms, sl.job) == ([4, 5, 6], 1234.5,
-                                                                       1234500, None)
+    assert (sl.last_used, sl.last_used_unix_ms, sl.job) == (1234.5, 1234500, None)
+
+
+def test_slot_choice_reads_the_tokens_a_slot_holds_now(ex: FakeExecutor,
+                                                       clock: Clock) -> None:
+    """The slot's tokens come from the executor when a job is admitted: a slot emptied
+    or refilled while idle (a session moved out, an erase, a restore) is matched by what
+    it holds now, not by what it held when its last job ended."""
+    s = make(ex, clock, n_slots=2)
+    for slot, prompt in ((1, [5]), (0, [1, 2, 3])):  # slot 1 the least recently used
+        clock.t += 1
+        submit(s, FakeJob(f"fill{slot}", slot, s, prompt=prompt))
+        step(s)
+    ex.reset(0)  # emptied behind the scheduler's back
+    j = FakeJob("p", -1, s, prompt=[1, 2, 3, 4])
+    submit(s, j)
+    step(s)
+    assert j.slot == 1  # no prefix held anywhere: the least recently used slot
+    while s.active:
+        step(s)
+    ex.tokens[0] = [1, 2, 3, 4, 6]  # restored behind the scheduler's back
+    k = FakeJob("q", -1, s, prompt=[1, 2, 3, 4, 6, 7])
+    submit(s, k)
+    step(s)
+    assert k.slot == 0
 
 
 class ChunkJob(FakeJob):

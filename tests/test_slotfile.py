@@ -147,6 +147,35 @@ def test_files_of_a_windowed_model_are_built_in_place(n: int, n_window: int | No
     assert b"".join(sf.core_parts_from_target(got)) == state
 
 
+TAIL = (sf.Section(b"CHAT", 0, b'[["user","hi"]]'), sf.Section(b"XTRA", 0, b""))
+
+
+@pytest.mark.parametrize(("spec", "n", "n_window"),
+                         [(SPEC_T, 0, None), (SPEC_T, 7, None), (SPEC_W, 3, None),
+                          (SPEC_W, 40, 23)])
+def test_optional_sections_after_the_kv_are_written_in_place(
+        spec: sf.ModelSpec, n: int, n_window: int | None) -> None:
+    """Optional sections after the KV (a session's conversation) go into room left in the
+    buffer the core writes: byte for byte what encode_target writes with them as its
+    extra sections, the sidecar naming that file, the sections read back."""
+    toks = [(5 * k + 2) % 100 for k in range(n)]
+    state = core_kv(toks, LAYOUT, seed=n) if n_window is None else core_kv_window(toks, n_window)
+    dstate = core_spec(toks[n // 2:], n // 2) if spec is SPEC_T else None
+    enc = encode_slot(state, dstate, spec, SPEC_D if dstate is not None else None, TAIL)
+    want = sf.encode_target(dataclasses.replace(sf.target_from_core(state, spec), extra=TAIL))
+    assert (bytes(enc.target), enc.target_sha256, enc.n_tokens) == (want, sf.digest(want), n)
+    got = sf.decode_target(enc.target)
+    assert (got.extra, got.tokens) == (TAIL, tuple(toks))
+    assert b"".join(sf.core_parts_from_target(got)) == state
+    if dstate is not None:
+        assert enc.draft is not None
+        assert sf.decode_draft(enc.draft).target_digest == sf.digest(want)
+    bufs = SlotFileBuffers(spec, TAIL)
+    room = bufs.target(len(state))
+    room[:] = state
+    assert bytes(bufs.encode(room, None, None).target) == want
+
+
 def test_files_built_in_place_refuse_a_state_that_is_not_the_models() -> None:
     with pytest.raises(ValueError, match="layout"):
         encode_slot(core_kv([1], sf.KVLayout(1, 1, 4)), None, SPEC_T, None)

@@ -338,10 +338,12 @@ def test_wrong_digest_is_data_loss_and_stores_nothing(client: SnapshotClient,
         "warmslot_snapshot_digest_failures_total") == 3.0
 
 
+@pytest.mark.parametrize("why", ["digest mismatch", "declared size over the limit"])
 def test_failed_paired_put_removes_its_staged_target_at_once(
-        client: SnapshotClient, server: SnapshotServer, stub: pb_grpc.SnapshotStub) -> None:
-    """A paired save whose draft fails leaves nothing of the new target behind (not
-    until the staged target expires: the stage TTL is 300 s here)."""
+        client: SnapshotClient, server: SnapshotServer, stub: pb_grpc.SnapshotStub,
+        why: str) -> None:
+    """A paired save whose draft fails, whatever the reason, leaves nothing of the new
+    target behind (not until the staged target expires: the stage TTL is 300 s here)."""
     old_t, old_d = blob(1, 3000), blob(2, 300)
     client.put("s", old_t, old_d)
     before = stored(server)
@@ -350,9 +352,15 @@ def test_failed_paired_put_removes_its_staged_target_at_once(
                  timeout=30)
     assert not r.committed
     assert stored_blobs(server) == sorted([sha(old_t), sha(old_d), sha(new_t)])
-    reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
-                        target_sha256=sha(new_t))
-    assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) == grpc.StatusCode.DATA_LOSS
+    if why == "digest mismatch":
+        reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), digest=sha(b"other"),
+                            target_sha256=sha(new_t))
+        code = grpc.StatusCode.DATA_LOSS
+    else:
+        reqs = put_requests("s", pb.PART_DRAFT, blob(4, 100), target_sha256=sha(new_t),
+                            size=server.config.max_snapshot_bytes + 1)
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_of(lambda: stub.Put(iter(reqs), timeout=30)) == code
     assert stored(server) == before  # at once: no garbage collection in between
     assert stored_blobs(server) == sorted([sha(old_t), sha(old_d)])
     got = client.get("s")

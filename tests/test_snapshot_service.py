@@ -400,6 +400,67 @@ def test_staged_target_expires(tmp_path: Path) -> None:
         assert stored_files(srv) == {"blobs": [], "manifests": [], "tmp": []}
 
 
+# How a paired save's draft Put can fail (header fields of a draft for a 5000-byte limit):
+# each must free the staged target at once, whatever the reason.
+FAILED_DRAFTS = {
+    "declared size over the limit": ({"size": 9000}, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "bad sha256 in the header": ({"digest": "not-hex"}, grpc.StatusCode.INVALID_ARGUMENT),
+    "draft_follows on a draft": ({"draft_follows": True}, grpc.StatusCode.INVALID_ARGUMENT),
+    "digest mismatch": ({"digest": sha(b"other")}, grpc.StatusCode.DATA_LOSS),
+}
+
+
+@pytest.mark.parametrize("why", list(FAILED_DRAFTS))
+def test_failed_draft_frees_its_staged_target_at_once(tmp_path: Path, why: str) -> None:
+    """Limit 5000 bytes, no spare files, a stage TTL of 300 s: a staged 3000-byte target
+    whose draft Put is refused is gone right after the refusal, not at its expiry."""
+    fields, code = FAILED_DRAFTS[why]
+    with running_server(tmp_path / "d", max_snapshot_bytes=5000, spare_bytes=0,
+                        stage_ttl_s=300.0) as srv, grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.SnapshotStub(ch)
+        t = blob(1, 3000)
+        stage_target(stub, "s", t, timeout=20)
+        assert stored_files(srv)["blobs"] == [sha(t)]
+        assert srv.store.usage() == (0, 3000)
+        reqs = put_requests("s", pb.PART_DRAFT, blob(2, 100), target_sha256=sha(t),
+                            **fields)  # type: ignore[arg-type]
+        assert status_of(lambda: stub.Put(iter(reqs), timeout=20)) == code
+        assert stored_files(srv) == {"blobs": [], "manifests": [], "tmp": []}
+        assert srv.store.usage() == (0, 0)
+        assert status_of(lambda: stub.Stat(pb.StatRequest(name="s"), timeout=20)) \
+            == grpc.StatusCode.NOT_FOUND
+        # the failed save is over: a valid draft for that target has nothing to commit
+        assert status_of(lambda: commit_draft(stub, "s", blob(2, 100), t, timeout=20)) \
+            == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_cancelled_draft_frees_its_staged_target_at_once(tmp_path: Path) -> None:
+    """The same when the client cancels the draft's stream halfway."""
+    with running_server(tmp_path / "d", max_snapshot_bytes=5000, spare_bytes=0,
+                        stage_ttl_s=300.0) as srv, grpc.insecure_channel(srv.address) as ch:
+        stub = pb_grpc.SnapshotStub(ch)
+        t = blob(1, 3000)
+        stage_target(stub, "s", t, timeout=20)
+        release = threading.Event()
+
+        def halfway() -> Iterator[pb.PutRequest]:
+            yield from put_requests("s", pb.PART_DRAFT, blob(2, 100), size=200,
+                                    target_sha256=sha(t))
+            release.wait(20)  # the rest never comes
+
+        call = stub.Put.future(halfway(), timeout=20)
+        try:
+            _wait_until(lambda: any(srv.store.tmp.iterdir()))  # the draft is arriving
+            call.cancel()
+            _wait_until(lambda: stored_files(srv) == {"blobs": [], "manifests": [],
+                                                      "tmp": []})
+        finally:
+            release.set()
+        assert srv.store.usage() == (0, 0)
+        assert status_of(lambda: stub.Stat(pb.StatRequest(name="s"), timeout=20)) \
+            == grpc.StatusCode.NOT_FOUND
+
+
 # --- shared content ------------------------------------------------------------------------
 
 
