@@ -9,6 +9,7 @@ so the KV holds the whole conversation.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from .handle import (
 from .model import Context
 
 MAX_DRAFT = int(binding.lib.WS_SPEC_MAX_DRAFT)  # most tokens drafted in one step
+LOOKUP_MAX_MATCH = int(binding.lib.WS_SPEC_LOOKUP_MAX_MATCH)  # longest suffix a lookup matches
 
 
 MAX_LOGPROBS = 20
@@ -76,29 +78,65 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+class Drafter(enum.IntEnum):
+    """Which drafter made a step's proposals (ws_drafter)."""
+
+    NONE = int(binding.lib.WS_DRAFTER_NONE)
+    MODEL = int(binding.lib.WS_DRAFTER_MODEL)
+    LOOKUP = int(binding.lib.WS_DRAFTER_LOOKUP)
+
+
 @dataclass(frozen=True)
 class SpecParams:
-    """Draft up to n_max tokens, stopping below p_min top probability after n_min."""
+    """The draft model drafts up to n_max tokens, stopping below p_min top probability
+    after n_min; the lookup drafter, where it finds a match of at least lookup_min
+    tokens in the slot's own sequence, proposes n_lookup tokens instead (0: off)."""
 
     n_max: int = 8
     n_min: int = 0
     p_min: float = 0.0
+    n_lookup: int = 0
+    lookup_min: int = 2
+
+    def fill(self, c: Any) -> None:
+        """Sets the fields of a ws_spec_params."""
+        c.n_max, c.n_min, c.p_min = self.n_max, self.n_min, self.p_min
+        c.n_lookup, c.lookup_min = self.n_lookup, self.lookup_min
 
     def to_c(self) -> Any:
         c = ffi.new("ws_spec_params *")
-        c.n_max, c.n_min, c.p_min = self.n_max, self.n_min, self.p_min
+        self.fill(c)
         return c
+
+    @property
+    def drafts(self) -> bool:
+        """Whether a step may propose anything."""
+        return self.n_max > 0 or self.n_lookup > 0
 
 
 NO_SPEC = SpecParams(n_max=0)
+LOOKUP_ONLY = SpecParams(n_max=0, n_lookup=8)
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One slot's part of a batched step: the new tokens and how many were drafted."""
+    """One slot's part of a batched step: the new tokens, how many were drafted and
+    by which drafter."""
 
     tokens: list[int]
     drafted: int
+    drafter: Drafter = Drafter.NONE
+
+
+def lookup(tokens: list[int], min_match: int, k: int) -> list[int]:
+    """The lookup drafter's rule (ws_spec_lookup): the k tokens that follow the most
+    recent earlier occurrence of the longest suffix of `tokens` of min_match..
+    LOOKUP_MAX_MATCH tokens, or [] when there is none."""
+    toks = np.ascontiguousarray(tokens, dtype=np.int32)
+    drafts = np.zeros(max(k, 1), dtype=np.int32)
+    n = binding.spec_lookup(ffi.from_buffer("int32_t[]", toks) if toks.size else ffi.NULL,
+                            int(toks.size), min_match, k, ffi.from_buffer("int32_t[]", drafts))
+    return drafts[:n].tolist()
 
 
 def _c_samplings(samplings: list[SamplingParams]) -> Any:
@@ -235,17 +273,20 @@ class SpecDecoder(NativeHandle):
             raise InvalidArgumentError("step_batch needs one sampling, spec and max_new per slot")
         c_pps = ffi.new("ws_spec_params[]", n)
         for i, pp in enumerate(specs):
-            c_pps[i].n_max, c_pps[i].n_min, c_pps[i].p_min = pp.n_max, pp.n_min, pp.p_min
+            pp.fill(c_pps[i])
         per = MAX_DRAFT + 1
         out = np.empty(n * per, dtype=np.int32)
         n_out = np.empty(n, dtype=np.int32)
         drafted = np.empty(n, dtype=np.int32)
+        drafter = np.empty(n, dtype=np.int32)
         binding.spec_step_batch(self.handle, n, ffi.new("int32_t[]", slots),
                                 _c_samplings(samplings), c_pps, ffi.new("int32_t[]", max_new),
                                 ffi.from_buffer("int32_t[]", out),
                                 ffi.from_buffer("int32_t[]", n_out),
-                                ffi.from_buffer("int32_t[]", drafted))
-        return [StepResult(out[i * per:i * per + int(n_out[i])].tolist(), int(drafted[i]))
+                                ffi.from_buffer("int32_t[]", drafted),
+                                ffi.from_buffer("int32_t[]", drafter))
+        return [StepResult(out[i * per:i * per + int(n_out[i])].tolist(), int(drafted[i]),
+                           Drafter(int(drafter[i])))
                 for i in range(n)]
 
     def logprobs(self, slot: int) -> list[TokenLogprob]:
