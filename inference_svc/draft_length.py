@@ -85,3 +85,39 @@ class DraftLength:
             self.interval = FIRST_INTERVAL
         elif probe:
             self.interval = min(2 * self.interval, MAX_INTERVAL)
+
+
+@dataclass
+class DraftLengths:
+    """The one controller of a request's drafters: each step, the lookup drafter
+    proposes the length its own measured acceptance pays for wherever it finds a
+    repeat, the draft model (if any) the length its acceptance pays for elsewhere,
+    and nothing where neither pays. A step the lookup drafter could not draft (no
+    repeat) costs nothing and teaches its estimate nothing."""
+
+    model: DraftLength | None
+    lookup: DraftLength | None
+
+    @classmethod
+    def start(cls, n_model: int, model_cost: float, n_lookup: int, lookup_cost: float,
+              prior: float) -> DraftLengths:
+        return cls(DraftLength.start(n_model, model_cost, prior) if n_model > 0 else None,
+                   DraftLength.start(n_lookup, lookup_cost, prior) if n_lookup > 0 else None)
+
+    def next(self) -> tuple[int, int]:
+        """The next step's (draft model, lookup) lengths."""
+        return (self.model.next() if self.model is not None else 0,
+                self.lookup.next() if self.lookup is not None else 0)
+
+    def observe(self, asked: tuple[int, int], by_lookup: bool, drafted: int,
+                accepted: int) -> None:
+        """A step asked for `asked` (`next`); the lookup drafter made its proposals
+        (by_lookup) or the model did (or nobody), `drafted` of them, `accepted` kept."""
+        n_model, n_lookup = asked
+        if self.lookup is not None:
+            if by_lookup:
+                self.lookup.observe(n_lookup, drafted, accepted)
+            elif n_lookup == 0:
+                self.lookup.observe(0, 0, 0)  # idle: counts towards its next probe
+        if self.model is not None and not by_lookup:
+            self.model.observe(n_model, drafted, accepted)

@@ -308,19 +308,23 @@ def test_save_needs_a_store(pair: tuple[Path, Path]) -> None:
 
 
 def test_without_draft_model(pair: tuple[Path, Path], tmp_path: Path, ref: Reference) -> None:
-    """Target-only server: no sidecar written; restore reports policy NONE."""
+    """Server without a draft model: no sidecar written; restore reports policy NONE;
+    only the lookup drafter proposes, and turning it off leaves no drafter."""
     with running(service_config(pair[0], None, slot_save_path=tmp_path)) as srv, \
             InferenceClient(f"127.0.0.1:{srv.port}") as c:
         a = c.tokenize(TEXT_A)
         out, last = gen(c, a, 0)
-        assert out == ref.generate(a, N) and last.timings.draft_n == 0
+        t = last.timings
+        assert out == ref.generate(a, N)
+        assert (t.draft_n, t.draft_n_accepted) == (t.lookup_n, t.lookup_n_accepted)
         s = c.save(0, "t")
         assert not s.draft_saved and not (tmp_path / "t.drft").exists()
         r = c.restore(1, "t")
         assert (r.draft_restored, r.draft_policy_applied) == (False, pb.DRAFT_POLICY_NONE)
         with pytest.raises(grpc.RpcError) as err:
-            gen(c, a, 0, speculative=True)
+            gen(c, a, 0, speculative=True, lookup=False)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "needs a drafter" in (err.value.details() or "")
 
 
 def test_draft_reprefill_catches_up_in_bounded_units(client: InferenceClient, server: Server,
