@@ -55,7 +55,7 @@ class Speculative:
     adaptive: bool = True
     draft_cost: float = 0.3
     lookup: bool = True
-    lookup_min: int = 2
+    lookup_min: int = 1
     lookup_cost: float = 0.2
 
 

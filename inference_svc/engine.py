@@ -144,9 +144,9 @@ class GenJob(Job):
             return NO_SPEC
         if self.draft_len is None:
             return spec
-        n, n_lookup = self.draft_len.next()
+        n, lookup_k = self.draft_len.next()
         return SpecParams(n_max=n, n_min=min(spec.n_min, n), p_min=spec.p_min,
-                          n_lookup=n_lookup, lookup_min=spec.lookup_min)
+                          lookup_k=lookup_k)
 
 
 class SlotOp(Job, Generic[T]):
@@ -528,7 +528,7 @@ class Engine:
                 # every request starts from the same estimate, whatever the slot did
                 # before: a seeded request draws the same tokens in any slot, restored or not
                 job.draft_len = DraftLengths.start(p.spec.n_max, sc.draft_cost,
-                                                   p.spec.n_lookup, sc.lookup_cost,
+                                                   p.spec.lookup_k, sc.lookup_cost,
                                                    START_ACCEPTANCE)
             job.todo = list(new)
             # -1: unknown, the first prefill unit of a speculative request catches up
@@ -564,8 +564,8 @@ class Engine:
         for job, spec, r in zip(gens, specs, res, strict=True):
             by_lookup = r.drafter == Drafter.LOOKUP
             if job.draft_len is not None:
-                job.draft_len.observe((spec.n_max, spec.n_lookup), by_lookup, r.drafted,
-                                      len(r.tokens) - 1)
+                job.draft_len.observe((spec.n_max, spec.lookup_k), by_lookup, r.match,
+                                      r.drafted, len(r.tokens) - 1)
             if by_lookup:
                 job.timings.lookup_n += r.drafted
                 job.timings.lookup_n_accepted += len(r.tokens) - 1

@@ -24,6 +24,7 @@ from inference_svc.core.speculative import (
     SamplingParams,
     SpecParams,
     TokenLogprob,
+    lookup_lengths,
 )
 from inference_svc.errors import InvalidArgument
 from inference_svc.pb import inference_pb2 as pb
@@ -127,7 +128,7 @@ def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
     if not enabled or n_max == 0:
         return None
     return SpecParams(n_max if has_draft else 0, n_min if has_draft else 0, p_min,
-                      n_lookup=n_max if lookup else 0, lookup_min=d.lookup_min)
+                      lookup_k=lookup_lengths(n_max, d.lookup_min) if lookup else ())
 
 
 @dataclass(frozen=True)

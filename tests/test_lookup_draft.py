@@ -18,6 +18,7 @@ from inference_svc.core.speculative import (
     SpecDecoder,
     SpecParams,
     lookup,
+    lookup_lengths,
 )
 from tests.test_speculative import (
     GREEDY,
@@ -92,7 +93,7 @@ def test_greedy_lookup_equals_target_only(pair: tuple[Path, Path, Path],  # noqa
                                           repeating_reference: list[int], n_lookup: int) -> None:
     for dec in open_decoder(pair[0], None):
         out, by = run_steps(dec, 0, REPEATING, 60, GREEDY,
-                            SpecParams(n_max=0, n_lookup=n_lookup, lookup_min=2))
+                            SpecParams(n_max=0, lookup_k=lookup_lengths(n_lookup, 2)))
         assert out == repeating_reference
         assert by[Drafter.MODEL] == [0, 0]
         drafted, accepted = by[Drafter.LOOKUP]
@@ -108,7 +109,7 @@ def test_lookup_and_draft_model_share_a_request(pair: tuple[Path, Path, Path],  
     up later); elsewhere the model drafts: the output stays the target's."""
     for dec in open_decoder(pair[0], pair[1]):
         out, by = run_steps(dec, 0, REPEATING, 60, GREEDY,
-                            SpecParams(n_max=4, n_lookup=4, lookup_min=3))
+                            SpecParams(n_max=4, lookup_k=lookup_lengths(4, 3)))
         assert out == repeating_reference
         assert by[Drafter.LOOKUP][0] > 0 and by[Drafter.MODEL][0] > 0
         assert dec.tokens(0) == REPEATING + out
@@ -121,7 +122,7 @@ def test_lookup_and_draft_model_share_a_request(pair: tuple[Path, Path, Path],  
 def test_lookup_off_never_drafts(pair: tuple[Path, Path, Path],  # noqa: F811
                                  repeating_reference: list[int]) -> None:
     for dec in open_decoder(pair[0], None):
-        out, by = run_steps(dec, 0, REPEATING, 30, GREEDY, SpecParams(n_max=8, n_lookup=0))
+        out, by = run_steps(dec, 0, REPEATING, 30, GREEDY, SpecParams(n_max=8))
         assert out == repeating_reference[:30]
         assert by[Drafter.LOOKUP] == [0, 0] and by[Drafter.MODEL] == [0, 0]
 
@@ -131,7 +132,7 @@ def test_batched_lookup_equals_separate_steps(pair: tuple[Path, Path, Path]) -> 
     give the tokens each gives alone."""
     sp = SamplingParams(temperature=0.9, top_k=20)
     prompts = [REPEATING, [9, 8, 7, 6, 5, 4, 3, 2]]
-    spec = SpecParams(n_max=3, n_lookup=5, lookup_min=1)
+    spec = SpecParams(n_max=3, lookup_k=lookup_lengths(5))
     alone = []
     for dec in open_decoder(pair[0], pair[1]):
         for slot, p in enumerate(prompts):
@@ -192,7 +193,7 @@ def test_lookup_sampling_distribution_matches_target(
     expected = np.array([p1[a] * cond[a][b] for a, b in pairs]) * runs
     index = {ab: i for i, ab in enumerate(pairs)}
     counts = np.zeros(len(index))
-    spec = SpecParams(n_max=0, n_lookup=1, lookup_min=1)
+    spec = SpecParams(n_max=0, lookup_k=lookup_lengths(1))
     for dec in open_decoder(pair[0], None, n_slots=1, n_ctx=512):
         dec.prefill(0, prompt[:-1], sp)
         for seed in range(runs):
@@ -217,9 +218,10 @@ def test_bad_lookup_parameters_fail_before_decoding(
     for dec in open_decoder(pair[0], None):
         dec.prefill(0, REPEATING, GREEDY)
         n = dec.n_tokens(0)
-        for spec, what in ((SpecParams(n_max=0, n_lookup=17), "n_lookup 17"),
-                           (SpecParams(n_max=0, n_lookup=2, lookup_min=0), "lookup_min 0"),
-                           (SpecParams(n_max=0, n_lookup=2, lookup_min=17), "lookup_min 17")):
+        for spec, what in ((SpecParams(n_max=0, lookup_k=lookup_lengths(17)),
+                            r"lookup_k\[1\] = 17"),
+                           (SpecParams(n_max=0, lookup_k=(0,) * 15 + (-1,)),
+                            r"lookup_k\[16\] = -1")):
             with pytest.raises(InvalidArgumentError, match=what):
                 dec.step_batch([0], [GREEDY], [spec], [4])
             with pytest.raises(InvalidArgumentError, match=what):

@@ -86,22 +86,33 @@ class Drafter(enum.IntEnum):
     LOOKUP = int(binding.lib.WS_DRAFTER_LOOKUP)
 
 
+def lookup_lengths(k: int, min_match: int = 1) -> tuple[int, ...]:
+    """SpecParams.lookup_k proposing k tokens after every match of min_match or more."""
+    return tuple(k if m >= min_match else 0 for m in range(1, LOOKUP_MAX_MATCH + 1))
+
+
 @dataclass(frozen=True)
 class SpecParams:
     """The draft model drafts up to n_max tokens, stopping below p_min top probability
-    after n_min; the lookup drafter, where it finds a match of at least lookup_min
-    tokens in the slot's own sequence, proposes n_lookup tokens instead (0: off)."""
+    after n_min. The lookup drafter, where the longest recent repeat of the end of
+    the slot's own sequence is m tokens long, proposes lookup_k[m - 1] tokens instead
+    (m = 1..LOOKUP_MAX_MATCH; () or all 0: off)."""
 
     n_max: int = 8
     n_min: int = 0
     p_min: float = 0.0
-    n_lookup: int = 0
-    lookup_min: int = 2
+    lookup_k: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.lookup_k and len(self.lookup_k) != LOOKUP_MAX_MATCH:
+            raise InvalidArgumentError(f"lookup_k has {len(self.lookup_k)} lengths, not one "
+                                       f"per match length 1..{LOOKUP_MAX_MATCH}")
 
     def fill(self, c: Any) -> None:
         """Sets the fields of a ws_spec_params."""
         c.n_max, c.n_min, c.p_min = self.n_max, self.n_min, self.p_min
-        c.n_lookup, c.lookup_min = self.n_lookup, self.lookup_min
+        for m, k in enumerate(self.lookup_k, start=1):
+            c.lookup_k[m] = k
 
     def to_c(self) -> Any:
         c = ffi.new("ws_spec_params *")
@@ -109,23 +120,24 @@ class SpecParams:
         return c
 
     @property
-    def drafts(self) -> bool:
-        """Whether a step may propose anything."""
-        return self.n_max > 0 or self.n_lookup > 0
+    def lookup(self) -> bool:
+        """Whether the lookup drafter may propose."""
+        return any(self.lookup_k)
 
 
 NO_SPEC = SpecParams(n_max=0)
-LOOKUP_ONLY = SpecParams(n_max=0, n_lookup=8)
+LOOKUP_ONLY = SpecParams(n_max=0, lookup_k=lookup_lengths(8))
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One slot's part of a batched step: the new tokens, how many were drafted and
-    by which drafter."""
+    """One slot's part of a batched step: the new tokens, how many were drafted, by
+    which drafter, and the lookup drafter's longest match (0: none or lookup off)."""
 
     tokens: list[int]
     drafted: int
     drafter: Drafter = Drafter.NONE
+    match: int = 0
 
 
 def lookup(tokens: list[int], min_match: int, k: int) -> list[int]:
@@ -276,17 +288,13 @@ class SpecDecoder(NativeHandle):
             pp.fill(c_pps[i])
         per = MAX_DRAFT + 1
         out = np.empty(n * per, dtype=np.int32)
-        n_out = np.empty(n, dtype=np.int32)
-        drafted = np.empty(n, dtype=np.int32)
-        drafter = np.empty(n, dtype=np.int32)
+        info = ffi.new("ws_spec_step_info[]", n)
         binding.spec_step_batch(self.handle, n, ffi.new("int32_t[]", slots),
                                 _c_samplings(samplings), c_pps, ffi.new("int32_t[]", max_new),
-                                ffi.from_buffer("int32_t[]", out),
-                                ffi.from_buffer("int32_t[]", n_out),
-                                ffi.from_buffer("int32_t[]", drafted),
-                                ffi.from_buffer("int32_t[]", drafter))
-        return [StepResult(out[i * per:i * per + int(n_out[i])].tolist(), int(drafted[i]),
-                           Drafter(int(drafter[i])))
+                                ffi.from_buffer("int32_t[]", out), info)
+        return [StepResult(out[i * per:i * per + int(info[i].n_out)].tolist(),
+                           int(info[i].n_drafted), Drafter(int(info[i].drafter)),
+                           int(info[i].match))
                 for i in range(n)]
 
     def logprobs(self, slot: int) -> list[TokenLogprob]:
