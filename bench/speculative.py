@@ -14,9 +14,9 @@ to the engine in this process, or through the gRPC service (`python -m
 inference_svc` on 127.0.0.1), with the server's speculative defaults (both
 drafters, adaptive draft lengths, n_max 8, p_min 0.75; --no-lookup: the draft
 model alone; --draft none: the lookup drafter alone). Per drafter it reports the
-proposals, their acceptance and the tokens per target pass. For each domain
-temperature 0 and 0.8 the same prompts run target-only (speculative off) and speculative, interleaved
-prompt by prompt in a rotating order so both see the same machine load: decode
+proposals, their acceptance and the tokens per target pass. For each domain and
+temperature 0 and 0.8 the same prompts run target-only (speculative off) and
+speculative, interleaved prompt by prompt in a rotating order so both see the same machine load: decode
 tokens/s (the server's own predicted_per_second, medians), the speed-up from the
 same run, the acceptance and the tokens per target pass. Greedy runs must give
 the same tokens both ways. Then concurrency: four requests one after the other
