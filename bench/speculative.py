@@ -16,8 +16,8 @@ drafters, adaptive draft lengths, n_max 8, p_min 0.75; --no-lookup: the draft
 model alone; --draft none: the lookup drafter alone). Per drafter it reports the
 proposals, their acceptance and the tokens per target pass. For each domain and
 temperature 0 and 0.8 the same prompts run target-only (speculative off) and
-speculative, interleaved prompt by prompt in a rotating order so both see the same machine load: decode
-tokens/s (the server's own predicted_per_second, medians), the speed-up from the
+speculative, interleaved prompt by prompt in a rotating order so both see the
+same machine load: decode tokens/s (the server's own predicted_per_second, medians), the speed-up from the
 same run, the acceptance and the tokens per target pass. Greedy runs must give
 the same tokens both ways. Then concurrency: four requests one after the other
 against the same four at once on four slots (speculative, then target-only),
