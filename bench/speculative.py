@@ -17,9 +17,9 @@ model alone; --draft none: the lookup drafter alone). Per drafter it reports the
 proposals, their acceptance and the tokens per target pass. For each domain and
 temperature 0 and 0.8 the same prompts run target-only (speculative off) and
 speculative, interleaved prompt by prompt in a rotating order so both see the
-same machine load: decode tokens/s (the server's own predicted_per_second, medians), the speed-up from the
-same run, the acceptance and the tokens per target pass. Greedy runs must give
-the same tokens both ways. Then concurrency: four requests one after the other
+same machine load: decode tokens/s (the server's own predicted_per_second,
+medians), the speed-up from the same run, the acceptance and the tokens per
+target pass. Greedy runs must give the same tokens both ways. Then concurrency: four requests one after the other
 against the same four at once on four slots (speculative, then target-only),
 interleaved, both warmed up, the same tokens each way (checked): aggregate
 tokens/s over the wall time and the ratio (--concurrency-only: this part alone).
