@@ -19,10 +19,11 @@ temperature 0 and 0.8 the same prompts run target-only (speculative off) and
 speculative, interleaved prompt by prompt in a rotating order so both see the
 same machine load: decode tokens/s (the server's own predicted_per_second,
 medians), the speed-up from the same run, the acceptance and the tokens per
-target pass. Greedy runs must give the same tokens both ways. Then concurrency: four requests one after the other
-against the same four at once on four slots (speculative, then target-only),
-interleaved, both warmed up, the same tokens each way (checked): aggregate
-tokens/s over the wall time and the ratio (--concurrency-only: this part alone).
+target pass. Greedy runs must give the same tokens both ways. Then concurrency:
+four requests one after the other against the same four at once on four slots
+(speculative, then target-only), interleaved, both warmed up, the same tokens
+each way (checked): aggregate tokens/s over the wall time and the ratio
+(--concurrency-only: this part alone).
 
 --path core drives the speculative decoder directly with fixed draft lengths
 (--n-max, --p-min): acceptance and tokens per target pass by draft length.
