@@ -154,6 +154,28 @@ def test_restored_draft_matches_a_never_saved_control(client: InferenceClient,
         control.timings.draft_n, control.timings.draft_n_accepted)
 
 
+def test_restored_lookup_matches_a_never_saved_control(client: InferenceClient,
+                                                       store_dir: Path) -> None:
+    """The lookup drafter's state is the slot's tokens: the turn after a restore, with
+    or without the draft sidecar, looks up and accepts exactly as a slot never saved."""
+    a = client.tokenize(" ".join([TEXT_A] * 3))
+    out, _ = gen(client, a, 0)
+    client.save(0, "look")
+    b = a + out + client.tokenize(TEXT_A)
+    control_out, control = gen(client, b, 0, n=40)
+    assert control.timings.lookup_n > 0
+    fields = ("prompt_n", "cache_n", "draft_n", "draft_n_accepted", "lookup_n",
+              "lookup_n_accepted", "n_steps")
+    for drop_sidecar in (False, True):
+        if drop_sidecar:
+            (store_dir / "look.drft").unlink()
+        client.restore(1, "look")
+        out1, restored = gen(client, b, 1, n=40)
+        assert out1 == control_out
+        for f in fields:
+            assert getattr(restored.timings, f) == getattr(control.timings, f), (f, drop_sidecar)
+
+
 def test_sidecar_of_another_save_is_not_used(client: InferenceClient, store_dir: Path) -> None:
     a = client.tokenize(TEXT_A)
     gen(client, a, 0)
