@@ -20,6 +20,7 @@ from inference_svc.core.speculative import (
     lookup,
     lookup_lengths,
 )
+from tests.gemma3kit import gemma_path, needs_gemma3
 from tests.test_speculative import (
     GREEDY,
     chi2_pvalue,
@@ -228,3 +229,25 @@ def test_bad_lookup_parameters_fail_before_decoding(
                 dec.step(0, GREEDY, spec, 4)
         assert dec.n_tokens(0) == n
         assert dec.step(0, GREEDY, NO_SPEC, 1)  # the slot still works
+
+
+@needs_gemma3
+def test_gemma3_lookup_past_the_window_equals_target_only() -> None:
+    """On Gemma 3 (no draft model), looking up 16 tokens at every repeat of a prompt
+    longer than its sliding window: each verification writes 17 positions into the
+    rings and rolls back the rejected ones. Greedy output stays the target's."""
+    from pydoc_data.topics import topics
+
+    with Model.load(gemma_path()) as m:
+        text = m.tokenizer.encode(topics["assert"])[:300]
+        prompt = text * 3 + text[:40]  # past the 512-token window, ending in a repeat
+        with Context(m, n_slots=1, n_ctx=1024, n_threads=2) as ctx:
+            dec = SpecDecoder(ctx, None)
+            plain = dec.generate(0, prompt, 48, GREEDY, NO_SPEC)
+            dec.clear(0)
+            looked, by = run_steps(dec, 0, prompt, 48, GREEDY,
+                                   SpecParams(n_max=0, lookup_k=lookup_lengths(16)))
+            dec.close()
+    assert looked == plain
+    drafted, accepted = by[Drafter.LOOKUP]
+    assert drafted > 16 and accepted > 0
