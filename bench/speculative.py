@@ -1,24 +1,29 @@
 """Speculative decoding benchmark on held-out prompts, by domain.
 
-    python bench/speculative.py [--path engine|service|core] [--model PATH] [--draft PATH]
-                                [--domains code prose chat] [--threads 2]
+    python bench/speculative.py [--path engine|service|core] [--model PATH]
+                                [--draft PATH|none] [--no-lookup]
+                                [--domains code prose chat grounded random] [--threads 2]
 
 Prompts (bench/prompts.py): code = stdlib validation files, prose = the
 language reference topics of pydoc_data, chat = hand-written questions in the
-ChatML template (models with <|im_start|> only).
+model's chat template, grounded = requests whose answer copies from code, text or
+a record given in the prompt, random = random token ids (bench/prompts.py).
 
 --path engine (default) and --path service measure the product's path: requests
 to the engine in this process, or through the gRPC service (`python -m
-inference_svc` on 127.0.0.1), with the server's speculative defaults (adaptive
-draft length, n_max 8, p_min 0.75). For each domain and temperature 0 and 0.8 the
-same prompts run target-only (speculative off) and speculative, interleaved
-prompt by prompt in a rotating order so both see the same machine load: decode
-tokens/s (the server's own predicted_per_second, medians), the speed-up from the
-same run, the acceptance and the tokens per target pass. Greedy runs must give
-the same tokens both ways. Then concurrency: four requests one after the other
-against the same four at once on four slots (speculative, then target-only),
-interleaved, both warmed up, the same tokens each way (checked): aggregate
-tokens/s over the wall time and the ratio (--concurrency-only: this part alone).
+inference_svc` on 127.0.0.1), with the server's speculative defaults (both
+drafters, adaptive draft lengths, n_max 8, p_min 0.75; --no-lookup: the draft
+model alone; --draft none: the lookup drafter alone). Per drafter it reports the
+proposals, their acceptance and the tokens per target pass. For each domain and
+temperature 0 and 0.8 the same prompts run target-only (speculative off) and
+speculative, interleaved prompt by prompt in a rotating order so both see the
+same machine load: decode tokens/s (the server's own predicted_per_second,
+medians), the speed-up from the same run, the acceptance and the tokens per
+target pass. Greedy runs must give the same tokens both ways. Then concurrency:
+four requests one after the other against the same four at once on four slots
+(speculative, then target-only), interleaved, both warmed up, the same tokens
+each way (checked): aggregate tokens/s over the wall time and the ratio
+(--concurrency-only: this part alone).
 
 --path core drives the speculative decoder directly with fixed draft lengths
 (--n-max, --p-min): acceptance and tokens per target pass by draft length.
@@ -54,6 +59,7 @@ from inference_svc.core.speculative import (  # noqa: E402
     SamplingParams,
     SpecDecoder,
     SpecParams,
+    lookup_lengths,
 )
 from inference_svc.engine import Engine  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
@@ -80,6 +86,14 @@ class Out:
     drafted: int
     accepted: int
     steps: int
+    looked_up: int = 0  # of drafted / accepted: the lookup drafter's
+    lookup_accepted: int = 0
+
+
+def out_of(toks: list[int], t: Any) -> Out:
+    """An Out from a request's tokens and its Timings (engine or protobuf)."""
+    return Out(toks, t.predicted_per_second, t.draft_n, t.draft_n_accepted, t.n_steps,
+               t.lookup_n, t.lookup_n_accepted)
 
 
 class EngineRunner:
@@ -89,10 +103,13 @@ class EngineRunner:
         cfg = Config(model=args.target, draft=args.draft, slots=SLOTS, ctx=n_ctx,
                      threads=args.threads, draft_threads=args.draft_threads, seed=1,
                      log_level="warning", log_format="text")
-        self.tm, self.dm = Model.load(args.target), Model.load(args.draft)
+        self.tm = Model.load(args.target)
+        self.dm = Model.load(args.draft) if args.draft else None
         self.engine = Engine(cfg, self.tm, self.dm, Metrics())
         sc = cfg.speculative
-        self.spec = SpecParams(sc.n_max, sc.n_min, sc.p_min)
+        self.spec = SpecParams(sc.n_max if self.dm else 0, sc.n_min, sc.p_min,
+                               lookup_k=() if args.no_lookup
+                               else lookup_lengths(sc.n_max, sc.lookup_min))
 
     def run(self, reqs: list[Req]) -> list[Out]:
         jobs = []
@@ -104,14 +121,14 @@ class EngineRunner:
         outs = []
         for job in jobs:
             toks, t = job.collect(timeout=900)
-            outs.append(Out(toks, t.predicted_per_second, t.draft_n, t.draft_n_accepted,
-                            t.n_steps))
+            outs.append(out_of(toks, t))
         return outs
 
     def close(self) -> None:
         self.engine.close()
         self.tm.close()
-        self.dm.close()
+        if self.dm is not None:
+            self.dm.close()
 
 
 class ServiceRunner:
@@ -122,6 +139,7 @@ class ServiceRunner:
 
         self.svc = Service(argparse.Namespace(ctx=n_ctx, threads=args.threads, n_max=8),
                            args.target, args.draft)
+        self.lookup = False if args.no_lookup else None
         self.tm = Model.load(args.target)
 
     def run(self, reqs: list[Req]) -> list[Out]:
@@ -135,16 +153,15 @@ class ServiceRunner:
                     if r.temperature:
                         kw.update(top_k=HOT.top_k, top_p=HOT.top_p, min_p=HOT.min_p)
                     req = make_request(r.prompt, max_tokens=r.n, id_slot=r.slot,
-                                       cache_prompt=False, speculative=r.speculative, **kw)
+                                       cache_prompt=False, speculative=r.speculative,
+                                       lookup=self.lookup, **kw)
                     toks: list[int] = []
                     last = None
                     for resp in c.generate_stream(req):
                         toks += resp.tokens
                         last = resp
                     assert last is not None and last.done
-                    t = last.timings
-                    outs[i] = Out(toks, t.predicted_per_second, t.draft_n, t.draft_n_accepted,
-                                  t.n_steps)
+                    outs[i] = out_of(toks, last.timings)
             except BaseException as exc:  # noqa: BLE001 - raised below
                 errors.append(exc)
 
@@ -179,7 +196,8 @@ def product_path(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         runner.close()
     return {"benchmark": "speculative", "path": args.path, "target": str(args.target),
-            "draft": str(args.draft), "threads": args.threads,
+            "draft": str(args.draft), "lookup": not args.no_lookup, "threads": args.threads,
+            "native": os.environ.get("WARMSLOT_NATIVE", "release"),
             "draft_threads": args.draft_threads, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "reps": args.reps, "prompts": args.prompts,
             "single": single, "concurrent": concurrent,
@@ -209,9 +227,17 @@ def single_streams(runner: EngineRunner | ServiceRunner, ps: list[list[int]], te
     res: dict[str, Any] = {}
     for mode, outs in runs.items():
         drafted = sum(o.drafted for o in outs)
+        looked = sum(o.looked_up for o in outs)
+        looked_acc = sum(o.lookup_accepted for o in outs)
+        model_acc = sum(o.accepted for o in outs) - looked_acc
         res[mode] = {"decode_tps": round(statistics.median(o.tps for o in outs), 2),
                      "acceptance": round(sum(o.accepted for o in outs) / drafted, 3)
                      if drafted else None,
+                     "lookup_drafted": looked,
+                     "lookup_acceptance": round(looked_acc / looked, 3) if looked else None,
+                     "model_drafted": drafted - looked,
+                     "model_acceptance": round(model_acc / (drafted - looked), 3)
+                     if drafted - looked else None,
                      "drafted_per_step": round(drafted / sum(o.steps for o in outs), 3),
                      "tokens_per_pass": round(sum(len(o.tokens) - 1 for o in outs)
                                               / sum(o.steps for o in outs), 3)}
@@ -369,7 +395,10 @@ def main() -> int:
     p.add_argument("--path", choices=("engine", "service", "core"), default="engine")
     p.add_argument("--model", "--target", dest="target", type=Path,
                    default=ROOT / "models" / "target.gguf")
-    p.add_argument("--draft", type=Path, default=ROOT / "models" / "draft.gguf")
+    p.add_argument("--draft", type=lambda v: None if v == "none" else Path(v),
+                   default=ROOT / "models" / "draft.gguf", help="a draft model, or none")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="--path engine/service: the draft model alone drafts")
     p.add_argument("--domains", nargs="+", choices=DOMAINS, default=["code"])
     p.add_argument("--n-max", type=int, nargs="+", default=[2, 4, 8], help="--path core")
     p.add_argument("--p-min", type=float, nargs="+", default=[0.0, 0.75],

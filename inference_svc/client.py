@@ -157,7 +157,7 @@ def set_options(req: R, *, max_tokens: int | None = None, session: str | None = 
                 repeat_last_n: int | None = None, presence_penalty: float | None = None,
                 frequency_penalty: float | None = None, speculative: bool | None = None,
                 n_max: int | None = None, n_min: int | None = None,
-                p_min: float | None = None) -> R:
+                p_min: float | None = None, lookup: bool | None = None) -> R:
     """Sets the options Generate and Chat share; None leaves a field unset."""
     req.stop.extend(stop or [])
     req.logprobs = logprobs
@@ -172,7 +172,7 @@ def set_options(req: R, *, max_tokens: int | None = None, session: str | None = 
         if value is not None:
             setattr(req.sampling, name, value)
     for name, value in (("enabled", speculative), ("n_max", n_max), ("n_min", n_min),
-                        ("p_min", p_min)):
+                        ("p_min", p_min), ("lookup", lookup)):
         if value is not None:
             setattr(req.speculative, name, value)
     return req
@@ -241,6 +241,8 @@ def _option_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float)
     p.add_argument("--no-spec", action="store_true", help="no speculative decoding")
     p.add_argument("--n-max", type=int, help="tokens drafted per step")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="no lookup drafter (draft model only, if the server has one)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--logprobs", type=int, default=0,
                    help="logprobs of each token and this many alternatives (0..20; --json "
@@ -252,7 +254,8 @@ def _options(a: argparse.Namespace) -> dict[str, Any]:
                 top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
                 repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
                 presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
-                speculative=False if a.no_spec else None, n_max=a.n_max, stop=a.stop,
+                speculative=False if a.no_spec else None, n_max=a.n_max,
+                lookup=False if a.no_lookup else None, stop=a.stop,
                 logprobs=a.logprobs)
 
 
@@ -309,7 +312,8 @@ def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
           f"prompt {t.prompt_n} processed + {t.cache_n} cached in {t.prompt_ms:.1f} ms; "
           f"{t.predicted_n} generated in {t.predicted_ms:.1f} ms "
           f"({t.predicted_per_second:.1f} tokens/s); draft {t.draft_n_accepted}/{t.draft_n} "
-          f"accepted, draft prefill {t.draft_prompt_n}", file=sys.stderr)
+          f"accepted ({t.lookup_n_accepted}/{t.lookup_n} by lookup), draft prefill "
+          f"{t.draft_prompt_n}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

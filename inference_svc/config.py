@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference_svc.core.speculative import SamplingParams
+from inference_svc.core.speculative import LOOKUP_MAX_MATCH, SamplingParams
 from snapshot_svc.clientlib import settings, tls
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,12 +36,17 @@ DEFAULT_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0
 class Speculative:
     """Request defaults for speculative decoding.
 
-    On when a draft model is loaded (a request's SpeculativeParams override). n_max
-    caps the tokens drafted per step; with `adaptive` each slot drafts the length its
-    measured acceptance pays for (inference_svc.draft_length), down to none where the
-    draft is useless, `draft_cost` being one drafted token's price in target decode
-    steps. The draft stops proposing once its top probability falls below p_min,
-    which wastes the fewest verification slots."""
+    On by default (a request's SpeculativeParams override) with two drafters: the
+    lookup drafter (`lookup`), which continues the longest recent repeat (at least
+    `lookup_min` tokens) of the slot's own text and needs no model, and the draft
+    model when one is loaded, which drafts the steps where lookup finds no repeat.
+    n_max caps the tokens drafted per step; with `adaptive` each slot drafts, per
+    drafter, the length its measured acceptance pays for (inference_svc.draft_length),
+    down to none where the drafter is useless; `draft_cost` and `lookup_cost` are one
+    drafted token's price in target decode steps (a model-drafted token costs its
+    draft decode and its place in the verification, a looked-up one only the
+    latter). The draft model stops proposing once its top probability falls below
+    p_min, which wastes the fewest verification slots."""
 
     enabled: bool = True
     n_max: int = 8
@@ -49,6 +54,9 @@ class Speculative:
     p_min: float = 0.75
     adaptive: bool = True
     draft_cost: float = 0.3
+    lookup: bool = True
+    lookup_min: int = 1
+    lookup_cost: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,12 @@ class Config:
             problems.append(f"--batch {self.batch} must be >= 1")
         if self.batch_shared < 1:
             problems.append(f"--batch-shared {self.batch_shared} must be >= 1")
+        if not 0 < self.speculative.lookup_cost <= 10:
+            problems.append(f"--spec-lookup-cost {self.speculative.lookup_cost} must be in "
+                            "(0, 10]")
+        if not 1 <= self.speculative.lookup_min <= LOOKUP_MAX_MATCH:
+            problems.append(f"--spec-lookup-min {self.speculative.lookup_min} must be in "
+                            f"1..{LOOKUP_MAX_MATCH}")
         if not 0 < self.speculative.draft_cost <= 10:
             problems.append(f"--spec-draft-cost {self.speculative.draft_cost} must be in "
                             "(0, 10]")
@@ -280,11 +294,19 @@ def parser() -> argparse.ArgumentParser:
     f("--frequency-penalty", "default frequency penalty (0: off)")
     f = settings.field_flags(p, d, group="speculative", prefix="--spec-")
     f("--speculative",
-      "speculative decoding for requests that do not say (needs a draft model)",
+      "speculative decoding for requests that do not say (with the lookup drafter, the draft "
+      "model, or both)",
       field="enabled")
     f("--spec-n-max", "default tokens drafted per step (0: no speculative decoding by default)")
-    f("--spec-n-min", "default minimum draft")
-    f("--spec-p-min", "default draft confidence below which drafting stops")
+    f("--spec-n-min", "default minimum draft of the draft model")
+    f("--spec-p-min", "default draft-model confidence below which drafting stops")
+    f("--spec-lookup",
+      "the lookup drafter by default: propose the continuation of the longest recent repeat of "
+      "the slot's own text (prompt, output, earlier turns); no model, any target")
+    f("--spec-lookup-min", "shortest repeat, in tokens, the lookup drafter continues")
+    f("--spec-lookup-cost",
+      "the price of one looked-up token in target decode steps (its place in the verification "
+      "pass), for --spec-adaptive")
     f("--spec-adaptive",
       "each slot drafts the length (0..n_max) its measured acceptance pays for, none where the "
       "draft is useless (--no-spec-adaptive: always n_max)")

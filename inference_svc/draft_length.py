@@ -85,3 +85,59 @@ class DraftLength:
             self.interval = FIRST_INTERVAL
         elif probe:
             self.interval = min(2 * self.interval, MAX_INTERVAL)
+
+
+# The lookup drafter's acceptance depends mostly on the length m of the repeat it
+# continues: one estimate per band of m, the bands starting at these lengths, each
+# starting from its own prior acceptance per proposal.
+LOOKUP_BANDS = (1, 2, 3, 4, 8)
+LOOKUP_PRIORS = (0.2, 0.45, 0.55, 0.75, 0.93)
+
+
+def lookup_band(m: int) -> int:
+    """The band of a repeat of m >= 1 tokens."""
+    return sum(1 for start in LOOKUP_BANDS[1:] if m >= start)
+
+
+@dataclass
+class DraftLengths:
+    """The one controller of a request's drafters. Each step the lookup drafter, where
+    it finds a repeat of m tokens, proposes the length that m's band's measured
+    acceptance pays for; the draft model (if any) proposes the length its own
+    acceptance pays for where lookup does not; neither where neither pays. A step
+    where lookup finds no repeat costs nothing and teaches its estimates nothing.
+    `lookup_cap[m - 1]`: the most the request lets lookup propose after m tokens."""
+
+    model: DraftLength | None
+    bands: list[DraftLength]
+    lookup_cap: tuple[int, ...]
+
+    @classmethod
+    def start(cls, n_model: int, model_cost: float, lookup_cap: tuple[int, ...],
+              lookup_cost: float, prior: float) -> DraftLengths:
+        n_lookup = max(lookup_cap, default=0)
+        return cls(DraftLength.start(n_model, model_cost, prior) if n_model > 0 else None,
+                   [DraftLength.start(n_lookup, lookup_cost, p) for p in LOOKUP_PRIORS]
+                   if n_lookup > 0 else [], lookup_cap)
+
+    def next(self) -> tuple[int, tuple[int, ...]]:
+        """The next step's draft-model length and lookup lengths by match length."""
+        n_model = self.model.next() if self.model is not None else 0
+        if not self.bands:
+            return n_model, ()
+        per_band = [b.next() for b in self.bands]
+        return n_model, tuple(min(cap, per_band[lookup_band(m)])
+                              for m, cap in enumerate(self.lookup_cap, start=1))
+
+    def observe(self, asked: tuple[int, tuple[int, ...]], by_lookup: bool, match: int,
+                drafted: int, accepted: int) -> None:
+        """A step asked for `asked` (`next`); the lookup drafter found a repeat of
+        `match` tokens (0: none) and made the proposals (by_lookup), or the model did
+        (or nobody): `drafted` of them, `accepted` kept."""
+        n_model, lookup_k = asked
+        if match > 0 and self.bands and self.lookup_cap[match - 1] > 0:
+            band = self.bands[lookup_band(match)]
+            # a band asked for nothing idles towards its next probe
+            band.observe(lookup_k[match - 1] if by_lookup else 0, drafted, accepted)
+        if self.model is not None and not by_lookup:
+            self.model.observe(n_model, drafted, accepted)

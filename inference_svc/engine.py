@@ -28,11 +28,12 @@ from inference_svc.core.handle import Room, new_room
 from inference_svc.core.speculative import (
     NO_SPEC,
     Counters,
+    Drafter,
     SpecDecoder,
     SpecParams,
     TokenLogprob,
 )
-from inference_svc.draft_length import DraftLength
+from inference_svc.draft_length import DraftLengths
 from inference_svc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from inference_svc.metrics import Metrics
 from inference_svc.scheduler import CATCH_UP, PROMPT, Job, Scheduler, common_prefix
@@ -96,7 +97,7 @@ class GenJob(Job):
         self.text = text  # None: no stop strings, the reader decodes the tokens
         self.todo: list[int] | None = None  # prompt tokens left to process; None: decoding
         self.draft_lag = 0  # the draft's lag behind the target's KV still to catch up
-        self.draft_len: DraftLength | None = None  # None: every step drafts spec.n_max
+        self.draft_len: DraftLengths | None = None  # None: every step drafts spec's lengths
         self.emitted = 0
         self.timings = Timings(n_truncated=params.n_truncated)
         self.counters0 = Counters()
@@ -148,8 +149,9 @@ class GenJob(Job):
             return NO_SPEC
         if self.draft_len is None:
             return spec
-        n = self.draft_len.next()
-        return SpecParams(n_max=n, n_min=min(spec.n_min, n), p_min=spec.p_min)
+        n, lookup_k = self.draft_len.next()
+        return SpecParams(n_max=n, n_min=min(spec.n_min, n), p_min=spec.p_min,
+                          lookup_k=lookup_k)
 
 
 class SlotOp(Job, Generic[T]):
@@ -540,10 +542,12 @@ class Engine:
             job.timings.prompt_n = len(new)
             job.counters0 = dec.counters(slot)
             sc = self.cfg.speculative
-            if p.spec is not None and self.has_draft and sc.adaptive:
+            if p.spec is not None and sc.adaptive:
                 # every request starts from the same estimate, whatever the slot did
                 # before: a seeded request draws the same tokens in any slot, restored or not
-                job.draft_len = DraftLength.start(p.spec.n_max, sc.draft_cost, START_ACCEPTANCE)
+                job.draft_len = DraftLengths.start(p.spec.n_max, sc.draft_cost,
+                                                   p.spec.lookup_k, sc.lookup_cost,
+                                                   START_ACCEPTANCE)
             job.todo = list(new)
             # -1: unknown, the first prefill unit of a speculative request catches up
             job.draft_lag = -1 if p.spec is not None and self.has_draft else 0
@@ -576,8 +580,13 @@ class Engine:
         res = self.dec.step_batch([j.slot for j in gens], [j.params.sampling for j in gens],
                                   specs, [j.params.max_tokens - j.emitted for j in gens])
         for job, spec, r in zip(gens, specs, res, strict=True):
+            by_lookup = r.drafter == Drafter.LOOKUP
             if job.draft_len is not None:
-                job.draft_len.observe(spec.n_max, r.drafted, len(r.tokens) - 1)
+                job.draft_len.observe((spec.n_max, spec.lookup_k), by_lookup, r.match,
+                                      r.drafted, len(r.tokens) - 1)
+            if by_lookup:
+                job.timings.lookup_n += r.drafted
+                job.timings.lookup_n_accepted += len(r.tokens) - 1
             try:
                 self._take(job, r.tokens, self._logprobs(job))
             except Exception as exc:

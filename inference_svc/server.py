@@ -158,8 +158,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty),
             default_speculative=pb.SpeculativeParams(
-                enabled=eng.has_draft and sp.enabled, n_max=sp.n_max, n_min=sp.n_min,
-                p_min=sp.p_min),
+                enabled=sp.enabled and (eng.has_draft or sp.lookup), n_max=sp.n_max,
+                n_min=sp.n_min, p_min=sp.p_min, lookup=sp.lookup),
             default_max_tokens=cfg.default_max_tokens, server_version=__version__,
             eos_id=-1 if tok.eos_id is None else tok.eos_id,
             bos_id=-1 if tok.bos_id is None else tok.bos_id)

@@ -24,6 +24,7 @@ from inference_svc.core.speculative import (
     SamplingParams,
     SpecParams,
     TokenLogprob,
+    lookup_lengths,
 )
 from inference_svc.errors import InvalidArgument
 from inference_svc.pb import inference_pb2 as pb
@@ -116,15 +117,18 @@ def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
     n_max = m.n_max if m.HasField("n_max") else d.n_max
     n_min = m.n_min if m.HasField("n_min") else d.n_min
     p_min = m.p_min if m.HasField("p_min") else d.p_min
+    lookup = m.lookup if m.HasField("lookup") else d.lookup
     _check_range("speculative.n_max", n_max, 0 <= n_max <= MAX_DRAFT, f"0..{MAX_DRAFT}")
     _check_range("speculative.n_min", n_min, 0 <= n_min <= n_max, f"0..n_max ({n_max})")
     _check_range("speculative.p_min", p_min, 0.0 <= p_min <= 1.0, "[0, 1]")
-    enabled = m.enabled if m.HasField("enabled") else (has_draft and d.enabled)
-    if enabled and not has_draft:
-        raise InvalidArgument("speculative decoding needs a draft model; this server has none")
+    enabled = m.enabled if m.HasField("enabled") else (d.enabled and (has_draft or lookup))
+    if enabled and not (has_draft or lookup):
+        raise InvalidArgument("speculative decoding needs a drafter: this server has no draft "
+                              "model and the request turned the lookup drafter off")
     if not enabled or n_max == 0:
         return None
-    return SpecParams(n_max, n_min, p_min)
+    return SpecParams(n_max if has_draft else 0, n_min if has_draft else 0, p_min,
+                      lookup_k=lookup_lengths(n_max, d.lookup_min) if lookup else ())
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,8 @@ class Timings:
     session_tier: int = 0  # pb.SessionTier: where the session was found (0: no session)
     session_restore_ms: float = 0.0
     session_n_discarded: int = 0  # session tokens the prompt did not continue, dropped
+    lookup_n: int = 0  # of draft_n / draft_n_accepted: the lookup drafter's
+    lookup_n_accepted: int = 0
 
     def add_counters(self, c: Counters) -> None:
         self.draft_n, self.draft_n_accepted = c.n_drafted, c.n_accepted
@@ -294,7 +300,8 @@ class Timings:
             predicted_per_second=self.predicted_per_second, n_truncated=self.n_truncated,
             n_steps=self.n_steps, queue_ms=self.queue_ms, session_tier=self.session_tier,
             session_restore_ms=self.session_restore_ms,
-            session_n_discarded=self.session_n_discarded)
+            session_n_discarded=self.session_n_discarded, lookup_n=self.lookup_n,
+            lookup_n_accepted=self.lookup_n_accepted)
 
 
 @dataclass(frozen=True)

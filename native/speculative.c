@@ -21,6 +21,7 @@ struct step_member {
     int32_t slot, n0;     /* the slot and its target KV length before the step           */
     int32_t k_max, k;     /* proposals allowed, proposals made                           */
     int drafting;         /* still proposing in the current round                        */
+    int lookup;           /* the proposals are the lookup drafter's                      */
     int32_t nh;           /* penalties' history length before the step (0: no penalties) */
     int32_t drafts[WS_SPEC_MAX_DRAFT];
 };
@@ -463,6 +464,10 @@ ws_status ws_spec_check_params(const ws_spec *s, const ws_sampling_params *sp,
                         pp->n_max);
         if (!(pp->p_min >= 0.0f && pp->p_min <= 1.0f))
             return fail(s, WS_ERR_INVALID_ARGUMENT, "p_min %g outside [0, 1]", (double)pp->p_min);
+        for (int m = 1; m <= WS_SPEC_LOOKUP_MAX_MATCH; m++)
+            if (pp->lookup_k[m] < 0 || pp->lookup_k[m] > WS_SPEC_MAX_DRAFT)
+                return fail(s, WS_ERR_INVALID_ARGUMENT, "lookup_k[%d] = %d outside 0..%d", m,
+                            pp->lookup_k[m], WS_SPEC_MAX_DRAFT);
     }
     return WS_OK;
 }
@@ -682,22 +687,94 @@ static ws_status grow_floats(ws_spec *s, float **buf, size_t *cap, size_t need) 
     return WS_OK;
 }
 
-/* the proposals allowed to a slot this step: n_max within max_new and the context */
+/* the proposals a step has room for: within max_new and the context */
+static int32_t step_room(const ws_spec *s, int32_t max_new, int32_t n0) {
+    const int32_t room = max_new - 1 < s->n_ctx - n0 - 1 ? max_new - 1 : s->n_ctx - n0 - 1;
+    return room < WS_SPEC_MAX_DRAFT ? room : WS_SPEC_MAX_DRAFT;
+}
+
+/* the draft model's proposals allowed to a slot this step: n_max within the room */
 static int32_t step_k_max(const ws_spec *s, const ws_spec_params *pp, int32_t max_new,
                           int32_t n0) {
-    int32_t k_max = pp ? pp->n_max : 0;
-    if (k_max > max_new - 1) k_max = max_new - 1;
-    if (k_max > s->n_ctx - n0 - 1) k_max = s->n_ctx - n0 - 1;
-    if (!s->dft) k_max = 0;
-    return k_max;
+    const int32_t room = step_room(s, max_new, n0);
+    const int32_t k_max = pp && s->dft ? pp->n_max : 0;
+    return k_max < room ? k_max : room;
+}
+
+/* the length (0: none) of the longest suffix of toks[0..n), at most
+   WS_SPEC_LOOKUP_MAX_MATCH tokens, that occurs earlier, and in *end the end
+   (exclusive) of its most recent earlier occurrence. O(n) compares. */
+static int32_t lookup_match(const int32_t *toks, int32_t n, int32_t *end) {
+    int32_t best_m = 0;
+    *end = -1;
+    if (n < 2) return 0;
+    const int32_t last = toks[n - 1];
+    /* e: the end (exclusive) of an earlier occurrence; toks[e] follows it */
+    for (int32_t e = n - 1; e >= 1 && best_m < WS_SPEC_LOOKUP_MAX_MATCH; e--) {
+        if (toks[e - 1] != last) continue;
+        int32_t m = 1;
+        while (m < WS_SPEC_LOOKUP_MAX_MATCH && m < e && toks[e - 1 - m] == toks[n - 1 - m]) m++;
+        if (m > best_m) { /* strictly longer: the most recent of equal matches stays */
+            best_m = m;
+            *end = e;
+        }
+    }
+    return best_m;
+}
+
+/* the k tokens that follow position end of toks[0..n), going on with its own
+   proposals once the continuation reaches the end of toks */
+static void lookup_continue(const int32_t *toks, int32_t n, int32_t end, int32_t k,
+                            int32_t *drafts) {
+    for (int32_t j = 0; j < k; j++) {
+        const int32_t i = end + j;
+        drafts[j] = i < n ? toks[i] : drafts[i - n];
+    }
+}
+
+ws_status ws_spec_lookup(const int32_t *toks, int32_t n, int32_t min_match, int32_t k,
+                         int32_t *drafts, int32_t *n_out) {
+    if (!n_out) return WS_ERR_INVALID_ARGUMENT;
+    *n_out = 0;
+    if (n < 0 || k < 0 || k > WS_SPEC_MAX_DRAFT || min_match < 1 ||
+        min_match > WS_SPEC_LOOKUP_MAX_MATCH || (n > 0 && !toks) || (k > 0 && !drafts))
+        return WS_ERR_INVALID_ARGUMENT;
+    int32_t end = -1;
+    if (k > 0 && lookup_match(toks, n, &end) >= min_match) {
+        lookup_continue(toks, n, end, k, drafts);
+        *n_out = k;
+    }
+    return WS_OK;
+}
+
+/* whether the params turn the lookup drafter on */
+static int lookup_on(const ws_spec_params *pp) {
+    if (!pp) return 0;
+    for (int m = 1; m <= WS_SPEC_LOOKUP_MAX_MATCH; m++)
+        if (pp->lookup_k[m] > 0) return 1;
+    return 0;
+}
+
+/* the lookup drafter's proposals for a slot's S (its target tokens and pending
+   token), within room; their count; *match: the longest match found */
+static int32_t lookup_step(ws_spec *s, int32_t slot, const ws_spec_params *pp, int32_t room,
+                           int32_t *drafts, int32_t *match) {
+    *match = 0;
+    if (!lookup_on(pp) || room <= 0) return 0;
+    int32_t n = 0, end = -1;
+    ws_slot_tokens(s->tgt, slot, s->toks, (size_t)s->n_ctx, &n);
+    s->toks[n++] = s->slots[slot].pending;
+    *match = lookup_match(s->toks, n, &end);
+    const int32_t k = *match ? (pp->lookup_k[*match] < room ? pp->lookup_k[*match] : room) : 0;
+    lookup_continue(s->toks, n, end, k, drafts);
+    return k;
 }
 
 ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
                              const ws_sampling_params *sps, const ws_spec_params *pps,
-                             const int32_t *max_new, int32_t *out, int32_t *n_out,
-                             int32_t *n_drafted) {
+                             const int32_t *max_new, int32_t *out, ws_spec_step_info *info) {
     if (!s) return WS_ERR_INVALID_ARGUMENT;
-    if (!slots || !sps || !out || !n_out || n <= 0 || n > s->n_slots)
+    if (!slots || !sps || !out || !info || n <= 0 || n > s->n_slots)
         return fail(s, WS_ERR_INVALID_ARGUMENT, "a multi-slot step takes 1..%d slots (got %d)",
                     s->n_slots, n);
     /* everything is checked before anything is decoded */
@@ -725,11 +802,16 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
         struct step_member *m = &mem[i];
         m->slot = slots[i];
         m->n0 = kv_len(s->tgt, slots[i]);
-        m->k_max = step_k_max(s, pps ? &pps[i] : NULL,
-                              max_new ? max_new[i] : WS_SPEC_MAX_DRAFT + 1, m->n0);
-        m->k = 0;
+        const ws_spec_params *pp = pps ? &pps[i] : NULL;
+        const int32_t mn = max_new ? max_new[i] : WS_SPEC_MAX_DRAFT + 1;
         m->drafting = 0;
         m->nh = load_hist(s, slots[i], &sps[i]); /* S and the pending token */
+        /* the lookup drafter first: where it finds a match the draft model sits out */
+        m->k = lookup_step(s, slots[i], pp, step_room(s, mn, m->n0), m->drafts, &info[i].match);
+        m->lookup = m->k > 0;
+        m->k_max = m->lookup ? 0 : step_k_max(s, pp, mn, m->n0);
+        if (m->nh)
+            for (int32_t j = 0; j < m->k; j++) hist_of(s, slots[i])[m->nh + j] = m->drafts[j];
         any_draft |= m->k_max > 0;
         any_sampled_draft |= m->k_max > 0 && !is_greedy(&sps[i]);
     }
@@ -840,6 +922,20 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
                     bonus = t;
                     break;
                 }
+            } else if (m->lookup) {
+                /* a certain proposal (q = 1): kept with probability p(x), else a draw
+                   from p without x */
+                build_dist(s, row, sp, s->p);
+                const int32_t x = m->drafts[a];
+                if (rng_uniform(ss->rng) < (double)s->p[x]) continue;
+                s->p[x] = 0.0f;
+                double tot = dense_sum(s->p, nv);
+                if (tot <= 0.0) { /* p(x) == 1 was kept above: cannot happen */
+                    build_dist(s, row, sp, s->p);
+                    tot = dense_sum(s->p, nv);
+                }
+                bonus = sample_dense(s->p, nv, tot, ss->rng);
+                break;
             } else {
                 const float *q = s->q + ((size_t)i * WS_SPEC_MAX_DRAFT + (size_t)a) * nv;
                 build_dist(s, row, sp, s->p);
@@ -869,13 +965,13 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
 
         /* roll both caches back to the accepted length */
         ws_slot_truncate(s->tgt, slot, n0 + 1 + a);
-        if (s->dft && k > 0) {
+        if (s->dft && k > 0 && !m->lookup) {
             const int32_t dlen = kv_len(s->dft, slot); /* holds up to d_off + dlen = n0 + k */
             const int32_t keep = n0 + 1 + a - ss->d_off;
             if (dlen > keep) ws_slot_truncate(s->dft, slot, keep);
             ss->lag_ok = (n0 + 1 + a) - (ss->d_off + kv_len(s->dft, slot));
         } else if (s->dft && m->k_max == 0) {
-            ss->lag_ok += 1; /* the draft sat this step out: one more generated token to see */
+            ss->lag_ok += a + 1; /* the draft sat this step out: generated tokens to see */
         }
         int32_t *o = out + (size_t)i * per;
         for (int j = 0; j < a; j++) o[j] = m->drafts[j];
@@ -886,8 +982,10 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
         ss->c.n_accepted += (uint64_t)a;
         for (int j = 0; j < k; j++) ss->c.drafted_at[j]++;
         for (int j = 0; j < a; j++) ss->c.accepted_at[j]++;
-        n_out[i] = a + 1;
-        if (n_drafted) n_drafted[i] = k;
+        info[i].n_out = a + 1;
+        info[i].n_drafted = k;
+        info[i].drafter = k == 0 ? WS_DRAFTER_NONE : m->lookup ? WS_DRAFTER_LOOKUP
+                                                               : WS_DRAFTER_MODEL;
     }
     return WS_OK;
 }
@@ -905,14 +1003,15 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
     const int32_t n0 = kv_len(s->tgt, slot);
     if (n0 + 1 > s->n_ctx)
         return fail(s, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slot, s->n_ctx);
-    const int32_t k_max = step_k_max(s, pp, max_new, n0);
+    const int32_t k_model = step_k_max(s, pp, max_new, n0);
+    const int32_t k_max = lookup_on(pp) ? step_room(s, max_new, n0) : k_model;
     if (cap < (size_t)(k_max + 1))
         return fail(s, WS_ERR_BUFFER_TOO_SMALL, "output buffer holds %zu tokens, %d needed", cap,
                     k_max + 1);
-    int32_t n = 0;
-    TRY(ws_spec_step_batch(s, 1, &slot, sp, pp, &max_new, s->b_out, &n, NULL));
-    memcpy(out, s->b_out, sizeof(int32_t) * (size_t)n);
-    *n_out = n;
+    ws_spec_step_info info;
+    TRY(ws_spec_step_batch(s, 1, &slot, sp, pp, &max_new, s->b_out, &info));
+    memcpy(out, s->b_out, sizeof(int32_t) * (size_t)info.n_out);
+    *n_out = info.n_out;
     return WS_OK;
 }
 
@@ -920,8 +1019,8 @@ ws_status ws_spec_step_multi(ws_spec *s, const int32_t *slots, const ws_sampling
                              int32_t n, int32_t *out) {
     if (!s) return WS_ERR_INVALID_ARGUMENT;
     if (!out) return fail(s, WS_ERR_INVALID_ARGUMENT, "a multi-slot step needs an output buffer");
-    int32_t n_out[WS_MAX_SLOTS]; /* n <= n_slots <= WS_MAX_SLOTS, checked by the step */
-    TRY(ws_spec_step_batch(s, n, slots, sps, NULL, NULL, s->b_out, n_out, NULL));
+    ws_spec_step_info info[WS_MAX_SLOTS]; /* n <= n_slots <= WS_MAX_SLOTS, checked by the step */
+    TRY(ws_spec_step_batch(s, n, slots, sps, NULL, NULL, s->b_out, info));
     for (int32_t i = 0; i < n; i++) out[i] = s->b_out[(size_t)i * (WS_SPEC_MAX_DRAFT + 1)];
     return WS_OK;
 }

@@ -344,11 +344,53 @@ typedef struct {
     int32_t n_logprobs;      /* 0..WS_SPEC_MAX_LOGPROBS                         */
 } ws_sampling_params;
 
+/*
+ * Two drafters. The lookup drafter (no model) finds, in the slot's own sequence S
+ * (prompt, output, a session's earlier turns, and the pending token), the most
+ * recent earlier occurrence of the longest suffix of S of at most
+ * WS_SPEC_LOOKUP_MAX_MATCH tokens, m tokens long, and proposes the lookup_k[m]
+ * tokens that followed it (a continuation that reaches the end of S goes on with
+ * its own proposals, so a repeating pattern repeats): how far a continuation is
+ * right depends mostly on how long the match is, so the caller says how many
+ * proposals each match length is worth. It costs no decode: where it proposes, it
+ * drafts the step and the draft model sits it out; elsewhere the draft model (if
+ * any) drafts up to n_max. A lookup proposal is a certain draw
+ * (q = 1 for it): greedy accepts it when it is the target's argmax, sampling with
+ * probability p(x) and a rejection resamples from p without x, so the output is
+ * distributed as sampling from the target alone.
+ */
+#define WS_SPEC_LOOKUP_MAX_MATCH 16
+
+/* The lookup drafter's rule on its own: into drafts[0..k), the k tokens that follow
+ * the most recent earlier occurrence in toks[0..n) of the longest suffix of toks of
+ * min_match..WS_SPEC_LOOKUP_MAX_MATCH tokens. *n_out: k, or 0 when there is no such
+ * occurrence. O(n) compares; no state. */
+ws_status ws_spec_lookup(const int32_t *toks, int32_t n, int32_t min_match, int32_t k,
+                         int32_t *drafts, int32_t *n_out);
+
+typedef enum {
+    WS_DRAFTER_NONE = 0,   /* the step drafted nothing                          */
+    WS_DRAFTER_MODEL = 1,  /* the draft model proposed                          */
+    WS_DRAFTER_LOOKUP = 2, /* the lookup drafter proposed                       */
+} ws_drafter;
+
 typedef struct {
-    int32_t n_max;     /* 0: no drafting; at most WS_SPEC_MAX_DRAFT   */
-    int32_t n_min;     /* draft at least this many (<= n_max)         */
-    float p_min;       /* [0, 1]: stop drafting below this top prob   */
+    int32_t n_max;     /* draft model: 0: no drafting; at most WS_SPEC_MAX_DRAFT   */
+    int32_t n_min;     /* draft at least this many (<= n_max)                     */
+    float p_min;       /* [0, 1]: stop drafting below this top prob               */
+    /* lookup drafter: proposals after a match of m tokens, at [m] (0..
+       WS_SPEC_MAX_DRAFT; [0] unused; all 0: lookup off)                          */
+    int32_t lookup_k[WS_SPEC_LOOKUP_MAX_MATCH + 1];
 } ws_spec_params;
+
+/* What one slot's step did. */
+typedef struct {
+    int32_t n_out;     /* tokens returned (accepted proposals + 1)                */
+    int32_t n_drafted; /* proposals verified                                      */
+    int32_t drafter;   /* ws_drafter: who proposed them                            */
+    int32_t match;     /* the lookup drafter's longest match (0: none or lookup off),
+                          whether or not lookup_k made it propose                 */
+} ws_spec_step_info;
 
 typedef struct {
     uint64_t n_steps;         /* target verification passes              */
@@ -385,15 +427,14 @@ ws_status ws_spec_step(ws_spec *spec, int32_t slot, const ws_sampling_params *sp
  * drafts of all slots decode together, one round per proposal), then the target
  * decodes every slot's pending token and proposals in one batch, and each slot
  * accepts as ws_spec_step does. pps NULL: target only for every slot; max_new NULL:
- * no bound. out: [n][WS_SPEC_MAX_DRAFT + 1] tokens, n_out[i] of them for slot i;
- * n_drafted (may be NULL): proposals per slot. The tokens, RNG draws, counters and
+ * no bound. out: [n][WS_SPEC_MAX_DRAFT + 1] tokens, info[i].n_out of them for slot
+ * i, and what the step did in info[i]. The tokens, RNG draws, counters and
  * both caches of every slot are those of ws_spec_step on that slot alone. Every
  * argument is checked before anything is decoded.
  */
 ws_status ws_spec_step_batch(ws_spec *spec, int32_t n, const int32_t *slots,
                              const ws_sampling_params *sps, const ws_spec_params *pps,
-                             const int32_t *max_new, int32_t *out, int32_t *n_out,
-                             int32_t *n_drafted);
+                             const int32_t *max_new, int32_t *out, ws_spec_step_info *info);
 /*
  * One target-only step for each of n distinct slots in one forward pass: decodes
  * each slot's pending token, samples the next one with that slot's parameters

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_svc.draft_length import DraftLength
+from inference_svc.draft_length import DraftLength, DraftLengths, lookup_band
 
 
 def run(ctl: DraftLength, steps: int, accept: bool, declined: bool = False) -> list[int]:
@@ -62,3 +62,40 @@ def test_a_draft_declining_to_propose_counts_as_a_rejection() -> None:
 
 def test_no_drafting_without_n_max() -> None:
     assert run(DraftLength.start(0, 0.3, 0.9), 100, accept=True) == [0] * 100
+
+
+def test_lookup_lengths_by_band_from_their_priors() -> None:
+    """Each band of repeat length starts from its own prior: a one-token repeat is not
+    worth a proposal, a repeat of 8+ is worth n_max; the request's cap bounds them."""
+    d = DraftLengths.start(8, 0.3, (8,) * 16, 0.2, 0.5)
+    assert d.next() == (1, (0, 1, 2, 3, 3, 3, 3) + (8,) * 9)
+    capped = DraftLengths.start(0, 0.3, (0, 0) + (4,) * 14, 0.2, 0.5)
+    assert capped.next() == (0, (0, 0, 2, 3, 3, 3, 3) + (4,) * 9)
+    assert DraftLengths.start(4, 0.3, (), 0.2, 0.5).next() == (1, ())
+
+
+def test_lookup_band_learns_alone() -> None:
+    """Rejected long-repeat proposals shrink that band only; the draft model, which
+    sat those steps out, keeps its estimate."""
+    d = DraftLengths.start(8, 0.3, (8,) * 16, 0.2, 0.5)
+    for _ in range(3):
+        d.observe(d.next(), True, 9, 8, 0)
+    assert d.next() == (1, (0, 1, 2, 3, 3, 3, 3) + (1,) * 9)
+
+
+def test_an_idle_lookup_band_probes_and_a_model_step_teaches_only_the_model() -> None:
+    """Steps where the one-token band was asked nothing (the model drafted, and was
+    wrong) idle that band towards a probe after 8; the model backs off."""
+    d = DraftLengths.start(8, 0.3, (8,) * 16, 0.2, 0.5)
+    for _ in range(7):
+        d.observe(d.next(), False, 1, 1, 0)
+    assert d.next() == (0, (1, 1, 2, 3, 3, 3, 3) + (8,) * 9)
+    # a step without any repeat teaches the lookup bands nothing
+    before = [b.acceptance for b in d.bands]
+    d.observe(d.next(), False, 0, 0, 0)
+    assert [b.acceptance for b in d.bands] == before
+
+
+@pytest.mark.parametrize("m, band", [(1, 0), (2, 1), (3, 2), (4, 3), (7, 3), (8, 4), (16, 4)])
+def test_lookup_bands(m: int, band: int) -> None:
+    assert lookup_band(m) == band

@@ -154,6 +154,28 @@ def test_restored_draft_matches_a_never_saved_control(client: InferenceClient,
         control.timings.draft_n, control.timings.draft_n_accepted)
 
 
+def test_restored_lookup_matches_a_never_saved_control(client: InferenceClient,
+                                                       store_dir: Path) -> None:
+    """The lookup drafter's state is the slot's tokens: the turn after a restore, with
+    or without the draft sidecar, looks up and accepts exactly as a slot never saved."""
+    a = client.tokenize(" ".join([TEXT_A] * 3))
+    out, _ = gen(client, a, 0)
+    client.save(0, "look")
+    b = a + out + client.tokenize(TEXT_A)
+    control_out, control = gen(client, b, 0, n=40)
+    assert control.timings.lookup_n > 0
+    fields = ("prompt_n", "cache_n", "draft_n", "draft_n_accepted", "lookup_n",
+              "lookup_n_accepted", "n_steps")
+    for drop_sidecar in (False, True):
+        if drop_sidecar:
+            (store_dir / "look.drft").unlink()
+        client.restore(1, "look")
+        out1, restored = gen(client, b, 1, n=40)
+        assert out1 == control_out
+        for f in fields:
+            assert getattr(restored.timings, f) == getattr(control.timings, f), (f, drop_sidecar)
+
+
 def test_sidecar_of_another_save_is_not_used(client: InferenceClient, store_dir: Path) -> None:
     a = client.tokenize(TEXT_A)
     gen(client, a, 0)
@@ -308,19 +330,23 @@ def test_save_needs_a_store(pair: tuple[Path, Path]) -> None:
 
 
 def test_without_draft_model(pair: tuple[Path, Path], tmp_path: Path, ref: Reference) -> None:
-    """Target-only server: no sidecar written; restore reports policy NONE."""
+    """Server without a draft model: no sidecar written; restore reports policy NONE;
+    only the lookup drafter proposes, and turning it off leaves no drafter."""
     with running(service_config(pair[0], None, slot_save_path=tmp_path)) as srv, \
             InferenceClient(f"127.0.0.1:{srv.port}") as c:
         a = c.tokenize(TEXT_A)
         out, last = gen(c, a, 0)
-        assert out == ref.generate(a, N) and last.timings.draft_n == 0
+        t = last.timings
+        assert out == ref.generate(a, N)
+        assert (t.draft_n, t.draft_n_accepted) == (t.lookup_n, t.lookup_n_accepted)
         s = c.save(0, "t")
         assert not s.draft_saved and not (tmp_path / "t.drft").exists()
         r = c.restore(1, "t")
         assert (r.draft_restored, r.draft_policy_applied) == (False, pb.DRAFT_POLICY_NONE)
         with pytest.raises(grpc.RpcError) as err:
-            gen(c, a, 0, speculative=True)
+            gen(c, a, 0, speculative=True, lookup=False)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "needs a drafter" in (err.value.details() or "")
 
 
 def test_draft_reprefill_catches_up_in_bounded_units(client: InferenceClient, server: Server,

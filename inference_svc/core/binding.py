@@ -118,6 +118,16 @@ def context_kv_bytes_needed(model: Any, params: Any) -> int:
     return int(out[0])
 
 
+def spec_lookup(toks: Any, n: int, min_match: int, k: int, drafts: Any) -> int:
+    """ws_spec_lookup: the lookup drafter's proposals for toks[0..n) into drafts."""
+    out = ffi.new("int32_t *")
+    status = lib.ws_spec_lookup(toks, n, min_match, k, drafts, out)
+    if status != 0:
+        raise error_for_status(status, f"lookup of {k} tokens after a match of >= "
+                                       f"{min_match} in {n} tokens is out of range")
+    return int(out[0])
+
+
 def spm_init(blob: bytes, ends: Any, scores: Any, byte_ids: Any, n_tokens: int) -> Any:
     out = ffi.new("ws_spm **")
     _check(lib.ws_spm_init(blob, ffi.from_buffer("uint64_t[]", ends),

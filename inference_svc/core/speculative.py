@@ -9,6 +9,7 @@ so the KV holds the whole conversation.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ from .handle import (
 from .model import Context
 
 MAX_DRAFT = int(binding.lib.WS_SPEC_MAX_DRAFT)  # most tokens drafted in one step
+LOOKUP_MAX_MATCH = int(binding.lib.WS_SPEC_LOOKUP_MAX_MATCH)  # longest suffix a lookup matches
 
 
 MAX_LOGPROBS = 20
@@ -76,29 +78,77 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+class Drafter(enum.IntEnum):
+    """Which drafter made a step's proposals (ws_drafter)."""
+
+    NONE = int(binding.lib.WS_DRAFTER_NONE)
+    MODEL = int(binding.lib.WS_DRAFTER_MODEL)
+    LOOKUP = int(binding.lib.WS_DRAFTER_LOOKUP)
+
+
+def lookup_lengths(k: int, min_match: int = 1) -> tuple[int, ...]:
+    """SpecParams.lookup_k proposing k tokens after every match of min_match or more."""
+    return tuple(k if m >= min_match else 0 for m in range(1, LOOKUP_MAX_MATCH + 1))
+
+
 @dataclass(frozen=True)
 class SpecParams:
-    """Draft up to n_max tokens, stopping below p_min top probability after n_min."""
+    """The draft model drafts up to n_max tokens, stopping below p_min top probability
+    after n_min. The lookup drafter, where the longest recent repeat of the end of
+    the slot's own sequence is m tokens long, proposes lookup_k[m - 1] tokens instead
+    (m = 1..LOOKUP_MAX_MATCH; () or all 0: off)."""
 
     n_max: int = 8
     n_min: int = 0
     p_min: float = 0.0
+    lookup_k: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.lookup_k and len(self.lookup_k) != LOOKUP_MAX_MATCH:
+            raise InvalidArgumentError(f"lookup_k has {len(self.lookup_k)} lengths, not one "
+                                       f"per match length 1..{LOOKUP_MAX_MATCH}")
+
+    def fill(self, c: Any) -> None:
+        """Sets the fields of a ws_spec_params."""
+        c.n_max, c.n_min, c.p_min = self.n_max, self.n_min, self.p_min
+        for m, k in enumerate(self.lookup_k, start=1):
+            c.lookup_k[m] = k
 
     def to_c(self) -> Any:
         c = ffi.new("ws_spec_params *")
-        c.n_max, c.n_min, c.p_min = self.n_max, self.n_min, self.p_min
+        self.fill(c)
         return c
+
+    @property
+    def lookup(self) -> bool:
+        """Whether the lookup drafter may propose."""
+        return any(self.lookup_k)
 
 
 NO_SPEC = SpecParams(n_max=0)
+LOOKUP_ONLY = SpecParams(n_max=0, lookup_k=lookup_lengths(8))
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """One slot's part of a batched step: the new tokens and how many were drafted."""
+    """One slot's part of a batched step: the new tokens, how many were drafted, by
+    which drafter, and the lookup drafter's longest match (0: none or lookup off)."""
 
     tokens: list[int]
     drafted: int
+    drafter: Drafter = Drafter.NONE
+    match: int = 0
+
+
+def lookup(tokens: list[int], min_match: int, k: int) -> list[int]:
+    """The lookup drafter's rule (ws_spec_lookup): the k tokens that follow the most
+    recent earlier occurrence of the longest suffix of `tokens` of min_match..
+    LOOKUP_MAX_MATCH tokens, or [] when there is none."""
+    toks = np.ascontiguousarray(tokens, dtype=np.int32)
+    drafts = np.zeros(max(k, 1), dtype=np.int32)
+    n = binding.spec_lookup(ffi.from_buffer("int32_t[]", toks) if toks.size else ffi.NULL,
+                            int(toks.size), min_match, k, ffi.from_buffer("int32_t[]", drafts))
+    return drafts[:n].tolist()
 
 
 def _c_samplings(samplings: list[SamplingParams]) -> Any:
@@ -235,17 +285,16 @@ class SpecDecoder(NativeHandle):
             raise InvalidArgumentError("step_batch needs one sampling, spec and max_new per slot")
         c_pps = ffi.new("ws_spec_params[]", n)
         for i, pp in enumerate(specs):
-            c_pps[i].n_max, c_pps[i].n_min, c_pps[i].p_min = pp.n_max, pp.n_min, pp.p_min
+            pp.fill(c_pps[i])
         per = MAX_DRAFT + 1
         out = np.empty(n * per, dtype=np.int32)
-        n_out = np.empty(n, dtype=np.int32)
-        drafted = np.empty(n, dtype=np.int32)
+        info = ffi.new("ws_spec_step_info[]", n)
         binding.spec_step_batch(self.handle, n, ffi.new("int32_t[]", slots),
                                 _c_samplings(samplings), c_pps, ffi.new("int32_t[]", max_new),
-                                ffi.from_buffer("int32_t[]", out),
-                                ffi.from_buffer("int32_t[]", n_out),
-                                ffi.from_buffer("int32_t[]", drafted))
-        return [StepResult(out[i * per:i * per + int(n_out[i])].tolist(), int(drafted[i]))
+                                ffi.from_buffer("int32_t[]", out), info)
+        return [StepResult(out[i * per:i * per + int(info[i].n_out)].tolist(),
+                           int(info[i].n_drafted), Drafter(int(info[i].drafter)),
+                           int(info[i].match))
                 for i in range(n)]
 
     def logprobs(self, slot: int) -> list[TokenLogprob]:
