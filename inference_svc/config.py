@@ -56,7 +56,7 @@ class Speculative:
     draft_cost: float = 0.3
     lookup: bool = True
     lookup_min: int = 1
-    lookup_cost: float = 0.2
+    lookup_cost: float = 0.25
 
 
 @dataclass(frozen=True)
