@@ -27,8 +27,10 @@ N_HISTORY, N_NEW = 360, 60  # + 2 x 40 generated: 500 of 512 positions
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     target, draft = model_pair(tmp_path_factory.getbasetemp())
+    # the draft model's state is the subject: the lookup drafter, whose state is the
+    # slot's tokens, would draft some of the steps the draft model is measured on
     return ("--model", str(target), "--draft", str(draft), "--slots", "1", "--ctx", "512",
-            "--threads", "1", "--no-auto-save")
+            "--threads", "1", "--no-auto-save", "--no-spec-lookup")
 
 
 @pytest.fixture(scope="module")
