@@ -47,10 +47,11 @@ from prompts import chat_prompts  # noqa: E402
 
 from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Model, Tokenizer  # noqa: E402
-from inference_svc.core.speculative import SamplingParams, SpecParams  # noqa: E402
+from inference_svc.core.speculative import SamplingParams  # noqa: E402
 from inference_svc.engine import Engine  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
-from inference_svc.types import GenerateParams  # noqa: E402
+from inference_svc.pb import inference_pb2 as pb  # noqa: E402
+from inference_svc.types import GenerateParams, speculative_from_pb  # noqa: E402
 
 # callgrind's client requests (no-ops outside valgrind), compiled at start
 HOOKS = r"""
@@ -107,8 +108,9 @@ def main() -> None:
     cfg = Config(model=args.model, draft=args.draft, slots=1, ctx=256, threads=1,
                  draft_threads=1, seed=1, log_level="warning", log_format="text")
     engine = Engine(cfg, tm, dm, Metrics())
-    sc = cfg.speculative
-    specs = {"target_only": None, "speculative": SpecParams(sc.n_max, sc.n_min, sc.p_min)}
+    # the defaults a request that sets no speculative field gets (both drafters)
+    specs = {"target_only": None,
+             "speculative": speculative_from_pb(pb.SpeculativeParams(), cfg, has_draft=True)}
     if args.text == "chat":
         prompt = chat_prompts(tm.tokenizer, args.question + 1)[args.question]
     else:

@@ -59,11 +59,11 @@ from inference_svc.core.speculative import (  # noqa: E402
     SamplingParams,
     SpecDecoder,
     SpecParams,
-    lookup_lengths,
 )
 from inference_svc.engine import Engine  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
-from inference_svc.types import GenerateParams  # noqa: E402
+from inference_svc.pb import inference_pb2 as pb  # noqa: E402
+from inference_svc.types import GenerateParams, speculative_from_pb  # noqa: E402
 
 SLOTS = 4
 HOT = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
@@ -106,10 +106,11 @@ class EngineRunner:
         self.tm = Model.load(args.target)
         self.dm = Model.load(args.draft) if args.draft else None
         self.engine = Engine(cfg, self.tm, self.dm, Metrics())
-        sc = cfg.speculative
-        self.spec = SpecParams(sc.n_max if self.dm else 0, sc.n_min, sc.p_min,
-                               lookup_k=() if args.no_lookup
-                               else lookup_lengths(sc.n_max, sc.lookup_min))
+        # the defaults of a request that sets no speculative field but, with
+        # --no-lookup, lookup off
+        self.spec = speculative_from_pb(
+            pb.SpeculativeParams(lookup=False) if args.no_lookup else pb.SpeculativeParams(),
+            cfg, has_draft=self.dm is not None)
 
     def run(self, reqs: list[Req]) -> list[Out]:
         jobs = []
