@@ -20,6 +20,8 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from inference_svc.core.binding import KV_TYPES as _kv_types
+from inference_svc.core.binding import kv_type_bytes
 from inference_svc.core.binding import lib as _core
 
 TARGET_MAGIC = b"WSLT"
@@ -42,11 +44,12 @@ TAG_KV = b"KVCA"  # target: per layer K dtype[n_l][kv_dim] then V dtype[n_l][kv_
 TAG_WINDOW = b"SWIN"  # target (version 3): u32 n_window, u8[n_layer] 1 = sliding-window layer
 TAG_DRAFT_STATE = b"DSTA"  # draft: the core's draft state (WSSP), verbatim
 
-DTYPE_F32 = 0
-DTYPE_F16 = 1  # IEEE half, the KV cache's values as stored (format version 2 on)
-DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16"}
-DTYPE_SIZES = {DTYPE_F32: 4, DTYPE_F16: 2}
-DTYPE_BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
+# the KV dtype is the core's ws_kv_type (format version 2 on; version 1 is f32 only)
+DTYPE_F32 = int(_core.WS_KV_F32)
+DTYPE_F16 = int(_core.WS_KV_F16)  # IEEE half, the KV cache's values as stored
+DTYPE_Q8_0 = int(_core.WS_KV_Q8_0)  # blocks of 32 int8 values with a half scale, as stored
+DTYPE_BY_NAME = dict(_kv_types)
+DTYPE_NAMES = {code: name for name, code in DTYPE_BY_NAME.items()}
 
 # target header after the magic: version, header_len, flags, fingerprint, n_layer,
 # n_head_kv, head_dim, dtype, n_ctx, n_vocab, n_tokens, n_sections
@@ -111,8 +114,13 @@ class KVLayout:
         return self.n_head_kv * self.head_dim
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one position's K (or V) of one layer: kv_dim values of the dtype."""
+        return self.n_head_kv * kv_type_bytes(self.dtype, self.head_dim)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.n_layer * self.kv_dim * DTYPE_SIZES[self.dtype]
+        return 2 * self.n_layer * self.row_bytes
 
     def __str__(self) -> str:
         return (f"{self.n_layer} layers x {self.n_head_kv} kv heads x {self.head_dim} "
@@ -145,7 +153,7 @@ def kv_bytes(layout: KVLayout, n_tokens: int, window: Window | None) -> int:
     if window is None:
         return n_tokens * layout.bytes_per_token
     rows = sum(window.n_window if loc else n_tokens for loc in window.local)
-    return 2 * rows * layout.kv_dim * DTYPE_SIZES[layout.dtype]
+    return 2 * rows * layout.row_bytes
 
 
 @dataclass(frozen=True)
@@ -440,7 +448,7 @@ def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
 
 
 def _check_dtype(kind: str, version: int, dtype: int) -> None:
-    if dtype not in DTYPE_SIZES or (version < 2 and dtype != DTYPE_F32):
+    if dtype not in DTYPE_NAMES or (version < 2 and dtype != DTYPE_F32):
         raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype} in a version {version} file")
 
 
@@ -534,8 +542,9 @@ def _check_kv_type(kind: str, got: KVLayout, want: KVLayout) -> None:
     (f32 -> f16 would round them, and the session would no longer continue exactly)."""
     if got.dtype != want.dtype:
         name = DTYPE_NAMES[got.dtype]
+        article = "an" if name.startswith("f") else "a"  # "an f16", "a q8_0"
         raise IncompatibleSlotFile(
-            f"{kind} holds an {name} KV cache, this server keeps {DTYPE_NAMES[want.dtype]}: "
+            f"{kind} holds {article} {name} KV cache, this server keeps {DTYPE_NAMES[want.dtype]}: "
             f"restore it on a server started with --kv-type {name}")
 
 
