@@ -28,12 +28,17 @@ TARGET_MAGIC = b"WSLT"
 DRAFT_MAGIC = b"WSLD"
 # the versions this code writes and the newest it reads; version 2 added the f16 KV
 # dtype (a version-1 file is f32 and still reads); version 3 (target) the SWIN section:
-# sliding-window layers that hold their last n_window positions only. A target file
-# whose every layer holds every position is still written as version 2.
+# sliding-window layers that hold their last n_window positions only; target version 4
+# and draft version 3 the q8_0 dtype (with or without SWIN). Each file is written in the
+# oldest version that can hold it: a target file of f16 or f32 whose every layer holds
+# every position is still version 2.
 TARGET_VERSION = 2
 TARGET_VERSION_WINDOW = 3
-TARGET_NEWEST = 3
+TARGET_VERSION_Q8_0 = 4
+TARGET_NEWEST = 4
 DRAFT_VERSION = 2
+DRAFT_VERSION_Q8_0 = 3
+DRAFT_NEWEST = 3
 HEADER_LEN = 128  # v1 header length of both files (a reader trusts the file's own)
 DIGEST_LEN = 32
 SECTION_HEADER = struct.Struct("<4sIQ")  # tag, flags, payload length
@@ -50,6 +55,19 @@ DTYPE_F16 = int(_core.WS_KV_F16)  # IEEE half, the KV cache's values as stored
 DTYPE_Q8_0 = int(_core.WS_KV_Q8_0)  # blocks of 32 int8 values with a half scale, as stored
 DTYPE_BY_NAME = dict(_kv_types)
 DTYPE_NAMES = {code: name for name, code in DTYPE_BY_NAME.items()}
+
+
+def target_version(dtype: int, windowed: bool) -> int:
+    """The version a target file of this KV dtype is written in (windowed: it has a SWIN
+    section): an older reader refuses a dtype it does not know by the version."""
+    if dtype == DTYPE_Q8_0:
+        return TARGET_VERSION_Q8_0
+    return TARGET_VERSION_WINDOW if windowed else TARGET_VERSION
+
+
+def draft_version(dtype: int) -> int:
+    """The version a draft sidecar of this KV dtype is written in."""
+    return DRAFT_VERSION_Q8_0 if dtype == DTYPE_Q8_0 else DRAFT_VERSION
 
 # target header after the magic: version, header_len, flags, fingerprint, n_layer,
 # n_head_kv, head_dim, dtype, n_ctx, n_vocab, n_tokens, n_sections
@@ -251,7 +269,7 @@ def _target_head(fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int, n_to
 
 def _draft_head(target_digest: str, fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int,
                 n_tokens: int, offset: int, n_sections: int) -> bytes:
-    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, DRAFT_VERSION, HEADER_LEN, 0,
+    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, draft_version(lay.dtype), HEADER_LEN, 0,
                             _fp_bytes(target_digest, "target digest"),
                             _fp_bytes(fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
                             lay.head_dim, lay.dtype, n_ctx, n_vocab, n_tokens, offset, n_sections)
@@ -260,7 +278,8 @@ def _draft_head(target_digest: str, fingerprint: str, lay: KVLayout, n_ctx: int,
 
 def encode_target(t: TargetFile) -> bytes:
     """The bytes of a target file: version TARGET_VERSION, or TARGET_VERSION_WINDOW
-    when its sliding-window layers hold only their last positions."""
+    when its sliding-window layers hold only their last positions, or
+    TARGET_VERSION_Q8_0 for a q8_0 KV (target_version)."""
     lay = t.layout
     if len(t.kv) != kv_bytes(lay, t.n_tokens, t.window):
         raise ValueError(f"KV of {len(t.kv)} bytes does not hold {t.n_tokens} tokens of {lay}")
@@ -269,14 +288,14 @@ def encode_target(t: TargetFile) -> bytes:
         sections.append((TAG_WINDOW, FLAG_REQUIRED, t.window.pack()))
     sections.append((TAG_KV, FLAG_REQUIRED, t.kv))
     sections += [(s.tag, s.flags, s.payload) for s in t.extra]
-    version = TARGET_VERSION if t.window is None else TARGET_VERSION_WINDOW
+    version = target_version(lay.dtype, t.window is not None)
     head = _target_head(t.fingerprint, lay, t.n_ctx, t.n_vocab, t.n_tokens, len(sections),
                         version)
     return _seal([head, *_sections(sections)])
 
 
 def encode_draft(d: DraftFile) -> bytes:
-    """The bytes of a draft sidecar (version DRAFT_VERSION)."""
+    """The bytes of a draft sidecar (version draft_version(dtype))."""
     sections = [(TAG_DRAFT_STATE, FLAG_REQUIRED, d.state)]
     sections += [(s.tag, s.flags, s.payload) for s in d.extra]
     head = _draft_head(d.target_digest, d.fingerprint, d.layout, d.n_ctx, d.n_vocab, d.n_tokens,
@@ -363,7 +382,8 @@ def seal_target(buf: memoryview, model: ModelSpec) -> tuple[memoryview, int, str
     # the KV section's header ends where the core wrote the KV: toks + 4 * n
     SECTION_HEADER.pack_into(buf, pos, TAG_KV, FLAG_REQUIRED,
                              len(buf) - DIGEST_LEN - pos - SECTION_HEADER.size)
-    version, n_sections = (TARGET_VERSION, 2) if window is None else (TARGET_VERSION_WINDOW, 3)
+    version = target_version(model.layout.dtype, window is not None)
+    n_sections = 2 if window is None else 3
     buf[:HEADER_LEN] = _target_head(model.fingerprint, model.layout, model.n_ctx,
                                     model.n_vocab, n, n_sections, version)
     return buf, n, _trailer(buf)
@@ -417,7 +437,10 @@ def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
 
 
 def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
-                   kind: str) -> tuple[dict[bytes, memoryview], tuple[Section, ...]]:
+                   kind: str, optional: frozenset[bytes] = frozenset()
+                   ) -> tuple[dict[bytes, memoryview], tuple[Section, ...]]:
+    """The sections: `known` ones by tag (each required unless in `optional`), the
+    others kept unless REQUIRED."""
     found: dict[bytes, memoryview] = {}
     extra: list[Section] = []
     pos = start
@@ -441,14 +464,16 @@ def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
             extra.append(Section(bytes(tag), flags, bytes(payload)))
     if pos != len(body):
         raise CorruptSlotFile(f"{kind}: {len(body) - pos} stray bytes after the sections")
-    missing = known - found.keys()
+    missing = known - optional - found.keys()
     if missing:
         raise CorruptSlotFile(f"{kind} lacks section(s) {sorted(missing)}")
     return found, tuple(extra)
 
 
-def _check_dtype(kind: str, version: int, dtype: int) -> None:
-    if dtype not in DTYPE_NAMES or (version < 2 and dtype != DTYPE_F32):
+def _check_dtype(kind: str, version: int, dtype: int, q8_0_from: int) -> None:
+    """f32 in every version, f16 from version 2, q8_0 from version q8_0_from."""
+    if (dtype not in DTYPE_NAMES or (version < 2 and dtype != DTYPE_F32)
+            or (dtype == DTYPE_Q8_0 and version < q8_0_from)):
         raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype} in a version {version} file")
 
 
@@ -459,10 +484,12 @@ def decode_target(data: bytes | memoryview, body_sha256: str | None = None) -> T
     body = _open(data, TARGET_MAGIC, TARGET_NEWEST, kind, _TARGET_HEAD, body_sha256)
     (_, version, header_len, _flags, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx, n_vocab,
      n_tokens, n_sections) = _TARGET_HEAD.unpack_from(body)
-    _check_dtype(kind, version, dtype)
+    _check_dtype(kind, version, dtype, TARGET_VERSION_Q8_0)
     layout = KVLayout(n_layer, n_head_kv, head_dim, dtype)
+    # SWIN: required in version 3, optional from version 4 (a q8_0 file of any window)
     known = {TAG_TOKENS, TAG_KV} | ({TAG_WINDOW} if version >= TARGET_VERSION_WINDOW else set())
-    found, extra = _read_sections(body, header_len, n_sections, known, kind)
+    optional = frozenset({TAG_WINDOW}) if version >= TARGET_VERSION_Q8_0 else frozenset()
+    found, extra = _read_sections(body, header_len, n_sections, known, kind, optional)
     toks, kv = found[TAG_TOKENS], found[TAG_KV]
     if len(toks) != 4 * n_tokens:
         raise CorruptSlotFile(f"{kind}: {len(toks)} token bytes for {n_tokens} tokens")
@@ -490,10 +517,10 @@ def _window(payload: bytes | memoryview, n_layer: int, n_tokens: int, kind: str)
 def decode_draft(data: bytes | memoryview) -> DraftFile:
     """Parses and verifies a draft sidecar on its own (not against a model)."""
     kind = "draft sidecar"
-    body = _open(data, DRAFT_MAGIC, DRAFT_VERSION, kind, _DRAFT_HEAD)
+    body = _open(data, DRAFT_MAGIC, DRAFT_NEWEST, kind, _DRAFT_HEAD)
     (_, version, header_len, _flags, tdig, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx,
      n_vocab, n_tokens, offset, n_sections) = _DRAFT_HEAD.unpack_from(body)
-    _check_dtype(kind, version, dtype)
+    _check_dtype(kind, version, dtype, DRAFT_VERSION_Q8_0)
     found, extra = _read_sections(body, header_len, n_sections, {TAG_DRAFT_STATE}, kind)
     state = found[TAG_DRAFT_STATE]
     _check_core_spec_counters(state, kind)

@@ -125,9 +125,13 @@ def test_q8_0_session_restores_and_continues_exactly(tmp_path_factory: pytest.Te
     cfg = service_config(target, draft, slot_save_path=tmp_path, kv_type="q8_0")
     ref = Reference(target, draft, kv_type="q8_0")
     with running(cfg) as srv, InferenceClient(f"127.0.0.1:{srv.port}") as c:
+        info = c.info()
+        assert (info.slot_file_version, info.draft_file_version) == (4, 3)
         rs, _ = c.generate(PROMPT, max_tokens=N_GEN, id_slot=0, temperature=0.0)
         out = [t for r in rs for t in r.tokens]
         saved = c.save(0, "q8")
+        assert slotfile.decode_target((tmp_path / "q8").read_bytes()).version == 4
+        assert slotfile.decode_draft((tmp_path / "q8.drft").read_bytes()).version == 3
         assert saved.n_saved == len(PROMPT) + N_GEN
         history = PROMPT + out + [7, 77, 177]
         want = ref.generate(history, N_GEN)

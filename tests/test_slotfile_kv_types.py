@@ -53,11 +53,12 @@ def test_layout_sizes_and_names() -> None:
 def test_version_2_round_trip(layout: sf.KVLayout) -> None:
     t = target(layout)
     data = sf.encode_target(t)
-    assert struct.unpack_from("<II", data, 4) == (2, 128)
+    version = 4 if layout is Q8 else 2  # q8_0: a version an older reader refuses
+    assert struct.unpack_from("<II", data, 4) == (version, 128)
     assert struct.unpack_from("<I", data, DTYPE_AT)[0] == layout.dtype
     assert len(data) == 128 + 16 + 4 * 5 + 16 + 5 * layout.bytes_per_token + 32
     back = sf.decode_target(data)
-    assert (back.version, back.layout, bytes(back.kv)) == (2, layout, t.kv)
+    assert (back.version, back.layout, bytes(back.kv)) == (version, layout, t.kv)
     sf.check_target(back, spec(layout))
     head, toks, kv = sf.core_parts_from_target(back)
     assert struct.unpack("<8I", head) == (sf.CORE_KV_MAGIC, 2, 2, layout.kv_dim, layout.kv_dim,
@@ -126,7 +127,34 @@ def test_q8_0_file_in_an_f16_server_is_incompatible() -> None:
                               "restore it on a server started with --kv-type q8_0")
 
 
-def test_version_1_knew_no_q8_0() -> None:
-    v1 = with_version(sf.encode_target(target(Q8)), 1)
-    with pytest.raises(sf.CorruptSlotFile, match="unknown KV dtype 2 in a version 1 file"):
-        sf.decode_target(v1)
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_versions_before_4_knew_no_q8_0(version: int) -> None:
+    old = with_version(sf.encode_target(target(Q8)), version)
+    with pytest.raises(sf.CorruptSlotFile,
+                       match=f"unknown KV dtype 2 in a version {version} file"):
+        sf.decode_target(old)
+
+
+def test_newer_target_version_is_unsupported() -> None:
+    """What a reader of version 3 saw of a q8_0 file: a newer format, not corruption."""
+    assert sf.TARGET_NEWEST == 4
+    with pytest.raises(sf.UnsupportedSlotFile, match="format version 5 is newer"):
+        sf.decode_target(with_version(sf.encode_target(target(Q8)), 5))
+
+
+def test_q8_0_draft_sidecar_is_version_3() -> None:
+    tbytes = sf.encode_target(target(Q8))
+    t = sf.decode_target(tbytes)
+    d = sf.DraftFile(sf.digest(tbytes), FP_D, Q8, 64, 100, 0, 0, b"")
+    data = sf.encode_draft(d)
+    assert struct.unpack_from("<I", data, 4)[0] == 3
+    back = sf.decode_draft(data)
+    assert (back.version, back.layout) == (3, Q8)
+    sf.check_draft(back, sf.digest(tbytes), t, spec(Q8, FP_D))
+    with pytest.raises(sf.CorruptSlotFile, match="unknown KV dtype 2 in a version 2 file"):
+        sf.decode_draft(with_version(data, 2))
+    with pytest.raises(sf.UnsupportedSlotFile, match="format version 4 is newer"):
+        sf.decode_draft(with_version(data, 4))
+    # an f16 sidecar stays version 2
+    f16 = sf.DraftFile(sf.digest(tbytes), FP_D, F16, 64, 100, 0, 0, b"")
+    assert struct.unpack_from("<I", sf.encode_draft(f16), 4)[0] == 2
