@@ -14,6 +14,7 @@ from inference_svc.core import BadStateError, Model
 from inference_svc.core import Context as Ctx
 from inference_svc.core.binding import KV_TYPES, kv_type_bytes
 from tests.factory import Shape, write_model
+from tests.reference import q8_0_quantize
 
 pytestmark = pytest.mark.native
 
@@ -37,23 +38,10 @@ def state_len(n_tokens: int) -> int:
     return HEADER + 4 * n_tokens + 2 * 2 * 2 * BLOCK * n_tokens
 
 
-def roundf(v: np.ndarray) -> np.ndarray:
-    """C's roundf (halves away from zero) in float32."""
-    a = np.abs(v)
-    f = np.floor(a)
-    return np.copysign(np.where(a - f >= np.float32(0.5), f + 1, f), v).astype(np.float32)
-
-
 def q8_0_blocks(x: np.ndarray) -> bytes:
-    """llama.cpp's quantize_row_q8_0_ref of float32 rows of 32: d = amax / 127 as half,
-    q = round(x * (1 / d)) with the float d."""
-    out = b""
-    for blk in x.reshape(-1, 32).astype(np.float32):
-        d = np.float32(np.abs(blk).max()) / np.float32(127)
-        inv = np.float32(1) / d if d != 0 else np.float32(0)
-        q = roundf(blk * inv).astype(np.int8)
-        out += np.float16(d).tobytes() + q.tobytes()
-    return out
+    """The bytes of llama.cpp's block_q8_0 of float32 rows of 32: d, then the 32 q."""
+    d, q = q8_0_quantize(x.reshape(-1, 32))
+    return b"".join(d[i].tobytes() + q[i].tobytes() for i in range(len(d)))
 
 
 def test_type_list_and_sizes_come_from_the_core() -> None:
@@ -139,3 +127,25 @@ def test_head_dim_of_partial_blocks_is_refused_before_allocation(tmp_path: Path)
         with pytest.raises(InvalidArgumentError, match="a q8_0 KV cache needs a head_dim that "
                                                        "is a multiple of 32; this model's is 40"):
             Ctx(m, n_ctx=32, kv_type="q8_0")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_logits_match_the_reference_with_q8_0_blocks(tmp_path: Path, arch: str) -> None:
+    """The float64 reference forward pass with its keys and values quantized the same way
+    (tests/reference.py), llama and gemma3 (sliding window of 7 over 40 tokens)."""
+    from tests.reference import forward
+
+    shape = (Shape(n_vocab=320, n_embd=192, n_layer=3, n_head=6, n_head_kv=2, n_ff=160)
+             if arch == "llama" else
+             Shape(n_vocab=300, n_embd=48, n_layer=6, n_head=4, n_head_kv=2, n_ff=64,
+                   tied=True, arch="gemma3", head_dim=64, n_swa=7))
+    write_model(tmp_path / "m.gguf", shape, seed=7)
+    tokens = np.random.default_rng(3).integers(0, shape.n_vocab, 40).tolist()
+    with Model.load(tmp_path / "m.gguf") as m, Ctx(m, n_ctx=64, kv_type="q8_0") as ctx:
+        got = ctx.decode(0, tokens, logits_all=True)
+        ref = forward(m.hparams, m.content.dequantized(), tokens, "q8_0")
+        f16 = forward(m.hparams, m.content.dequantized(), tokens, "f16")
+    scale = float(np.abs(ref).max())
+    assert float(np.abs(got - ref).max()) / scale < 1e-3
+    # the quantization shows: the f16 reference is further away than the q8_0 one
+    assert float(np.abs(got - f16).max()) > 10 * float(np.abs(got - ref).max())
