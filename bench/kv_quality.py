@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/kv_quality.py [--model PATH ...] [--contexts 512,2048,8192]
         [--window 256] [--types q8_0] [--chunk 64] [--threads 2] [--greedy-tokens 64]
+        [--text-rev REV]
 
-Held-out text: README.md then docs/*.md of this tree (sorted by name, docs/results and
-subfolders left out), joined by blank lines and tokenized without special tokens. They
-were written for this project, after the models were trained; the commit the figures
-come from fixes the text.
+Held-out text: README.md then docs/*.md (sorted by name, subfolders left out) as git
+revision --text-rev (default HEAD, recorded as a commit id in the output) holds them,
+joined by blank lines and tokenized without special tokens. They were written for
+this project, after the models were trained.
 
 Teacher-forced: the text's first max(--contexts) tokens are decoded in chunks of
 --chunk by an f16 context and a context of each of --types (the same tokens, so every
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,9 +54,16 @@ CHAT_PROMPTS = (
 )
 
 
-def held_out_text() -> str:
-    paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return "\n\n".join(p.read_text(encoding="utf-8") for p in paths)
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def held_out_text(rev: str) -> str:
+    """README.md and docs/*.md of commit rev, joined."""
+    names = sorted(n for n in git("ls-tree", "--name-only", rev, "docs/").split()
+                   if n.endswith(".md"))
+    return "\n\n".join(git("show", f"{rev}:{n}") for n in ["README.md", *names])
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -109,11 +118,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def measure(path: Path, a: argparse.Namespace, types: tuple[str, ...],
-            contexts: list[int]) -> dict[str, Any]:
+            contexts: list[int], text: str) -> dict[str, Any]:
     model = Model.load(path)
     try:
         tok = model.tokenizer
-        ids = tok.encode(held_out_text())
+        ids = tok.encode(text)
         n = max(contexts)
         if len(ids) < n:
             raise SystemExit(f"the held-out text is {len(ids)} tokens of {path.name}, "
@@ -172,13 +181,16 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--greedy-tokens", type=int, default=64)
+    ap.add_argument("--text-rev", default="HEAD", help="git revision of the held-out text")
     a = ap.parse_args()
+    rev = git("rev-parse", a.text_rev).strip()
+    text = held_out_text(rev)
     types = tuple(t for t in a.types.split(",") if t and t != "f16")
     contexts = sorted(int(x) for x in a.contexts.split(",") if x)
     result = {"native": os.environ.get("WARMSLOT_NATIVE", "release"), "threads": a.threads,
               "window": a.window, "contexts": contexts,
-              "text": "README.md + docs/*.md of this tree",
-              "models": [measure(p, a, types, contexts) for p in (a.model or MODELS)]}
+              "text": f"README.md + docs/*.md of {rev}", "text_chars": len(text),
+              "models": [measure(p, a, types, contexts, text) for p in (a.model or MODELS)]}
     print(json.dumps(result))
     return 0
 
