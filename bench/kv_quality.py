@@ -6,8 +6,8 @@
 
 Held-out text: README.md then docs/*.md (sorted by name, subfolders left out) as git
 revision --text-rev (default HEAD, recorded as a commit id in the output) holds them,
-joined by blank lines and tokenized without special tokens. They were written for
-this project, after the models were trained.
+joined by blank lines, tokenized as plain text after BOS when the model asks for one.
+They were written for this project, after the models were trained.
 
 Teacher-forced: the text's first max(--contexts) tokens are decoded in chunks of
 --chunk by an f16 context and a context of each of --types (the same tokens, so every
@@ -15,9 +15,11 @@ position sees the same history), keeping every position's logits. Per position: 
 KL divergence KL(p_f16 || p_type) of the softmax distributions (in float64) and
 whether the argmax (lowest id on ties) is the same. For each context length L: the
 means over the last --window positions before L (the predictions made with about L
-tokens of context) and over all L positions.
+tokens of context) and over all L positions; and the mean KL over ranges of positions
+(0-15, 16-63, 64-255, 256-1023, 1024-4095, 4096-), where it comes from.
 
-Free-running greedy: a few chat prompts through the model's chat template, --greedy-
+Free-running greedy: a few chat prompts through the model's chat template (Gemma 3's
+GGUF has none: tests/fixtures/gemma_turns.jinja, its turn format), --greedy-
 tokens tokens decoded greedily by an f16 context and by each type's, each on its own
 outputs: the number of leading tokens that are identical (reported, not a target: at a
 near-tie the two pick different tokens and the texts go apart from there).
@@ -46,6 +48,8 @@ from inference_svc.core import Context, Model  # noqa: E402
 
 MODELS = (ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
           ROOT / "models" / "gemma-3-270m-q4_k_m.gguf")
+GEMMA_TEMPLATE = ROOT / "tests" / "fixtures" / "gemma_turns.jinja"
+KL_RANGES = (0, 16, 64, 256, 1024, 4096)
 CHAT_PROMPTS = (
     "Explain in a few sentences why the sky is blue.",
     "Write a short Python function that checks whether a number is prime.",
@@ -122,7 +126,7 @@ def measure(path: Path, a: argparse.Namespace, types: tuple[str, ...],
     model = Model.load(path)
     try:
         tok = model.tokenizer
-        ids = tok.encode(text)
+        ids = tok.encode(text, add_bos=True)  # BOS when the model asks for it, as served
         n = max(contexts)
         if len(ids) < n:
             raise SystemExit(f"the held-out text is {len(ids)} tokens of {path.name}, "
@@ -151,7 +155,15 @@ def measure(path: Path, a: argparse.Namespace, types: tuple[str, ...],
                       f"{rows[-1]['mean_kl_all']:.2e}, top-1 "
                       f"{100 * rows[-1]['top1_agreement_all']:.2f} %")
             res["teacher_forced"][kv] = rows
-        template = require(load_template(None, tok))
+            bounds = [b for b in KL_RANGES if b < len(kl)] + [len(kl)]
+            res.setdefault("mean_kl_by_positions", {})[kv] = {
+                f"{lo}-{hi - 1}": float(kl[lo:hi].mean())
+                for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)}
+            print(f"{path.name} {kv} mean KL by positions: " + ", ".join(
+                f"{r} {v:.2e}" for r, v in res["mean_kl_by_positions"][kv].items()))
+        fallback = GEMMA_TEMPLATE if model.hparams.arch == "gemma3" and \
+            not tok.data.chat_template else None
+        template = require(load_template(fallback, tok))
         runs = []
         for text in CHAT_PROMPTS:
             prompt = template.tokens([Message("user", text)], add_generation_prompt=True)
