@@ -1,22 +1,23 @@
-"""KV cache type: slot state size and decode speed, f16 against f32.
+"""KV cache type: slot state size and decode speed, f16 against f32 and q8_0.
 
     .venv/bin/python bench/kv_cache.py [--model PATH] [--state-tokens 2000]
         [--contexts 128,4000] [--decode-tokens 64] [--reps 7] [--threads 2]
-        [--no-decode] [--llama-cpp SITE_PACKAGES]
+        [--types f32,f16,q8_0] [--no-decode] [--llama-cpp SITE_PACKAGES]
     .venv/bin/python bench/kv_cache.py --before REV [--model models/X.gguf] [--reps 7]
 
-State: a slot holding --state-tokens tokens (random ids, one prefill) in an f32 and
-an f16 context: the core's state size and the size of the slot file the service
+State: a slot holding --state-tokens tokens (random ids, one prefill) in a context of
+each of --types: the core's state size and the size of the slot file the service
 writes for it (encode_slot, the path SaveSlot takes). With --llama-cpp (a
 site-packages directory holding llama-cpp-python, appended to sys.path so this
 venv's packages win), llama.cpp's per-sequence state size
 (llama_state_seq_get_size) for the same token ids in a context with its default
 KV type (F16), and our f16 file size against it.
 
-Decode: for each context length, both contexts are prefilled once to that length,
-then the repetitions alternate (f32, f16, f16, f32, ...): truncate back to the
-length and decode --decode-tokens tokens one at a time. Medians per type and the
-f16/f32 ratio of the medians, of wall-clock rates and of rates per CPU second of the
+Decode: for each context length, the contexts are prefilled once to that length,
+then the repetitions alternate (f32, f16, q8_0, q8_0, f16, f32, ...): truncate back to
+the length and decode --decode-tokens tokens one at a time. Medians per type and the
+ratios to f16 of the medians (`f16_over_f32`, `q8_0_over_f16`), of wall-clock rates
+and of rates per CPU second of the
 process (with --threads 1 the CPU time is the decoding thread's alone, which a
 loaded machine disturbs far less than the wall clock: time spent waiting for a core
 does not count). The last line printed is one JSON object.
@@ -53,7 +54,18 @@ sys.path.insert(0, str(ROOT))
 from inference_svc.core import Context, Model  # noqa: E402
 from inference_svc.snapshots import context_spec, encode_slot  # noqa: E402
 
-KV_TYPES = ("f32", "f16")
+KV_TYPES = ("f32", "f16", "q8_0")
+
+
+def ratios(med: dict[str, float], suffix: str = "") -> dict[str, float]:
+    """f16/f32 and every other type / f16, of the types measured."""
+    out = {}
+    if "f16" in med and "f32" in med:
+        out[f"f16_over_f32{suffix}"] = med["f16"] / med["f32"]
+    for kv in med:
+        if kv not in ("f16", "f32") and "f16" in med:
+            out[f"{kv}_over_f16{suffix}"] = med[kv] / med["f16"]
+    return out
 
 
 def prefill(ctx: Context, tokens: list[int], chunk: int = 512) -> None:
@@ -62,9 +74,10 @@ def prefill(ctx: Context, tokens: list[int], chunk: int = 512) -> None:
         ctx.decode(0, tokens[i:i + chunk])
 
 
-def state_sizes(model: Model, tokens: list[int], threads: int) -> dict[str, dict[str, int]]:
+def state_sizes(model: Model, tokens: list[int], threads: int,
+                types: tuple[str, ...]) -> dict[str, dict[str, int]]:
     out = {}
-    for kv in KV_TYPES:
+    for kv in types:
         with Context(model, n_ctx=len(tokens), n_threads=threads, kv_type=kv) as ctx:
             prefill(ctx, tokens)
             state = ctx.get_state(0)
@@ -86,16 +99,16 @@ def llama_cpp_state_size(site: str, path: Path, tokens: list[int], threads: int)
 
 
 def decode_rates(model: Model, tokens: list[int], n_ctx: int, n_decode: int, reps: int,
-                 threads: int) -> dict[str, Any]:
+                 threads: int, types: tuple[str, ...]) -> dict[str, Any]:
     ctxs = {kv: Context(model, n_ctx=n_ctx + n_decode, n_threads=threads, kv_type=kv)
-            for kv in KV_TYPES}
+            for kv in types}
     try:
         for ctx in ctxs.values():
             prefill(ctx, tokens[:n_ctx])
         follow = tokens[n_ctx:n_ctx + n_decode]
-        rates: dict[str, list[float]] = {kv: [] for kv in KV_TYPES}
-        cpu: dict[str, list[float]] = {kv: [] for kv in KV_TYPES}
-        order = list(KV_TYPES)
+        rates: dict[str, list[float]] = {kv: [] for kv in types}
+        cpu: dict[str, list[float]] = {kv: [] for kv in types}
+        order = list(types)
         for _ in range(reps + 1):  # the first round warms up and is dropped
             for kv in order:
                 ctx = ctxs[kv]
@@ -108,9 +121,8 @@ def decode_rates(model: Model, tokens: list[int], n_ctx: int, n_decode: int, rep
             order.reverse()
         med = {kv: statistics.median(r[1:]) for kv, r in rates.items()}
         med_cpu = {kv: statistics.median(r[1:]) for kv, r in cpu.items()}
-        return {"context": n_ctx, "decode_tps": med, "f16_over_f32": med["f16"] / med["f32"],
-                "decode_per_cpu_s": med_cpu,
-                "f16_over_f32_cpu": med_cpu["f16"] / med_cpu["f32"],
+        return {"context": n_ctx, "decode_tps": med, **ratios(med),
+                "decode_per_cpu_s": med_cpu, **ratios(med_cpu, "_cpu"),
                 "runs": {kv: [round(x, 1) for x in r[1:]] for kv, r in rates.items()}}
     finally:
         for ctx in ctxs.values():
@@ -185,6 +197,8 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--types", default=",".join(KV_TYPES),
+                    help="KV types to measure (f16 among them: the ratios are to it)")
     ap.add_argument("--no-decode", action="store_true", help="state sizes only")
     ap.add_argument("--llama-cpp", metavar="SITE_PACKAGES",
                     help="also measure llama.cpp's per-sequence state size")
@@ -202,14 +216,18 @@ def main() -> int:
     contexts = [int(x) for x in a.contexts.split(",") if x] if not a.no_decode else []
     n_tok = max([a.state_tokens, *(c + a.decode_tokens for c in contexts)])
     tokens = np.random.default_rng(0).integers(0, model.n_vocab, n_tok).tolist()
+    types = tuple(t for t in a.types.split(",") if t)
+    if "f16" not in types or any(t not in KV_TYPES for t in types):
+        ap.error(f"--types: some of {', '.join(KV_TYPES)}, f16 among them")
     result: dict[str, Any] = {"model": a.model.name, "threads": a.threads,
-                              "state_tokens": a.state_tokens}
-    st = state_sizes(model, tokens[:a.state_tokens], a.threads)
+                              "state_tokens": a.state_tokens,
+                              "native": os.environ.get("WARMSLOT_NATIVE", "release")}
+    st = state_sizes(model, tokens[:a.state_tokens], a.threads, types)
     result["state"] = st
-    result["f16_over_f32_state"] = st["f16"]["state_bytes"] / st["f32"]["state_bytes"]
-    print(f"state of {a.state_tokens} tokens: f32 {st['f32']['state_bytes'] / 1e6:.2f} MB, "
-          f"f16 {st['f16']['state_bytes'] / 1e6:.2f} MB (slot file "
-          f"{st['f16']['slot_file_bytes'] / 1e6:.2f} MB)")
+    result.update(ratios({kv: float(v["state_bytes"]) for kv, v in st.items()}, "_state"))
+    print(f"state of {a.state_tokens} tokens: " + ", ".join(
+        f"{kv} {v['state_bytes'] / 1e6:.2f} MB (slot file {v['slot_file_bytes'] / 1e6:.2f} MB)"
+        for kv, v in st.items()))
     if a.llama_cpp:
         ll = llama_cpp_state_size(a.llama_cpp, a.model, tokens[:a.state_tokens], a.threads)
         result["llama_cpp_state_bytes"] = ll
@@ -218,11 +236,11 @@ def main() -> int:
               f"llama.cpp: {result['f16_slot_file_over_llama_cpp']:.3f}")
     result["decode"] = []
     for n_ctx in contexts:
-        r = decode_rates(model, tokens, n_ctx, a.decode_tokens, a.reps, a.threads)
+        r = decode_rates(model, tokens, n_ctx, a.decode_tokens, a.reps, a.threads, types)
         result["decode"].append(r)
-        print(f"decode at {n_ctx} tokens of context: f32 {r['decode_tps']['f32']:.0f} tok/s, "
-              f"f16 {r['decode_tps']['f16']:.0f} tok/s, f16/f32 {r['f16_over_f32']:.3f}; per "
-              f"CPU second f16/f32 {r['f16_over_f32_cpu']:.3f}")
+        print(f"decode at {n_ctx} tokens of context: " + ", ".join(
+            f"{kv} {v:.0f} tok/s" for kv, v in r["decode_tps"].items()) + "; " + ", ".join(
+            f"{k} {v:.3f}" for k, v in r.items() if "_over_" in k))
     model.close()
     print(json.dumps(result))
     return 0

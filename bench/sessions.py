@@ -3,7 +3,7 @@ from the slot, the RAM tier or the store, against re-prefilling the conversation
 
     .venv/bin/python bench/sessions.py [--slots 4] [--sessions 32] [--tokens 1500]
         [--turns 6] [--clients 8] [--new 48] [--gen 32] [--threads 2]
-        [--tiers ram,store] [--no-reference]
+        [--tiers ram,store] [--no-reference] [--kv-type f16] [--session-ram-mb MB]
 
 SmolLM2-135M-Instruct with its draft (models/), speculative decoding at temperature 0,
 every service a real process on 127.0.0.1. `--sessions` conversations start with
@@ -14,7 +14,8 @@ session and taking its sessions round-robin, a turn at a time.
 
 Servers, all with `--slots` slots and the same context:
 - ram:   sessions in the RAM tier when they leave their slot (`--session-ram-mb` big
-         enough for all of them), a local directory as the store;
+         enough for all of them, or the given MB: then the least recently used go on
+         to the store), a local directory as the store;
 - store: `--session-ram-mb 0`: a session leaving its slot goes to the local directory;
 - reprefill: no sessions: each turn sends the whole conversation so far (the session's
          earlier prompts and outputs, taken from the run) with cache_prompt false, the
@@ -30,7 +31,10 @@ exactly its new tokens (prompt_n), its output equals the reference's and the
 re-prefill's, and its speculative counts (drafted, accepted, draft catch-up) equal the
 reference's. Reported: client-side time to first token (request sent -> first token)
 of turns 1.. by the tier the session came from, medians and the ratio of the
-re-prefill's median to it. The last line printed is one JSON object.
+re-prefill's median to it. Every server keeps its KV in `--kv-type`; after the last
+turn, the sessions the ram server holds in each tier (ListSessions): at a given
+`--session-ram-mb`, how many sessions the RAM tier holds for that KV type. The last
+line printed is one JSON object.
 
 Targets: TTFT at least 5x faster than re-prefilling, for the RAM and the store tier.
 """
@@ -52,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from inference_svc.client import make_request  # noqa: E402
+from inference_svc.core import Model  # noqa: E402
 from inference_svc.pb import inference_pb2 as pb  # noqa: E402
 from tests.resumekit import InferenceProcess, source_tokens  # noqa: E402
 
@@ -83,6 +88,9 @@ def args() -> argparse.Namespace:
     a("--no-reference", action="store_true", help="skip the server with a slot per session")
     a("--model", type=Path, default=MODEL)
     a("--draft", type=Path, default=DRAFT)
+    a("--kv-type", default="f16", help="every server's --kv-type")
+    a("--session-ram-mb", type=int, default=0,
+      help="the ram server's RAM tier; 0: enough for every session")
     return p.parse_args()
 
 
@@ -154,10 +162,14 @@ def main() -> None:
     a = args()
     tiers = [x for x in a.tiers.split(",") if x]
     ctx = a.tokens + (a.turns - 1) * a.new + a.turns * a.gen + 16
-    per_token = 30 * 3 * 64 * 2 * 2 + 2048  # SmolLM2 f16 K+V per token, and the draft's
-    ram_mb = a.sessions * ctx * per_token // (1 << 20) + 64
+    per_token = 0  # K+V bytes per token of the target and the draft in --kv-type
+    for path in (a.model, a.draft):
+        with Model.load(path) as m:
+            per_token += m.kv_bytes_per_token(a.kv_type)
+    ram_mb = a.session_ram_mb or a.sessions * ctx * per_token // (1 << 20) + 64
     work = Path(tempfile.mkdtemp(prefix="warmslot-bench-sessions-"))
     common = ("--model", str(a.model), "--draft", str(a.draft), "--ctx", str(ctx),
+              "--kv-type", a.kv_type,
               "--threads", str(a.threads), "--no-auto-save", "--stream-interval-ms", "0",
               "--max-queue-wait", str(int(TURN_TIMEOUT_S)), "--max-queue", str(4 * a.clients))
     procs: list[InferenceProcess] = []
@@ -271,10 +283,15 @@ def main() -> None:
                                             if t > 0),
                 "accepted_after_turn_0": sum(r["draft_n_accepted"]
                                              for (s, t), r in ref.results.items() if t > 0)}
+        for tier in tiers:  # where each server holds its sessions after the last turn
+            held: dict[str, int] = {}
+            for info in runs[tier].proc.client.sessions():
+                held[TIER.get(info.tier, "none")] = held.get(TIER.get(info.tier, "none"), 0) + 1
+            report[tier]["sessions_by_tier_at_end"] = dict(sorted(held.items()))
         out = {"bench": "sessions", "model": a.model.name, "draft": a.draft.name,
                "slots": a.slots, "sessions": a.sessions, "tokens": a.tokens,
                "turns": a.turns, "clients": a.clients, "new": a.new, "gen": a.gen,
-               "ctx": ctx, "threads": a.threads, "ram_tier_mb": ram_mb,
+               "ctx": ctx, "threads": a.threads, "kv_type": a.kv_type, "ram_tier_mb": ram_mb,
                "seconds": round(time.time() - t_start, 1), **report,
                "anomalies": anomalies}
         print(json.dumps(out))

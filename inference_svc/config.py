@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inference_svc.core.binding import KV_TYPES as _core_kv_types
 from inference_svc.core.speculative import LOOKUP_MAX_MATCH, SamplingParams
 from snapshot_svc.clientlib import settings, tls
 
@@ -19,7 +20,8 @@ DEFAULT_MODEL = ROOT / "models" / "target.gguf"
 DEFAULT_DRAFT = ROOT / "models" / "draft.gguf"
 ENV_PREFIX = "WARMSLOT_"
 DRAFT_POLICIES = ("reprefill", "empty")
-KV_TYPES = ("f16", "f32")  # the core's (inference_svc.core.model.KV_TYPES)
+# the core's KV types, default first
+KV_TYPES = ("f16", *(t for t in _core_kv_types if t != "f16"))
 
 
 def default_fallback_path() -> Path:
@@ -250,7 +252,8 @@ def parser() -> argparse.ArgumentParser:
       "(each such call is sized to about half their decode step, and to --batch at most)")
     f("--kv-type",
       "KV cache element type of the target and the draft: f16 (half the memory and slot-file "
-      "size) or f32; a slot file restores only into the type it was saved with", choices=KV_TYPES)
+      "size of f32), q8_0 (blocks of 32 8-bit values: 0.53x f16's memory and slot files) or "
+      "f32; a slot file restores only into the type it was saved with", choices=KV_TYPES)
     f("--host", "address to listen on")
     f("--port", "gRPC port (0: any free port)")
     f("--slot-save-path", "directory of the local slot store (SaveSlot / RestoreSlot)")

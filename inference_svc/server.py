@@ -144,10 +144,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         resp = pb.GetInfoResponse(
             model=_model_info(eng.target, cfg.model), n_slots=eng.n_slots, n_ctx=eng.n_ctx,
             n_vocab=eng.target.n_vocab,
-            # version 3 for a model whose sliding-window layers outgrow their rings
-            slot_file_version=(slotfile.TARGET_VERSION_WINDOW if eng.target.hparams.n_swa > 0
-                               else slotfile.TARGET_VERSION),
-            draft_file_version=slotfile.DRAFT_VERSION,
+            # version 3 for a model whose sliding-window layers outgrow their rings, 4 for
+            # a q8_0 KV cache
+            slot_file_version=slotfile.target_version(slotfile.DTYPE_BY_NAME[cfg.kv_type],
+                                                      eng.target.hparams.n_swa > 0),
+            draft_file_version=slotfile.draft_version(slotfile.DTYPE_BY_NAME[cfg.kv_type]),
             snapshot_protocol_min=SNAPSHOT_PROTOCOL[0],
             snapshot_protocol_max=min(SNAPSHOT_PROTOCOL[1], cfg.snapshot_client_max_protocol),
             store_configured=rt.store is not None,

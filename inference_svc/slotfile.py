@@ -21,18 +21,25 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from inference_svc.core.binding import KV_TYPES as _kv_types
+from inference_svc.core.binding import kv_type_bytes
 from inference_svc.core.binding import lib as _core
 
 TARGET_MAGIC = b"WSLT"
 DRAFT_MAGIC = b"WSLD"
 # the versions this code writes and the newest it reads; version 2 added the f16 KV
 # dtype (a version-1 file is f32 and still reads); version 3 (target) the SWIN section:
-# sliding-window layers that hold their last n_window positions only. A target file
-# whose every layer holds every position is still written as version 2.
+# sliding-window layers that hold their last n_window positions only; target version 4
+# and draft version 3 the q8_0 dtype (with or without SWIN). Each file is written in the
+# oldest version that can hold it: a target file of f16 or f32 whose every layer holds
+# every position is still version 2.
 TARGET_VERSION = 2
 TARGET_VERSION_WINDOW = 3
-TARGET_NEWEST = 3
+TARGET_VERSION_Q8_0 = 4
+TARGET_NEWEST = 4
 DRAFT_VERSION = 2
+DRAFT_VERSION_Q8_0 = 3
+DRAFT_NEWEST = 3
 HEADER_LEN = 128  # v1 header length of both files (a reader trusts the file's own)
 DIGEST_LEN = 32
 SECTION_HEADER = struct.Struct("<4sIQ")  # tag, flags, payload length
@@ -43,11 +50,25 @@ TAG_KV = b"KVCA"  # target: per layer K dtype[n_l][kv_dim] then V dtype[n_l][kv_
 TAG_WINDOW = b"SWIN"  # target (version 3): u32 n_window, u8[n_layer] 1 = sliding-window layer
 TAG_DRAFT_STATE = b"DSTA"  # draft: the core's draft state (WSSP), verbatim
 
-DTYPE_F32 = 0
-DTYPE_F16 = 1  # IEEE half, the KV cache's values as stored (format version 2 on)
-DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16"}
-DTYPE_SIZES = {DTYPE_F32: 4, DTYPE_F16: 2}
-DTYPE_BY_NAME = {name: code for code, name in DTYPE_NAMES.items()}
+# the KV dtype is the core's ws_kv_type (format version 2 on; version 1 is f32 only)
+DTYPE_F32 = int(_core.WS_KV_F32)
+DTYPE_F16 = int(_core.WS_KV_F16)  # IEEE half, the KV cache's values as stored
+DTYPE_Q8_0 = int(_core.WS_KV_Q8_0)  # blocks of 32 int8 values with a half scale, as stored
+DTYPE_BY_NAME = dict(_kv_types)
+DTYPE_NAMES = {code: name for name, code in DTYPE_BY_NAME.items()}
+
+
+def target_version(dtype: int, windowed: bool) -> int:
+    """The version a target file of this KV dtype is written in (windowed: it has a SWIN
+    section): an older reader refuses a dtype it does not know by the version."""
+    if dtype == DTYPE_Q8_0:
+        return TARGET_VERSION_Q8_0
+    return TARGET_VERSION_WINDOW if windowed else TARGET_VERSION
+
+
+def draft_version(dtype: int) -> int:
+    """The version a draft sidecar of this KV dtype is written in."""
+    return DRAFT_VERSION_Q8_0 if dtype == DTYPE_Q8_0 else DRAFT_VERSION
 
 # target header after the magic: version, header_len, flags, fingerprint, n_layer,
 # n_head_kv, head_dim, dtype, n_ctx, n_vocab, n_tokens, n_sections
@@ -112,8 +133,13 @@ class KVLayout:
         return self.n_head_kv * self.head_dim
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one position's K (or V) of one layer: kv_dim values of the dtype."""
+        return self.n_head_kv * kv_type_bytes(self.dtype, self.head_dim)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.n_layer * self.kv_dim * DTYPE_SIZES[self.dtype]
+        return 2 * self.n_layer * self.row_bytes
 
     def __str__(self) -> str:
         return (f"{self.n_layer} layers x {self.n_head_kv} kv heads x {self.head_dim} "
@@ -146,7 +172,7 @@ def kv_bytes(layout: KVLayout, n_tokens: int, window: Window | None) -> int:
     if window is None:
         return n_tokens * layout.bytes_per_token
     rows = sum(window.n_window if loc else n_tokens for loc in window.local)
-    return 2 * rows * layout.kv_dim * DTYPE_SIZES[layout.dtype]
+    return 2 * rows * layout.row_bytes
 
 
 @dataclass(frozen=True)
@@ -244,7 +270,7 @@ def _target_head(fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int, n_to
 
 def _draft_head(target_digest: str, fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int,
                 n_tokens: int, offset: int, n_sections: int) -> bytes:
-    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, DRAFT_VERSION, HEADER_LEN, 0,
+    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, draft_version(lay.dtype), HEADER_LEN, 0,
                             _fp_bytes(target_digest, "target digest"),
                             _fp_bytes(fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
                             lay.head_dim, lay.dtype, n_ctx, n_vocab, n_tokens, offset, n_sections)
@@ -253,7 +279,8 @@ def _draft_head(target_digest: str, fingerprint: str, lay: KVLayout, n_ctx: int,
 
 def encode_target(t: TargetFile) -> bytes:
     """The bytes of a target file: version TARGET_VERSION, or TARGET_VERSION_WINDOW
-    when its sliding-window layers hold only their last positions."""
+    when its sliding-window layers hold only their last positions, or
+    TARGET_VERSION_Q8_0 for a q8_0 KV (target_version)."""
     lay = t.layout
     if len(t.kv) != kv_bytes(lay, t.n_tokens, t.window):
         raise ValueError(f"KV of {len(t.kv)} bytes does not hold {t.n_tokens} tokens of {lay}")
@@ -262,14 +289,14 @@ def encode_target(t: TargetFile) -> bytes:
         sections.append((TAG_WINDOW, FLAG_REQUIRED, t.window.pack()))
     sections.append((TAG_KV, FLAG_REQUIRED, t.kv))
     sections += [(s.tag, s.flags, s.payload) for s in t.extra]
-    version = TARGET_VERSION if t.window is None else TARGET_VERSION_WINDOW
+    version = target_version(lay.dtype, t.window is not None)
     head = _target_head(t.fingerprint, lay, t.n_ctx, t.n_vocab, t.n_tokens, len(sections),
                         version)
     return _seal([head, *_sections(sections)])
 
 
 def encode_draft(d: DraftFile) -> bytes:
-    """The bytes of a draft sidecar (version DRAFT_VERSION)."""
+    """The bytes of a draft sidecar (version draft_version(dtype))."""
     sections = [(TAG_DRAFT_STATE, FLAG_REQUIRED, d.state)]
     sections += [(s.tag, s.flags, s.payload) for s in d.extra]
     head = _draft_head(d.target_digest, d.fingerprint, d.layout, d.n_ctx, d.n_vocab, d.n_tokens,
@@ -371,7 +398,8 @@ def seal_target(buf: memoryview, model: ModelSpec,
         end += SECTION_HEADER.size
         buf[end:end + len(s.payload)] = s.payload
         end += len(s.payload)
-    version, n_sections = (TARGET_VERSION, 2) if window is None else (TARGET_VERSION_WINDOW, 3)
+    version = target_version(model.layout.dtype, window is not None)
+    n_sections = 2 if window is None else 3
     buf[:HEADER_LEN] = _target_head(model.fingerprint, model.layout, model.n_ctx,
                                     model.n_vocab, n, n_sections + len(tail), version)
     return buf, n, _trailer(buf)
@@ -425,7 +453,10 @@ def _open(data: bytes | memoryview, magic: bytes, newest: int, kind: str,
 
 
 def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
-                   kind: str) -> tuple[dict[bytes, memoryview], tuple[Section, ...]]:
+                   kind: str, optional: frozenset[bytes] = frozenset()
+                   ) -> tuple[dict[bytes, memoryview], tuple[Section, ...]]:
+    """The sections: `known` ones by tag (each required unless in `optional`), the
+    others kept unless REQUIRED."""
     found: dict[bytes, memoryview] = {}
     extra: list[Section] = []
     pos = start
@@ -449,14 +480,16 @@ def _read_sections(body: memoryview, start: int, count: int, known: set[bytes],
             extra.append(Section(bytes(tag), flags, bytes(payload)))
     if pos != len(body):
         raise CorruptSlotFile(f"{kind}: {len(body) - pos} stray bytes after the sections")
-    missing = known - found.keys()
+    missing = known - optional - found.keys()
     if missing:
         raise CorruptSlotFile(f"{kind} lacks section(s) {sorted(missing)}")
     return found, tuple(extra)
 
 
-def _check_dtype(kind: str, version: int, dtype: int) -> None:
-    if dtype not in DTYPE_SIZES or (version < 2 and dtype != DTYPE_F32):
+def _check_dtype(kind: str, version: int, dtype: int, q8_0_from: int) -> None:
+    """f32 in every version, f16 from version 2, q8_0 from version q8_0_from."""
+    if (dtype not in DTYPE_NAMES or (version < 2 and dtype != DTYPE_F32)
+            or (dtype == DTYPE_Q8_0 and version < q8_0_from)):
         raise CorruptSlotFile(f"{kind}: unknown KV dtype {dtype} in a version {version} file")
 
 
@@ -467,10 +500,12 @@ def decode_target(data: bytes | memoryview, body_sha256: str | None = None) -> T
     body = _open(data, TARGET_MAGIC, TARGET_NEWEST, kind, _TARGET_HEAD, body_sha256)
     (_, version, header_len, _flags, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx, n_vocab,
      n_tokens, n_sections) = _TARGET_HEAD.unpack_from(body)
-    _check_dtype(kind, version, dtype)
+    _check_dtype(kind, version, dtype, TARGET_VERSION_Q8_0)
     layout = KVLayout(n_layer, n_head_kv, head_dim, dtype)
+    # SWIN: required in version 3, optional from version 4 (a q8_0 file of any window)
     known = {TAG_TOKENS, TAG_KV} | ({TAG_WINDOW} if version >= TARGET_VERSION_WINDOW else set())
-    found, extra = _read_sections(body, header_len, n_sections, known, kind)
+    optional = frozenset({TAG_WINDOW}) if version >= TARGET_VERSION_Q8_0 else frozenset()
+    found, extra = _read_sections(body, header_len, n_sections, known, kind, optional)
     toks, kv = found[TAG_TOKENS], found[TAG_KV]
     if len(toks) != 4 * n_tokens:
         raise CorruptSlotFile(f"{kind}: {len(toks)} token bytes for {n_tokens} tokens")
@@ -498,10 +533,10 @@ def _window(payload: bytes | memoryview, n_layer: int, n_tokens: int, kind: str)
 def decode_draft(data: bytes | memoryview) -> DraftFile:
     """Parses and verifies a draft sidecar on its own (not against a model)."""
     kind = "draft sidecar"
-    body = _open(data, DRAFT_MAGIC, DRAFT_VERSION, kind, _DRAFT_HEAD)
+    body = _open(data, DRAFT_MAGIC, DRAFT_NEWEST, kind, _DRAFT_HEAD)
     (_, version, header_len, _flags, tdig, fp, n_layer, n_head_kv, head_dim, dtype, n_ctx,
      n_vocab, n_tokens, offset, n_sections) = _DRAFT_HEAD.unpack_from(body)
-    _check_dtype(kind, version, dtype)
+    _check_dtype(kind, version, dtype, DRAFT_VERSION_Q8_0)
     found, extra = _read_sections(body, header_len, n_sections, {TAG_DRAFT_STATE}, kind)
     state = found[TAG_DRAFT_STATE]
     _check_core_spec_counters(state, kind)
@@ -550,8 +585,9 @@ def _check_kv_type(kind: str, got: KVLayout, want: KVLayout) -> None:
     (f32 -> f16 would round them, and the session would no longer continue exactly)."""
     if got.dtype != want.dtype:
         name = DTYPE_NAMES[got.dtype]
+        article = "an" if name.startswith("f") else "a"  # "an f16", "a q8_0"
         raise IncompatibleSlotFile(
-            f"{kind} holds an {name} KV cache, this server keeps {DTYPE_NAMES[want.dtype]}: "
+            f"{kind} holds {article} {name} KV cache, this server keeps {DTYPE_NAMES[want.dtype]}: "
             f"restore it on a server started with --kv-type {name}")
 
 

@@ -287,16 +287,17 @@ struct ws_context {
     int head_dim, q_dim, kv_dim, n_rot;
     float attn_scale;
 
-    /* KV cache: [n_slots][n_layer][n_head_kv][layer_cap[l]][head_dim] of
-       params.kv_type (float or IEEE half bits), kv_elem bytes per value; position p
-       of layer l at row p % layer_cap[l] (a global layer: n_ctx rows, p itself; a
-       sliding-window layer: a ring of n_ring rows) */
+    /* KV cache: [n_slots][n_layer][n_head_kv][layer_cap[l]] head rows, each the
+       head_dim values of one position of one KV head in params.kv_type (floats, IEEE
+       half bits, or q8_0 blocks), kv_row bytes; position p of layer l at row
+       p % layer_cap[l] (a global layer: n_ctx rows, p itself; a sliding-window layer:
+       a ring of n_ring rows) */
     void *k_cache;
     void *v_cache;
-    size_t kv_elem;
-    int layer_cap[WS_MAX_LAYERS];    /* rows of layer l                        */
-    size_t layer_off[WS_MAX_LAYERS]; /* elements before layer l within a slot  */
-    size_t slot_elems;               /* elements of one slot (K or V)          */
+    size_t kv_row;                   /* bytes of one head row                     */
+    int layer_cap[WS_MAX_LAYERS];    /* rows of layer l                           */
+    size_t layer_off[WS_MAX_LAYERS]; /* head rows before layer l within a slot    */
+    size_t slot_rows;                /* head rows of one slot (K or V)            */
     int n_ring;        /* rows of a sliding-window layer: n_ctx when swa_full or no
                           such layer, else min(n_ctx, n_swa + WS_SWA_SPARE)        */
     int has_ring;      /* some layer keeps fewer rows than n_ctx                   */
@@ -326,8 +327,8 @@ struct ws_context {
     /* a sliding-window layer's new keys and values in the cache's type, read by the
        chunk's attention and written into the ring after it: a chunk's later
        positions would otherwise overwrite ring rows its earlier tokens still read */
-    void *kstage;      /* [n_batch][kv_dim] kv_elem bytes each */
-    void *vstage;      /* [n_batch][kv_dim]                    */
+    void *kstage;      /* [n_batch][n_head_kv] head rows of kv_row bytes */
+    void *vstage;      /* [n_batch][n_head_kv]                           */
     int32_t *tok_first; /* [n_batch] first position of the token's slot in the chunk */
     int32_t *tok_last;  /* [n_batch] last position of the token's slot in the chunk  */
     const uint8_t **rows; /* [n_threads][2][n_ctx] key and value row of each attended
@@ -361,10 +362,43 @@ ws_context_params ws_context_get_params(const ws_context *ctx) { return ctx->par
 
 const ws_model *ws_context_model(const ws_context *ctx) { return ctx ? ctx->model : NULL; }
 
-static size_t kv_elems_per_slot(const ws_context *ctx) { return ctx->slot_elems; }
-
 size_t ws_context_kv_bytes(const ws_context *ctx) {
-    return 2 * ctx->kv_elem * kv_elems_per_slot(ctx) * (size_t)ctx->params.n_slots;
+    return 2 * ctx->kv_row * ctx->slot_rows * (size_t)ctx->params.n_slots;
+}
+
+const char *ws_kv_type_name(int32_t kv_type) {
+    switch (kv_type) {
+    case WS_KV_F32: return "f32";
+    case WS_KV_F16: return "f16";
+    case WS_KV_Q8_0: return "q8_0";
+    default: return NULL;
+    }
+}
+
+size_t ws_kv_type_bytes(int32_t kv_type, int64_t n) {
+    if (n < 0 || (uint64_t)n > SIZE_MAX / sizeof(float)) return 0;
+    switch (kv_type) {
+    case WS_KV_F32: return (size_t)n * sizeof(float);
+    case WS_KV_F16: return (size_t)n * sizeof(uint16_t);
+    case WS_KV_Q8_0:
+        return n % WS_Q8_BLOCK ? 0 : (size_t)(n / WS_Q8_BLOCK) * WS_Q8_BLOCK_BYTES;
+    default: return 0;
+    }
+}
+
+/* the KV type is one the core knows and holds a head row of this model: q8_0 needs a
+   head_dim of whole blocks (a block never spans two heads) */
+static ws_status kv_type_check(const ws_hparams *hp, int32_t kv_type) {
+    if (!ws_kv_type_name(kv_type))
+        return fail_global(WS_ERR_INVALID_ARGUMENT,
+                           "kv_type %d is not f32 (%d), f16 (%d) or q8_0 (%d)", kv_type,
+                           WS_KV_F32, WS_KV_F16, WS_KV_Q8_0);
+    if (ws_kv_type_bytes(kv_type, ws_head_dim(hp)) == 0)
+        return fail_global(WS_ERR_INVALID_ARGUMENT,
+                           "a %s KV cache needs a head_dim that is a multiple of %d; this "
+                           "model's is %d", ws_kv_type_name(kv_type), WS_Q8_BLOCK,
+                           ws_head_dim(hp));
+    return WS_OK;
 }
 
 /* rows per slot of a sliding-window layer: a ring of its window plus WS_SWA_SPARE
@@ -387,10 +421,8 @@ static int32_t layer_rows(const ws_hparams *hp, ws_context_params params, int la
 static double kv_cache_bytes(const ws_hparams *hp, ws_context_params params) {
     double rows = 0.0;
     for (int l = 0; l < hp->n_layer; l++) rows += (double)layer_rows(hp, params, l);
-    const double elem = params.kv_type == WS_KV_F16 ? (double)sizeof(uint16_t)
-                                                     : (double)sizeof(float);
-    return 2.0 * elem * rows * (double)hp->n_head_kv * (double)ws_head_dim(hp) *
-           (double)params.n_slots;
+    const double row = (double)ws_kv_type_bytes(params.kv_type, ws_head_dim(hp));
+    return 2.0 * row * rows * (double)hp->n_head_kv * (double)params.n_slots;
 }
 
 ws_status ws_context_kv_bytes_needed(const ws_model *model, ws_context_params params,
@@ -400,6 +432,7 @@ ws_status ws_context_kv_bytes_needed(const ws_model *model, ws_context_params pa
     *out = 0;
     /* sizes ws_context_init refuses with its own message: nothing to allocate */
     if (params.n_ctx < 1 || params.n_slots < 1) return WS_OK;
+    TRY(kv_type_check(&model->hp, params.kv_type));
     const double bytes = kv_cache_bytes(&model->hp, params);
     if (!(bytes >= 0.0) || bytes > (double)(SIZE_MAX / 4))
         return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", bytes);
@@ -412,22 +445,26 @@ ws_status ws_context_kv_bytes_needed(const ws_model *model, ws_context_params pa
  * keys (or values) of one KV head are one contiguous run of positions, which the
  * attention loop streams. The state format (ws_slot_state_get) stays position-major
  * per layer ([position][kv_dim]); get and set gather and scatter between the two.
- * The values are kept in the context's kv_type (kv_elem bytes each): the address of
- * a head's position is a byte address, cast to float or uint16_t by the reader.
+ * The values are kept in the context's kv_type (a head row of kv_row bytes): the
+ * address of a head's position is a byte address, read by the attention's loaders of
+ * that type.
  */
 static uint8_t *kv_head(const ws_context *ctx, void *cache, int slot, int layer, int kvh,
                         int pos) {
     const int cap = ctx->layer_cap[layer];
     const size_t row = (size_t)kvh * (size_t)cap + (size_t)(pos % cap);
     return (uint8_t *)cache +
-           ((size_t)slot * ctx->slot_elems + ctx->layer_off[layer] +
-            row * (size_t)ctx->head_dim) * ctx->kv_elem;
+           ((size_t)slot * ctx->slot_rows + ctx->layer_off[layer] + row) * ctx->kv_row;
 }
 
-/* One head's new key or value (hd floats) into the cache: copied, or rounded to half. */
+/* One head's new key or value (hd floats) into the cache: copied, rounded to half, or
+   quantized to q8_0 blocks (once: the cache never holds its floats). */
 static void kv_store(const ws_context *ctx, uint8_t *dst, const float *v, int hd) {
     if (ctx->params.kv_type == WS_KV_F16)
         ws_fp16_from_fp32(v, (uint16_t *)(void *)dst, (size_t)hd);
+    else if (ctx->params.kv_type == WS_KV_Q8_0)
+        for (int b = 0; b < hd / WS_Q8_BLOCK; b++)
+            q8_quantize_block(v + (size_t)b * WS_Q8_BLOCK, dst + (size_t)b * WS_Q8_BLOCK_BYTES);
     else
         memcpy(dst, v, sizeof(float) * (size_t)hd);
 }
@@ -436,22 +473,22 @@ static void kv_store(const ws_context *ctx, uint8_t *dst, const float *v, int hd
    buffer of the same element type (the state holds the cache's values as they are) */
 static void kv_gather(const ws_context *ctx, void *cache, int slot, int layer, int p0, int n,
                       uint8_t *out) {
-    const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
-    const size_t es = ctx->kv_elem, row = es * (size_t)hd;
+    const int nkv = ctx->model->hp.n_head_kv;
+    const size_t row = ctx->kv_row;
     for (int h = 0; h < nkv; h++)
         for (int j = 0; j < n; j++)
-            memcpy(out + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd),
+            memcpy(out + row * ((size_t)j * (size_t)nkv + (size_t)h),
                    kv_head(ctx, cache, slot, layer, h, p0 + j), row);
 }
 
 static void kv_scatter(ws_context *ctx, void *cache, int slot, int layer, int p0, int n,
                        const uint8_t *in) {
-    const int hd = ctx->head_dim, nkv = ctx->model->hp.n_head_kv;
-    const size_t es = ctx->kv_elem, row = es * (size_t)hd;
+    const int nkv = ctx->model->hp.n_head_kv;
+    const size_t row = ctx->kv_row;
     for (int h = 0; h < nkv; h++)
         for (int j = 0; j < n; j++)
             memcpy(kv_head(ctx, cache, slot, layer, h, p0 + j),
-                   in + es * ((size_t)j * ctx->kv_dim + (size_t)h * hd), row);
+                   in + row * ((size_t)j * (size_t)nkv + (size_t)h), row);
 }
 
 /* Writes a zero into every page of p[0..n) (already zero: calloc), so the kernel
@@ -515,10 +552,8 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     if (params.n_batch < 1 || params.n_batch > 65536)
         return fail_global(WS_ERR_INVALID_ARGUMENT, "n_batch %d out of range 1..65536",
                            params.n_batch);
-    if (params.kv_type != WS_KV_F32 && params.kv_type != WS_KV_F16)
-        return fail_global(WS_ERR_INVALID_ARGUMENT, "kv_type %d is not f32 (%d) or f16 (%d)",
-                           params.kv_type, WS_KV_F32, WS_KV_F16);
     const ws_hparams *hp = &model->hp;
+    TRY(kv_type_check(hp, params.kv_type));
     ws_context *ctx = calloc(1, sizeof *ctx);
     if (!ctx) return fail_global(WS_ERR_OUT_OF_MEMORY, "out of memory allocating the context");
     ctx->model = model;
@@ -528,7 +563,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->kv_dim = hp->n_head_kv * ctx->head_dim;
     ctx->n_rot = hp->n_rot;
     ctx->attn_scale = (float)(1.0 / sqrt((double)ctx->head_dim));
-    ctx->kv_elem = params.kv_type == WS_KV_F16 ? sizeof(uint16_t) : sizeof(float);
+    ctx->kv_row = ws_kv_type_bytes(params.kv_type, ctx->head_dim);
     if (params.swa_full != 0 && params.swa_full != 1) {
         free(ctx);
         return fail_global(WS_ERR_INVALID_ARGUMENT, "swa_full %d is not 0 or 1", params.swa_full);
@@ -540,7 +575,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     for (int l = 0; l < hp->n_layer; l++) {
         ctx->layer_cap[l] = layer_rows(hp, params, l);
         ctx->has_ring |= ctx->layer_cap[l] < params.n_ctx;
-        ctx->layer_off[l] = (size_t)rows_per_slot * (size_t)ctx->kv_dim;
+        ctx->layer_off[l] = (size_t)rows_per_slot * (size_t)hp->n_head_kv;
         rows_per_slot += (double)ctx->layer_cap[l];
     }
 
@@ -550,17 +585,17 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
         free(ctx);
         return fail_global(WS_ERR_OUT_OF_MEMORY, "KV cache of %.0f bytes is too large", kv_bytes);
     }
-    ctx->slot_elems = (size_t)rows_per_slot * (size_t)ctx->kv_dim;
+    ctx->slot_rows = (size_t)rows_per_slot * (size_t)hp->n_head_kv;
     int ok = 1;
     const size_t nb = (size_t)params.n_batch;
-    const size_t kv_all = kv_elems_per_slot(ctx) * (size_t)params.n_slots;
+    const size_t kv_all = ctx->slot_rows * (size_t)params.n_slots; /* head rows */
     /* calloc: the pages of a large cache are committed only when used, unless reserved */
-    ctx->k_cache = calloc(kv_all ? kv_all : 1, ctx->kv_elem);
-    ctx->v_cache = calloc(kv_all ? kv_all : 1, ctx->kv_elem);
+    ctx->k_cache = calloc(kv_all ? kv_all : 1, ctx->kv_row);
+    ctx->v_cache = calloc(kv_all ? kv_all : 1, ctx->kv_row);
     ok = ctx->k_cache && ctx->v_cache;
     if (ok && params.reserve_kv) {
-        touch_pages(ctx->k_cache, kv_all * ctx->kv_elem);
-        touch_pages(ctx->v_cache, kv_all * ctx->kv_elem);
+        touch_pages(ctx->k_cache, kv_all * ctx->kv_row);
+        touch_pages(ctx->v_cache, kv_all * ctx->kv_row);
     }
     ctx->rope_cos = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
     ctx->rope_sin = alloc_floats((size_t)params.n_ctx * (size_t)(ctx->n_rot / 2), &ok);
@@ -577,7 +612,7 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->hb2 = alloc_floats(nb * (size_t)hp->n_ff, &ok);
     ctx->scores = alloc_floats((size_t)params.n_threads * WS_ATT_GROUP * (size_t)params.n_ctx, &ok);
     ctx->kbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
-    /* staging rows (floats: room for f32 too) only for a model with local layers */
+    /* staging rows (floats: room for any KV type) only for a model with local layers */
     const size_t n_stage = hp->arch == WS_ARCH_GEMMA3 && hp->n_swa > 0 ? nb * (size_t)ctx->kv_dim
                                                                        : 1;
     ctx->kstage = alloc_floats(n_stage, &ok);
@@ -697,48 +732,70 @@ static void rope_apply(float *v, const float *cs, const float *sn, int half) {
     }
 }
 
-/* element i of a KV row as floats: 8 at a time, or one (the half's exact value) */
-static inline lanes8 kv_l8(const uint8_t *base, size_t i, const int f16) {
-    return f16 ? l8_load_h((const uint16_t *)(const void *)base + i)
-               : l8_load((const float *)(const void *)base + i);
+/* The KV readers take the row's type KVT (ws_kv_type, a constant at each call site)
+   and give every value as the same float in every build: an f32 as it is, a half's
+   exact value, a q8_0 value's exact d * q. The attention's arithmetic after them is
+   the f32 path's. */
+
+/* the q8_0 block of value i of a row */
+static inline const uint8_t *q8_block(const uint8_t *base, size_t i) {
+    return base + (i / WS_Q8_BLOCK) * WS_Q8_BLOCK_BYTES;
 }
 
-static inline float kv_at(const uint8_t *base, size_t i, const int f16) {
-    return f16 ? float_from_half(((const uint16_t *)(const void *)base)[i])
-               : ((const float *)(const void *)base)[i];
+/* element i of a KV row as floats: 8 at a time (i % 8 == 0), or one */
+static inline lanes8 kv_l8(const uint8_t *base, size_t i, const int KVT) {
+    if (KVT == WS_KV_Q8_0) {
+        const uint8_t *b = q8_block(base, i);
+        return l8_load_q8(b, (int)(i % WS_Q8_BLOCK), q8_scale(b));
+    }
+    return KVT == WS_KV_F16 ? l8_load_h((const uint16_t *)(const void *)base + i)
+                            : l8_load((const float *)(const void *)base + i);
+}
+
+static inline float kv_at(const uint8_t *base, size_t i, const int KVT) {
+    if (KVT == WS_KV_Q8_0) {
+        const uint8_t *b = q8_block(base, i);
+        return (float)(int8_t)b[2 + i % WS_Q8_BLOCK] * q8_scale(b);
+    }
+    return KVT == WS_KV_F16 ? float_from_half(((const uint16_t *)(const void *)base)[i])
+                            : ((const float *)(const void *)base)[i];
 }
 
 /* dot(q, key) over the n values of a key row: the `dot` sequence */
-static inline float dot_kv(const float *q, const uint8_t *key, int n, const int f16) {
-    if (!f16) return dot(q, (const float *)(const void *)key, n);
+static inline float dot_kv(const float *q, const uint8_t *key, int n, const int KVT) {
+    if (KVT == WS_KV_F32) return dot(q, (const float *)(const void *)key, n);
     const int n8 = n & ~7;
     lanes8 a = l8_zero();
-    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(q + k), kv_l8(key, (size_t)k, 1), a);
+    for (int k = 0; k < n8; k += 8) a = l8_fma(l8_load(q + k), kv_l8(key, (size_t)k, KVT), a);
     float acc = l8_sum(a);
-    for (int k = n8; k < n; k++) acc = fmaf(q[k], kv_at(key, (size_t)k, 1), acc);
+    for (int k = n8; k < n; k++) acc = fmaf(q[k], kv_at(key, (size_t)k, KVT), acc);
     return acc;
 }
 
-/* WS_LANES elements of a KV row from element i, as floats */
-static inline lanes kv_lanes(const uint8_t *base, size_t i, const int f16) {
-    return f16 ? ln_load_h((const uint16_t *)(const void *)base + i)
-               : ln_load((const float *)(const void *)base + i);
+/* WS_LANES elements of a KV row from element i (i % WS_LANES == 0), as floats */
+static inline lanes kv_lanes(const uint8_t *base, size_t i, const int KVT) {
+    if (KVT == WS_KV_Q8_0) {
+        const uint8_t *b = q8_block(base, i);
+        return ln_load_q8(b, (int)(i % WS_Q8_BLOCK), q8_scale(b));
+    }
+    return KVT == WS_KV_F16 ? ln_load_h((const uint16_t *)(const void *)base + i)
+                            : ln_load((const float *)(const void *)base + i);
 }
 
 /* out[h][d .. d + NV * WS_LANES) of the NH heads: out = sum over the n positions j of
    sc[h][j] * vrow[j][..], one fmaf chain per element in j order from zero; each value
-   row's NV vectors are loaded once for the heads. NH, NV (1..4) and F16 are constants
+   row's NV vectors are loaded once for the heads. NH, NV (1..4) and KVT are constants
    at each call site, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void
 attend_values(float *const *out, float *const *sc, const uint8_t *const *vrow, int n, int d,
-              const int NH, const int NV, const int F16) {
+              const int NH, const int NV, const int KVT) {
     lanes o[WS_ATT_GROUP][4];
     for (int h = 0; h < NH; h++)
         for (int i = 0; i < NV; i++) o[h][i] = ln_zero();
     for (int j = 0; j < n; j++) {
         lanes v[4];
         for (int i = 0; i < NV; i++)
-            v[i] = kv_lanes(vrow[j], (size_t)d + (size_t)(WS_LANES * i), F16);
+            v[i] = kv_lanes(vrow[j], (size_t)d + (size_t)(WS_LANES * i), KVT);
         for (int h = 0; h < NH; h++) {
             const lanes w = ln_set1(sc[h][j]);
             for (int i = 0; i < NV; i++) o[h][i] = ln_fma(w, v[i], o[h][i]);
@@ -756,12 +813,12 @@ attend_values(float *const *out, float *const *sc, const uint8_t *const *vrow, i
  * a head alone: score = (the `dot` sequence over the head dimension) * scale; the
  * softmax as below; out[d] = fmaf chain over positions in order. NH is a constant
  * at each call site (1..WS_ATT_GROUP), so the loops over heads unroll into
- * registers. F16 (a constant too) reads the keys and values as halves, converted
- * exactly to floats before the same arithmetic.
+ * registers. KVT (a constant too) is the cache's type: its values are read as exact
+ * floats (kv_l8) before the same arithmetic, so the bits do not depend on the build.
  */
 static inline __attribute__((always_inline)) void
 attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t *const *vrow,
-             int n, int t, int h0, const int NH, const int F16) {
+             int n, int t, int h0, const int NH, const int KVT) {
     const int hd = ctx->head_dim;
     const float *q[WS_ATT_GROUP];
     float *out[WS_ATT_GROUP], *sc[WS_ATT_GROUP];
@@ -782,12 +839,33 @@ attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t
             lanes8 a[WS_ATT_GROUP][4];
             for (int h = 0; h < NH; h++)
                 for (int i = 0; i < 4; i++) a[h][i] = l8_zero();
-            for (int d = 0; d < hd; d += 8) {
-                lanes8 kv[4];
-                for (int i = 0; i < 4; i++) kv[i] = kv_l8(kr[i], (size_t)d, F16);
-                for (int h = 0; h < NH; h++) {
-                    const lanes8 qv = l8_load(q[h] + d);
-                    for (int i = 0; i < 4; i++) a[h][i] = l8_fma(qv, kv[i], a[h][i]);
+            if (KVT == WS_KV_Q8_0) {
+                /* a block's scale read once per key: the same values as kv_l8, 8 at a
+                   time in d order */
+                for (int d0 = 0; d0 < hd; d0 += WS_Q8_BLOCK) {
+                    const uint8_t *bk[4];
+                    float ds[4];
+                    for (int i = 0; i < 4; i++) {
+                        bk[i] = q8_block(kr[i], (size_t)d0);
+                        ds[i] = q8_scale(bk[i]);
+                    }
+                    for (int u = 0; u < WS_Q8_BLOCK; u += 8) {
+                        lanes8 kv[4];
+                        for (int i = 0; i < 4; i++) kv[i] = l8_load_q8(bk[i], u, ds[i]);
+                        for (int h = 0; h < NH; h++) {
+                            const lanes8 qv = l8_load(q[h] + d0 + u);
+                            for (int i = 0; i < 4; i++) a[h][i] = l8_fma(qv, kv[i], a[h][i]);
+                        }
+                    }
+                }
+            } else {
+                for (int d = 0; d < hd; d += 8) {
+                    lanes8 kv[4];
+                    for (int i = 0; i < 4; i++) kv[i] = kv_l8(kr[i], (size_t)d, KVT);
+                    for (int h = 0; h < NH; h++) {
+                        const lanes8 qv = l8_load(q[h] + d);
+                        for (int i = 0; i < 4; i++) a[h][i] = l8_fma(qv, kv[i], a[h][i]);
+                    }
                 }
             }
             for (int h = 0; h < NH; h++) {
@@ -803,7 +881,7 @@ attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t
     }
     for (; j < n; j++)
         for (int h = 0; h < NH; h++) {
-            const float sv = dot_kv(q[h], krow[j], hd, F16) * scale;
+            const float sv = dot_kv(q[h], krow[j], hd, KVT) * scale;
             sc[h][j] = sv;
             if (sv > mx[h]) mx[h] = sv;
         }
@@ -831,23 +909,23 @@ attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t
        on the width) */
     int d = 0;
     for (; d + 4 * WS_LANES <= hd; d += 4 * WS_LANES)
-        attend_values(out, sc, vrow, n, d, NH, 4, F16);
+        attend_values(out, sc, vrow, n, d, NH, 4, KVT);
     if (WS_LANES > 8 && d + 32 <= hd) {
-        attend_values(out, sc, vrow, n, d, NH, 32 / WS_LANES, F16);
+        attend_values(out, sc, vrow, n, d, NH, 32 / WS_LANES, KVT);
         d += 32;
     }
     for (; d + 8 <= hd; d += 8)
         for (int h = 0; h < NH; h++) {
             lanes8 o = l8_zero();
             for (j = 0; j < n; j++)
-                o = l8_fma(l8_set1(sc[h][j]), kv_l8(vrow[j], (size_t)d, F16), o);
+                o = l8_fma(l8_set1(sc[h][j]), kv_l8(vrow[j], (size_t)d, KVT), o);
             l8_store(out[h] + d, o);
         }
     for (; d < hd; d++)
         for (int h = 0; h < NH; h++) {
             float o = 0.0f;
             for (j = 0; j < n; j++)
-                o = fmaf(sc[h][j], kv_at(vrow[j], (size_t)d, F16), o);
+                o = fmaf(sc[h][j], kv_at(vrow[j], (size_t)d, KVT), o);
             out[h][d] = o;
         }
 }
@@ -855,24 +933,23 @@ attend_group(ws_context *ctx, int ith, const uint8_t *const *krow, const uint8_t
 /* row of KV head kvh of the chunk's token t in a staging buffer */
 static const uint8_t *stage_row(const ws_context *ctx, const void *stage, int t, int kvh) {
     return (const uint8_t *)stage +
-           ((size_t)t * (size_t)ctx->kv_dim + (size_t)kvh * (size_t)ctx->head_dim) *
-               ctx->kv_elem;
+           ((size_t)t * (size_t)ctx->model->hp.n_head_kv + (size_t)kvh) * ctx->kv_row;
 }
 
 /* query heads [h, he) of one token, all of one KV head, over the n key and value rows
    kr, vr, in groups of at most WS_ATT_GROUP */
 static inline __attribute__((always_inline)) void
 attend_heads(ws_context *ctx, int ith, const uint8_t *const *kr, const uint8_t *const *vr, int n,
-             int t, int h, int he, const int F16) {
+             int t, int h, int he, const int KVT) {
     while (h < he) {
         const int k = he - h < WS_ATT_GROUP ? he - h : WS_ATT_GROUP;
         switch (k) {
-        case 1: attend_group(ctx, ith, kr, vr, n, t, h, 1, F16); break;
+        case 1: attend_group(ctx, ith, kr, vr, n, t, h, 1, KVT); break;
 #if WS_ATT_GROUP >= 4
-        case 3: attend_group(ctx, ith, kr, vr, n, t, h, 3, F16); break;
-        case 4: attend_group(ctx, ith, kr, vr, n, t, h, 4, F16); break;
+        case 3: attend_group(ctx, ith, kr, vr, n, t, h, 3, KVT); break;
+        case 4: attend_group(ctx, ith, kr, vr, n, t, h, 4, KVT); break;
 #endif
-        default: attend_group(ctx, ith, kr, vr, n, t, h, 2, F16); break;
+        default: attend_group(ctx, ith, kr, vr, n, t, h, 2, KVT); break;
         }
         h += k;
     }
@@ -893,7 +970,7 @@ static int attend_rows(ws_context *ctx, int slot, int layer, int pos, int t, int
     if (staged > lo) {
         /* one KV head's rows are consecutive up to the end of the layer's rows */
         const int cap = ctx->layer_cap[layer];
-        const size_t step = (size_t)ctx->head_dim * ctx->kv_elem;
+        const size_t step = ctx->kv_row;
         const int end = staged < pos + 1 ? staged : pos + 1;
         for (int p = lo; p < end;) {
             const uint8_t *k = kv_head(ctx, ctx->k_cache, slot, layer, kvh, p);
@@ -925,10 +1002,11 @@ static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t
         const int kvh = h / rep;
         const int ge = (kvh + 1) * rep < he ? (kvh + 1) * rep : he; /* this KV head's */
         const int n = attend_rows(ctx, slot, layer, pos, t, kvh, kr, vr);
-        if (ctx->params.kv_type == WS_KV_F16)
-            attend_heads(ctx, ith, kr, vr, n, t, h, ge, 1);
-        else
-            attend_heads(ctx, ith, kr, vr, n, t, h, ge, 0);
+        switch (ctx->params.kv_type) {
+        case WS_KV_F16: attend_heads(ctx, ith, kr, vr, n, t, h, ge, WS_KV_F16); break;
+        case WS_KV_Q8_0: attend_heads(ctx, ith, kr, vr, n, t, h, ge, WS_KV_Q8_0); break;
+        default: attend_heads(ctx, ith, kr, vr, n, t, h, ge, WS_KV_F32); break;
+        }
         h = ge;
     }
 }
@@ -939,7 +1017,7 @@ static void attend(ws_context *ctx, int ith, int slot, int layer, int pos, int t
    later ones of the same chunk). */
 static void ring_commit(ws_context *ctx, int layer, int ith, int nth, int nt) {
     const int nkv = ctx->model->hp.n_head_kv, cap = ctx->layer_cap[layer];
-    const size_t row = (size_t)ctx->head_dim * ctx->kv_elem;
+    const size_t row = ctx->kv_row;
     int a, b;
     split_range(nt, ith, nth, 1, &a, &b);
     for (int t = a; t < b; t++) {
@@ -1375,7 +1453,7 @@ static size_t state_kv_bytes(const ws_context *ctx, size_t n_tokens, size_t n_wi
     size_t rows = 0;
     for (int l = 0; l < ctx->model->hp.n_layer; l++)
         rows += state_layer_rows(ctx, l, n_tokens, n_window);
-    return 2 * ctx->kv_elem * rows * (size_t)ctx->kv_dim;
+    return 2 * ctx->kv_row * rows * (size_t)ctx->model->hp.n_head_kv;
 }
 
 static size_t state_bytes(const ws_context *ctx, size_t n_tokens, size_t n_window) {
@@ -1388,8 +1466,13 @@ static size_t slot_window(const ws_context *ctx, int32_t slot) {
     return (size_t)(ctx->n_past[slot] - ctx->ring_lo[slot]);
 }
 
+static int kv_type_name_known(uint32_t t) {
+    return t <= (uint32_t)INT32_MAX && ws_kv_type_name((int32_t)t) != NULL;
+}
+
 static const char *kv_type_name(uint32_t t) {
-    return t == WS_KV_F32 ? "f32" : t == WS_KV_F16 ? "f16" : "unknown";
+    const char *name = t <= (uint32_t)INT32_MAX ? ws_kv_type_name((int32_t)t) : NULL;
+    return name ? name : "unknown";
 }
 
 static void put_u32(uint8_t *p, uint32_t v) {
@@ -1431,7 +1514,7 @@ ws_status ws_slot_state_get(const ws_context *ctx, int32_t slot, uint8_t *buf, s
     p += sizeof(int32_t) * n;
     for (int l = 0; l < hp->n_layer; l++) {
         const size_t rows = state_layer_rows(ctx, l, n, nw);
-        const size_t bytes = ctx->kv_elem * rows * (size_t)ctx->kv_dim;
+        const size_t bytes = ctx->kv_row * rows * (size_t)hp->n_head_kv;
         kv_gather(ctx, ctx->k_cache, slot, l, (int)(n - rows), (int)rows, p);
         p += bytes;
         kv_gather(ctx, ctx->v_cache, slot, l, (int)(n - rows), (int)rows, p);
@@ -1462,15 +1545,15 @@ static ws_status state_header_check(ws_context *ctx, const uint8_t *buf, size_t 
                         nl, nk, nv, hp->n_layer, ctx->kv_dim, ctx->kv_dim);
     const uint32_t dtype = get_u32(buf + 20);
     /* version 1 knew f32 only; word 7 is reserved (0) before version 3 */
-    if ((dtype != WS_KV_F32 && (version < 2 || dtype != WS_KV_F16)) ||
+    if ((dtype != WS_KV_F32 && (version < 2 || !kv_type_name_known(dtype))) ||
         (version < 3 && get_u32(buf + 28) != 0u))
         return fail_ctx(ctx, WS_ERR_BAD_STATE,
                         "state dtype %u / reserved %u not supported by state version %u", dtype,
                         get_u32(buf + 28), version);
     if (dtype != (uint32_t)ctx->params.kv_type)
         return fail_ctx(ctx, WS_ERR_BAD_STATE,
-                        "state holds an %s KV cache, this context keeps %s: restore it into a "
-                        "context of KV type %s", kv_type_name(dtype),
+                        "state holds %s %s KV cache, this context keeps %s: restore it into a "
+                        "context of KV type %s", dtype == WS_KV_Q8_0 ? "a" : "an", kv_type_name(dtype),
                         kv_type_name((uint32_t)ctx->params.kv_type), kv_type_name(dtype));
     const uint32_t n = get_u32(buf + 24);
     if (n > (uint32_t)ctx->params.n_ctx)
@@ -1505,12 +1588,15 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, uint32_t 
             return fail_ctx(ctx, WS_ERR_BAD_STATE, "state token %d at %u is outside 0..%d", tok, i,
                             hp->n_vocab - 1);
     }
-    /* a NaN or infinity in the KV would poison every later token: refuse it */
-    const size_t n_vals = state_kv_bytes(ctx, n, nw) / ctx->kv_elem;
+    /* a NaN or infinity in the KV would poison every later token: refuse it (q8_0:
+       in a block's scale; its int8 values are finite) */
+    const int q8 = ctx->params.kv_type == WS_KV_Q8_0;
+    const size_t stride = q8 ? WS_Q8_BLOCK_BYTES : ctx->params.kv_type == WS_KV_F16 ? 2 : 4;
+    const size_t n_vals = state_kv_bytes(ctx, n, nw) / stride;
     for (size_t i = 0; i < n_vals; i++) {
         int finite;
-        if (ctx->params.kv_type == WS_KV_F16) {
-            const uint16_t h = (uint16_t)(kv[2 * i] | kv[2 * i + 1] << 8);
+        if (q8 || ctx->params.kv_type == WS_KV_F16) {
+            const uint16_t h = (uint16_t)(kv[stride * i] | kv[stride * i + 1] << 8);
             finite = (h & 0x7c00u) != 0x7c00u;
         } else {
             float f;
@@ -1521,7 +1607,7 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, uint32_t 
             return fail_ctx(ctx, WS_ERR_BAD_STATE, "state KV value %zu is not finite", i);
     }
     if (n) memcpy(ctx->tokens + (size_t)slot * ctx->params.n_ctx, tokens, sizeof(int32_t) * n);
-    const size_t vrow = ctx->kv_elem * (size_t)ctx->kv_dim; /* one position of one layer */
+    const size_t vrow = ctx->kv_row * (size_t)hp->n_head_kv; /* one position of one layer */
     uint32_t held = n; /* positions every layer now holds (a ring: at most its rows) */
     for (int l = 0; n && l < hp->n_layer; l++) {
         const size_t rows = state_layer_rows(ctx, l, n, nw);

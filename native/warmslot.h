@@ -26,8 +26,9 @@ extern "C" {
 #endif
 
 #define WS_STATE_MAGIC   0x564b5357u /* "WSKV" little-endian */
-/* state versions: 2 dtype f16 allowed; 3 sliding-window layers hold their last
-   n_window positions only (versions 1 and 2 are still read) */
+/* state versions: 2 dtype f16 (and q8_0, which a reader without it refuses by its
+   dtype) allowed; 3 sliding-window layers hold their last n_window positions only
+   (versions 1 and 2 are still read) */
 #define WS_STATE_VERSION 3u
 #define WS_STATE_HEADER_BYTES 32u /* the slot state's header: 8 x u32 (ws_slot_state_get) */
 #define WS_MAX_LAYERS    256
@@ -139,10 +140,23 @@ typedef struct ws_context ws_context;
 
 /* Element type of a context's KV cache; the value is the state header's dtype. */
 typedef enum {
-    WS_KV_F32 = 0, /* keys and values kept as computed                          */
-    WS_KV_F16 = 1, /* rounded to IEEE half (nearest even) when written, read back
-                      exactly as floats: half the memory and state size         */
+    WS_KV_F32 = 0,  /* keys and values kept as computed                          */
+    WS_KV_F16 = 1,  /* rounded to IEEE half (nearest even) when written, read back
+                       exactly as floats: half the memory and state size         */
+    WS_KV_Q8_0 = 2, /* quantized once when written, in blocks of 32 values of one
+                       head: llama.cpp's block_q8_0, 34 bytes (the scale d =
+                       amax / 127 as IEEE half, then 32 int8 q = round(x / d)); read
+                       back as the exact floats d * q: 17/32 of f16's memory and state
+                       size. Needs a head_dim that is a multiple of 32.            */
 } ws_kv_type;
+/* KV types are 0 .. WS_KV_N_TYPES - 1 */
+#define WS_KV_N_TYPES 3
+
+/* The name of a KV type ("f32", "f16", "q8_0"), or NULL when it is not one. */
+const char *ws_kv_type_name(int32_t kv_type);
+/* Bytes n values of a KV type take (a q8_0 row: n / 32 blocks of 34 bytes); 0 when the
+ * type is not one or n is not a whole number of its blocks. */
+size_t ws_kv_type_bytes(int32_t kv_type, int64_t n);
 
 typedef struct {
     int32_t n_slots;   /* independent sequences, each with its own KV cache */
@@ -154,7 +168,8 @@ typedef struct {
                            committed up front (a machine that cannot hold it fails
                            there, and no later decode or state set pays the first
                            touch of its pages); 0 (default): pages on first use  */
-    int32_t kv_type;   /* ws_kv_type; default WS_KV_F16                         */
+    int32_t kv_type;   /* ws_kv_type; default WS_KV_F16 (WS_KV_Q8_0: ws_context_init
+                          refuses a model whose head_dim is not a multiple of 32)   */
     int32_t swa_full;  /* sliding-window layers (gemma3): 0 (default) keep a ring of
                           n_swa + WS_SWA_SPARE positions per layer and slot; 1 keep
                           all n_ctx positions, like a global layer. The logits are
@@ -252,10 +267,11 @@ ws_status ws_slot_clear(ws_context *ctx, int32_t slot);
 /*
  * A slot's state: header, tokens and KV of its positions.
  *   header (32 bytes, little-endian u32): magic, version, n_layer, n_embd_k,
- *   n_embd_v, dtype (ws_kv_type: 0 = f32, 1 = f16), n_tokens, n_window
+ *   n_embd_v, dtype (ws_kv_type: 0 = f32, 1 = f16, 2 = q8_0), n_tokens, n_window
  *   (version 3; 0 in versions 1 and 2)
  *   tokens: int32[n_tokens]
- *   per layer: K dtype[n_l][n_embd_k], then V dtype[n_l][n_embd_v], the positions
+ *   per layer: K dtype[n_l][n_embd_k], then V dtype[n_l][n_embd_v] (a q8_0 row of
+ *   n_embd values: n_embd / 32 blocks, each head's blocks in head order), the positions
  *   n_tokens - n_l .. n_tokens - 1, where n_l = n_tokens for a global layer and
  *   n_window for a sliding-window layer (version 3), n_tokens for every layer in
  *   versions 1 and 2.
@@ -264,7 +280,7 @@ ws_status ws_slot_clear(ws_context *ctx, int32_t slot);
  * the positions its rings still hold (at most n_swa + WS_SWA_SPARE; at least the
  * n_swa - 1 the next token reads). Set accepts n_window >= min(n_tokens, n_swa - 1)
  * and keeps the last ring-size positions of it.
- * The KV values are the cache's own (f16: the halves as stored), so a restored
+ * The KV values are the cache's own (f16: the halves as stored; q8_0: the blocks), so a restored
  * slot continues bit for bit. ws_slot_state_set reads versions 1 (f32 only), 2 and 3,
  * and refuses a state whose dtype is not the context's kv_type; it validates
  * everything before it writes; on any error the slot is left empty (cleared) and

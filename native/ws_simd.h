@@ -219,6 +219,59 @@ static inline lanes8 l8_load_h(const uint16_t *p) {
 #endif
 }
 
+/* ------------------------------------------------------------------------- */
+/* the q8_0 KV cache: blocks of 32 int8 values and one half scale d            */
+/*
+ * A block holds x ~ d * q (llama.cpp's block_q8_0: the half d first, then the 32
+ * int8 q). Read back, a value is the float product d * q: exact (an 11-bit
+ * significand times a 7-bit integer fits a float's 24 bits), so every build reads
+ * the same floats, which then take the f32 path's arithmetic.
+ */
+#define WS_Q8_BLOCK 32
+#define WS_Q8_BLOCK_BYTES 34
+
+/* the scale of the block that starts at p, as a float (exact) */
+static inline float q8_scale(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if WS_F16C
+    return _cvtsh_ss(h);
+#else
+    return float_from_half(h);
+#endif
+}
+
+/* 8 values of a block from value i (i + 8 <= 32): d * q as floats */
+static inline lanes8 l8_load_q8(const uint8_t *blk, int i, float d) {
+#if WS_SIMD
+    const __m128i q = _mm_loadl_epi64((const __m128i *)(const void *)(blk + 2 + i));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(d));
+#else
+    lanes8 r;
+    for (int k = 0; k < 8; k++) r.v[k] = (float)(int8_t)blk[2 + i + k] * d;
+    return r;
+#endif
+}
+
+/* x[0..32) into one block: d = amax / 127 rounded to half, q = round(x / d) with
+ * x / d taken as x * (1 / d) before d is rounded (llama.cpp's quantize_row_q8_0_ref).
+ * Scalar in every build (the same bits); a NaN, or an infinity's x * 0, stores 0. */
+static inline void q8_quantize_block(const float *x, uint8_t *blk) {
+    float amax = 0.0f;
+    for (int k = 0; k < WS_Q8_BLOCK; k++) {
+        const float a = fabsf(x[k]);
+        if (a > amax) amax = a;
+    }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const uint16_t dh = half_from_float(d);
+    memcpy(blk, &dh, sizeof dh);
+    for (int k = 0; k < WS_Q8_BLOCK; k++) {
+        const float r = roundf(x[k] * id);
+        const int q = r >= 127.0f ? 127 : r <= -127.0f ? -127 : r == r ? (int)r : 0;
+        blk[2 + k] = (uint8_t)(int8_t)q;
+    }
+}
 
 /* ------------------------------------------------------------------------- */
 /* the build's widest lanes: 16 with AVX-512, else the 8 of lanes8             */
@@ -239,6 +292,11 @@ static inline lanes ln_load_h(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)p));
 }
 static inline void ln_store(float *p, lanes v) { _mm512_storeu_ps(p, v); }
+/* 16 values of a q8_0 block from value i (i + 16 <= 32), as l8_load_q8 */
+static inline lanes ln_load_q8(const uint8_t *blk, int i, float d) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(const void *)(blk + 2 + i));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), _mm512_set1_ps(d));
+}
 #else
 #define WS_LANES 8
 typedef lanes8 lanes;
@@ -247,6 +305,7 @@ typedef lanes8 lanes;
 #define ln_fma l8_fma
 #define ln_load l8_load
 #define ln_load_h l8_load_h
+#define ln_load_q8 l8_load_q8
 #define ln_store l8_store
 #endif
 

@@ -52,11 +52,35 @@ class _Float64(dict):
         return self[key] if key in self else default
 
 
+def roundf(v: np.ndarray) -> np.ndarray:
+    """C's roundf (halves away from zero) of float32 values."""
+    a = np.abs(v)
+    f = np.floor(a)
+    return np.copysign(np.where(a - f >= np.float32(0.5), f + 1, f), v).astype(np.float32)
+
+
+def q8_0_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_0_ref of float32 values in blocks of 32 along the last
+    axis: (d as float16 [..., n/32], q as int8 [..., n]); d = amax / 127, q = round(x *
+    (1 / d)) with the float32 d."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = roundf(blocks * inv[..., None]).astype(np.int8)
+    return d.astype(np.float16), q.reshape(x.shape)
+
+
 def kv_as_stored(x: np.ndarray, kv_type: str) -> np.ndarray:
-    """Keys or values as a KV cache of `kv_type` holds them: an f16 cache rounds the
-    core's float32 values to float16 (nearest even) when it writes them."""
+    """Keys or values ([..., head_dim]) as a KV cache of `kv_type` holds them: an f16
+    cache rounds the core's float32 values to float16 (nearest even) when it writes
+    them, a q8_0 cache keeps d * q of each block of 32 (q8_0_quantize)."""
     if kv_type == "f32":
         return x
+    if kv_type == "q8_0":
+        d, q = q8_0_quantize(x)
+        blocks = q.reshape(*x.shape[:-1], -1, 32).astype(np.float64)
+        return (blocks * d.astype(np.float64)[..., None]).reshape(x.shape)
     return x.astype(np.float32).astype(np.float16).astype(np.float64)
 
 

@@ -85,8 +85,9 @@ class Counter:
 
 # f32 KV: only the float32 arithmetic differs from the float64 reference; f16 KV: a
 # key or value near a half-precision rounding boundary may round the other way in the
-# reference, so the rule (1e-3 of the largest logit) applies
-@pytest.mark.parametrize("kv_type,tol", [("f32", 1e-4), ("f16", 1e-3)])
+# reference, so the rule (1e-3 of the largest logit) applies; likewise to q8_0
+# KV, where a value can round to the next step of its block's scale
+@pytest.mark.parametrize("kv_type,tol", [("f32", 1e-4), ("f16", 1e-3), ("q8_0", 1e-3)])
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_core_matches_reference(target: Model, draft: Model, role: str, kv_type: str,
                                 tol: float) -> None:

@@ -31,15 +31,37 @@ def in_batches(ctx: Context, slot: int, tokens: list[int], size: int) -> np.ndar
     return np.concatenate(rows)
 
 
-@pytest.fixture(scope="module", params=["f16", "f32"])
+@pytest.fixture(scope="module", params=["f16", "f32", "q8_0"])
 def kv_type(request: pytest.FixtureRequest) -> str:
-    """Every property holds for both KV cache types."""
+    """Every property holds for every KV cache type."""
     return request.param
 
 
+def skip_unless_fits(model: Path, kv_type: str) -> None:
+    """A q8_0 cache holds whole blocks of 32 per head: other head sizes are refused."""
+    with Model.load(model) as m:
+        if kv_type == "q8_0" and m.hparams.head_dim % 32:
+            pytest.skip(f"q8_0 needs a head_dim multiple of 32, not {m.hparams.head_dim}")
+
+
+# the small model's shape with heads of 32 (q8_0 blocks)
+Q8_SHAPE = Shape(n_vocab=300, n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=96)
+
+
 @pytest.fixture(scope="module")
-def baseline(small_model_path: Path, kv_type: str) -> np.ndarray:
-    with Model.load(small_model_path) as model, \
+def model_path(small_model_path: Path, kv_type: str,
+               tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small model, or for q8_0 the same shape with heads of 32."""
+    if kv_type != "q8_0":
+        return small_model_path
+    path = tmp_path_factory.mktemp("q8") / "small_hd32.gguf"
+    write_model(path, Q8_SHAPE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def baseline(model_path: Path, kv_type: str) -> np.ndarray:
+    with Model.load(model_path) as model, \
             Context(model, n_ctx=64, n_threads=1, kv_type=kv_type) as ctx:
         return one_by_one(ctx, 0, TOKENS)
 
@@ -53,19 +75,43 @@ def test_kv_types_give_different_logits(small_model_path: Path) -> None:
     assert float(np.abs(a - b).max()) < 1e-2 * float(np.abs(a).max())
 
 
+def test_q8_0_cache_quantizes(tmp_path: Path) -> None:
+    """The q8_0 cache really quantizes (its logits are neither f16's nor f32's), close
+    to f32's, in 34 bytes per 32 values."""
+    path = tmp_path / "hd32.gguf"
+    write_model(path, Q8_SHAPE)
+    with Model.load(path) as model, Context(model, n_ctx=64, kv_type="f32") as c32, \
+            Context(model, n_ctx=64) as c16, Context(model, n_ctx=64, kv_type="q8_0") as c8:
+        a, b, q = c32.decode(0, TOKENS), c16.decode(0, TOKENS), c8.decode(0, TOKENS)
+        assert c8.kv_bytes * 32 == c16.kv_bytes * 17 == 2 * 64 * 2 * 64 * 2 * 17
+    assert not np.array_equal(a, q) and not np.array_equal(b, q)
+    assert float(np.abs(a - q).max()) < 5e-2 * float(np.abs(a).max())
+
+
+def test_q8_0_refuses_heads_of_partial_blocks(small_model_path: Path) -> None:
+    """head_dim 16 is half a q8_0 block: refused at init, saying why."""
+    from inference_svc.core import InvalidArgumentError
+
+    with Model.load(small_model_path) as model:
+        with pytest.raises(InvalidArgumentError,
+                           match="a q8_0 KV cache needs a head_dim that is a multiple of 32; "
+                                 "this model's is 16"):
+            Context(model, n_ctx=64, kv_type="q8_0")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 16, N])
-def test_batch_size_and_threads(small_model_path: Path, baseline: np.ndarray, kv_type: str,
+def test_batch_size_and_threads(model_path: Path, baseline: np.ndarray, kv_type: str,
                                 threads: int, batch: int) -> None:
-    with Model.load(small_model_path) as model, \
+    with Model.load(model_path) as model, \
             Context(model, n_slots=3, n_ctx=64, n_threads=threads, kv_type=kv_type) as ctx:
         got = in_batches(ctx, 2, TOKENS, batch)
     assert got.tobytes() == baseline.tobytes()
 
 
-def test_internal_chunking(small_model_path: Path, baseline: np.ndarray, kv_type: str) -> None:
+def test_internal_chunking(model_path: Path, baseline: np.ndarray, kv_type: str) -> None:
     """A prompt longer than n_batch is split inside the core; nothing changes."""
-    with Model.load(small_model_path) as model, \
+    with Model.load(model_path) as model, \
             Context(model, n_ctx=64, n_threads=2, n_batch=4, kv_type=kv_type) as ctx:
         got = ctx.decode(0, TOKENS, logits_all=True)
         ctx.clear(0)
@@ -74,11 +120,11 @@ def test_internal_chunking(small_model_path: Path, baseline: np.ndarray, kv_type
     assert last.tobytes() == baseline[-1].tobytes()
 
 
-def test_slots_are_independent(small_model_path: Path, baseline: np.ndarray,
+def test_slots_are_independent(model_path: Path, baseline: np.ndarray,
                                kv_type: str) -> None:
     """Interleaving other slots' work does not change a slot's logits."""
     other = np.random.default_rng(5).integers(0, 300, N).tolist()
-    with Model.load(small_model_path) as model, \
+    with Model.load(model_path) as model, \
             Context(model, n_slots=4, n_ctx=64, n_threads=2, kv_type=kv_type) as ctx:
         rows = []
         for i, t in enumerate(TOKENS):
@@ -87,10 +133,10 @@ def test_slots_are_independent(small_model_path: Path, baseline: np.ndarray,
     assert np.stack(rows).tobytes() == baseline.tobytes()
 
 
-def test_truncate_then_redecode(small_model_path: Path, baseline: np.ndarray,
+def test_truncate_then_redecode(model_path: Path, baseline: np.ndarray,
                                 kv_type: str) -> None:
     """Rolling a slot back and decoding again gives the same logits (speculative rollback)."""
-    with Model.load(small_model_path) as model, Context(model, n_ctx=64, kv_type=kv_type) as ctx:
+    with Model.load(model_path) as model, Context(model, n_ctx=64, kv_type=kv_type) as ctx:
         ctx.decode(0, TOKENS[:20])
         ctx.decode(0, [1, 2, 3, 4, 5])
         ctx.truncate(0, 20)
@@ -99,13 +145,13 @@ def test_truncate_then_redecode(small_model_path: Path, baseline: np.ndarray,
     assert got.tobytes() == baseline[20:].tobytes()
 
 
-def test_multi_slot_decode_is_bit_identical(small_model_path: Path, kv_type: str) -> None:
+def test_multi_slot_decode_is_bit_identical(model_path: Path, kv_type: str) -> None:
     """One pass over the next token of several slots gives each slot exactly the logits
     (and the cache) it gets alone."""
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, 300, n).tolist() for n in (5, 11, 1, 23)]
     nxt = [[int(t) for t in rng.integers(0, 300, 6)] for _ in prompts]
-    with Model.load(small_model_path) as model, \
+    with Model.load(model_path) as model, \
             Context(model, n_slots=4, n_ctx=64, n_threads=2, kv_type=kv_type) as alone, \
             Context(model, n_slots=4, n_ctx=64, n_threads=2, kv_type=kv_type) as multi:
         expected = []
@@ -150,7 +196,17 @@ ATTENTION_SHAPES = {
     # gemma3: head_dim 40 (not n_embd / n_head), a window of 7 in layers 0-4, layer 5 global
     "gemma3": Shape(n_vocab=300, n_embd=48, n_layer=6, n_head=4, n_head_kv=2, n_ff=64,
                     tied=True, arch="gemma3", head_dim=40, n_swa=7),
+    # heads of whole q8_0 blocks: hd 64 / 3 per KV head, hd 32 / 1, gemma3 with hd 64
+    "hd64_rep3": Shape(n_vocab=300, n_embd=192, n_layer=2, n_head=3, n_head_kv=1, n_ff=96),
+    "hd32_mha": Shape(n_vocab=300, n_embd=96, n_layer=1, n_head=3, n_head_kv=3, n_ff=64),
+    "gemma3_hd64": Shape(n_vocab=300, n_embd=48, n_layer=6, n_head=4, n_head_kv=2, n_ff=64,
+                         tied=True, arch="gemma3", head_dim=64, n_swa=7),
 }
+
+
+def gemma3_shape(kv_type: str) -> Shape:
+    """The gemma3 test shape: heads of 40, or for q8_0 heads of 64 (whole blocks)."""
+    return ATTENTION_SHAPES["gemma3_hd64" if kv_type == "q8_0" else "gemma3"]
 LONG = np.random.default_rng(13).integers(0, 300, 70).tolist()
 
 
@@ -162,6 +218,7 @@ def shape_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 
 def test_attention_shapes_are_batch_invariant(shape_model: Path, kv_type: str) -> None:
+    skip_unless_fits(shape_model, kv_type)
     with Model.load(shape_model) as model, \
             Context(model, n_slots=2, n_ctx=128, n_threads=2, kv_type=kv_type) as ctx:
         alone = one_by_one(ctx, 0, LONG)
@@ -199,6 +256,7 @@ def logits_digests(model: Path, variant: str, kv_type: str) -> list[str]:
                     reason="compares the release build with the portable one")
 def test_portable_build_gives_the_same_bits(shape_model: Path, kv_type: str) -> None:
     """The scalar build (no AVX2) and the release build produce identical logits."""
+    skip_unless_fits(shape_model, kv_type)
     assert (logits_digests(shape_model, "portable", kv_type)
             == logits_digests(shape_model, "release", kv_type))
 
@@ -273,9 +331,9 @@ def test_gemma3_threads_slots_and_multi_decode(tmp_path: Path, kv_type: str) -> 
     """The gemma3 pass (sliding window, post-norms split over tokens) gives the same bits
     for every thread count, batch size, slot and multi-slot decode."""
     path = tmp_path / "gemma3.gguf"
-    write_model(path, ATTENTION_SHAPES["gemma3"], seed=4)
+    write_model(path, gemma3_shape(kv_type), seed=4)
     with Model.load(path) as model:
-        assert model.hparams.arch == "gemma3" and model.hparams.head_dim == 40
+        assert model.hparams.arch == "gemma3" and model.hparams.head_dim == gemma3_shape(kv_type).hd
         with Context(model, n_ctx=128, n_threads=1, kv_type=kv_type) as ctx:
             alone = one_by_one(ctx, 0, LONG)
         for threads in (1, 2, 3):
@@ -298,7 +356,7 @@ def test_gemma3_threads_slots_and_multi_decode(tmp_path: Path, kv_type: str) -> 
                     reason="compares the release build with the portable and AVX2 ones")
 def test_gemma3_builds_give_the_same_bits(tmp_path: Path, kv_type: str) -> None:
     path = tmp_path / "gemma3.gguf"
-    write_model(path, ATTENTION_SHAPES["gemma3"], seed=4)
+    write_model(path, gemma3_shape(kv_type), seed=4)
     release = logits_digests(path, "release", kv_type)
     assert logits_digests(path, "portable", kv_type) == release
     assert logits_digests(path, "avx2", kv_type) == release

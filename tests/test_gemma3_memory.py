@@ -46,6 +46,8 @@ def check_fits_exactly(monkeypatch: pytest.MonkeyPatch, path: Path, n_slots: int
     (1, 500, "f16", False, 2 * 2 * 256 * 18 * 500),
     # swa_full: every layer keeps every position
     (1, 4096, "f16", True, 2 * 2 * 256 * 18 * 4096),  # 75,497,472
+    # q8_0: a head of 256 is 8 blocks of 34 bytes
+    (1, 4096, "q8_0", False, 2 * 8 * 34 * (3 * 4096 + 15 * 528)),  # 10,993,152
 ])
 def test_gemma3_estimate_is_the_allocation(monkeypatch: pytest.MonkeyPatch, n_slots: int,
                                            n_ctx: int, kv_type: str, swa_full: bool,
@@ -60,6 +62,8 @@ def test_gemma3_estimate_is_the_allocation(monkeypatch: pytest.MonkeyPatch, n_sl
     # K and V x 2 bytes x kv_dim 192 (3 kv heads x 64) x 30 layers x n_ctx x n_slots
     (1, 4096, "f16", 2 * 2 * 192 * 30 * 4096),  # 94,371,840
     (2, 2048, "f32", 2 * 4 * 192 * 30 * 2048 * 2),  # 188,743,680
+    # q8_0: 3 kv heads x 2 blocks of 34 bytes
+    (1, 4096, "q8_0", 2 * 3 * 2 * 34 * 30 * 4096),  # 50,135,040
 ])
 def test_smollm2_estimate_is_the_allocation(monkeypatch: pytest.MonkeyPatch, n_slots: int,
                                             n_ctx: int, kv_type: str, want: int) -> None:

@@ -4,6 +4,7 @@ type's size; a file of the other type is refused with FAILED_PRECONDITION."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import grpc
@@ -12,10 +13,19 @@ import pytest
 from inference_svc import config, slotfile
 from inference_svc.client import InferenceClient
 from inference_svc.core import Context, Model
-from tests.fixtures.servicekit import Reference, model_pair, running, service_config
+from tests.fixtures.servicekit import TARGET_SHAPE, Reference, model_pair, running, service_config
 
 PROMPT = [5, 17, 250, 3, 99, 42, 8, 8, 120]
 N_GEN = 6
+# the service test pair with heads of 32 (whole q8_0 blocks; the default pair's are 16)
+HD32 = dataclasses.replace(TARGET_SHAPE, n_embd=128)
+# bytes of one token's K and V in every layer: K+V x 2 layers x 2 KV heads x one head
+PER_TOKEN = {"f32": 2 * 2 * 2 * 16 * 4, "f16": 2 * 2 * 2 * 16 * 2, "q8_0": 2 * 2 * 2 * 34}
+
+
+def pair(base: Path, kv_type: str) -> tuple[Path, Path]:
+    """The service test pair, with heads of 32 for q8_0."""
+    return model_pair(base, "hd32", shape=HD32) if kv_type == "q8_0" else model_pair(base)
 
 
 def test_flag_and_variable() -> None:
@@ -29,10 +39,10 @@ def test_flag_and_variable() -> None:
         config.Config(kv_type="bf16")
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+@pytest.mark.parametrize("kv_type", ["f16", "f32", "q8_0"])
 def test_service_keeps_and_saves_the_configured_kv_type(tmp_path_factory: pytest.TempPathFactory,
                                                          tmp_path: Path, kv_type: str) -> None:
-    target, draft = model_pair(tmp_path_factory.getbasetemp())
+    target, draft = pair(tmp_path_factory.getbasetemp(), kv_type)
     cfg = service_config(target, draft, slot_save_path=tmp_path, kv_type=kv_type,
                          speculative=config.Speculative())
     with running(cfg) as srv, InferenceClient(f"127.0.0.1:{srv.port}") as c:
@@ -45,7 +55,7 @@ def test_service_keeps_and_saves_the_configured_kv_type(tmp_path_factory: pytest
     assert t.layout.dtype == slotfile.DTYPE_BY_NAME[kv_type]
     assert slotfile.decode_draft((tmp_path / "s.drft").read_bytes()).layout == t.layout
     n = len(PROMPT) + N_GEN  # a save decodes the pending last token into the KV
-    per_token = 2 * 2 * 2 * 16 * (2 if kv_type == "f16" else 4)  # K+V, layers, kv_dim, bytes
+    per_token = PER_TOKEN[kv_type]
     assert t.n_tokens == n and len(data) == 128 + 16 + 4 * n + 16 + n * per_token + 32
     # the KV is what a core context of the same type computes for these tokens, bit for bit
     with Model.load(target) as m, Context(m, n_ctx=256, n_threads=1, kv_type=kv_type) as ctx:
@@ -98,3 +108,59 @@ def test_auto_restore_of_another_kv_type_is_a_cold_start(
     with InferenceProcess(*args, "--kv-type", "f32") as p:
         assert [x.n_tokens for x in p.client.slots()] == [n, 0]
         assert p.stop() == 0
+
+
+def test_flag_takes_q8_0() -> None:
+    assert config.from_args(["--kv-type", "q8_0"], {}).kv_type == "q8_0"
+    assert config.from_args([], {"WARMSLOT_KV_TYPE": "q8_0"}).kv_type == "q8_0"
+    assert config.KV_TYPES == ("f16", "f32", "q8_0")
+
+
+def test_q8_0_session_restores_and_continues_exactly(tmp_path_factory: pytest.TempPathFactory,
+                                                     tmp_path: Path) -> None:
+    """A q8_0 slot saved, restored into another slot and into a new server, continues
+    with the tokens of a context that decoded the whole history at once (the blocks are
+    quantized per token, whatever the batch)."""
+    target, draft = pair(tmp_path_factory.getbasetemp(), "q8_0")
+    cfg = service_config(target, draft, slot_save_path=tmp_path, kv_type="q8_0")
+    ref = Reference(target, draft, kv_type="q8_0")
+    with running(cfg) as srv, InferenceClient(f"127.0.0.1:{srv.port}") as c:
+        info = c.info()
+        assert (info.slot_file_version, info.draft_file_version) == (4, 3)
+        rs, _ = c.generate(PROMPT, max_tokens=N_GEN, id_slot=0, temperature=0.0)
+        out = [t for r in rs for t in r.tokens]
+        saved = c.save(0, "q8")
+        assert slotfile.decode_target((tmp_path / "q8").read_bytes()).version == 4
+        assert slotfile.decode_draft((tmp_path / "q8.drft").read_bytes()).version == 3
+        assert saved.n_saved == len(PROMPT) + N_GEN
+        history = PROMPT + out + [7, 77, 177]
+        want = ref.generate(history, N_GEN)
+        assert c.restore(1, "q8").n_restored == len(PROMPT) + N_GEN
+        rs, _ = c.generate(history, max_tokens=N_GEN, id_slot=1, temperature=0.0)
+        assert [t for r in rs for t in r.tokens] == want
+    with running(cfg) as srv, InferenceClient(f"127.0.0.1:{srv.port}") as c:
+        assert c.restore(0, "q8").n_restored == len(PROMPT) + N_GEN
+        rs, last = c.generate(history, max_tokens=N_GEN, id_slot=0, temperature=0.0)
+        assert [t for r in rs for t in r.tokens] == want
+        assert last.timings.cache_n == len(PROMPT) + N_GEN  # nothing re-prefilled
+
+
+@pytest.mark.parametrize("saved, running_as", [("q8_0", "f16"), ("f16", "q8_0")])
+def test_q8_0_and_f16_files_do_not_cross(tmp_path_factory: pytest.TempPathFactory,
+                                         tmp_path: Path, saved: str, running_as: str) -> None:
+    target, draft = pair(tmp_path_factory.getbasetemp(), "q8_0")
+    with running(service_config(target, draft, slot_save_path=tmp_path, kv_type=saved)) as srv, \
+            InferenceClient(f"127.0.0.1:{srv.port}") as c:
+        c.generate(PROMPT, max_tokens=2, id_slot=0, temperature=0.0)
+        c.save(0, "s")
+    with running(service_config(target, draft, slot_save_path=tmp_path,
+                                kv_type=running_as)) as srv, \
+            InferenceClient(f"127.0.0.1:{srv.port}") as c:
+        with pytest.raises(grpc.RpcError) as exc:
+            c.restore(1, "s")
+        assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        article = "a" if saved == "q8_0" else "an"
+        assert exc.value.details().endswith(
+            f"slot file holds {article} {saved} KV cache, this server keeps {running_as}: "
+            f"restore it on a server started with --kv-type {saved}")
+        assert [s.n_tokens for s in c.slots()] == [0, 0]

@@ -217,7 +217,7 @@ def test_every_bit_flip_and_truncation_is_caught(which: str) -> None:
 def test_version_byte_flips_say_newer() -> None:
     data = bytearray(sf.encode_target(target()))
     data[4] = sf.TARGET_NEWEST + 1
-    with pytest.raises(sf.UnsupportedSlotFile, match="version 4 is newer than this server"):
+    with pytest.raises(sf.UnsupportedSlotFile, match="version 5 is newer than this server"):
         sf.decode_target(with_digest(data))
     data[4] = 0
     with pytest.raises(sf.CorruptSlotFile):

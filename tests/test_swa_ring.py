@@ -5,6 +5,7 @@ a slot can still be truncated to; and the slot state that holds only the rings' 
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from inference_svc.core import Context, Model
 from inference_svc.core import model as core_model
-from inference_svc.core.binding import lib
+from inference_svc.core.binding import kv_type_bytes, lib
 from inference_svc.core.errors import BadStateError, CoreMemoryError, InvalidArgumentError
 from inference_svc.core.speculative import SamplingParams, SpecDecoder, SpecParams
 from tests.factory import Shape, random_weights, write_model, write_weights
@@ -31,15 +32,29 @@ N_CTX = 160
 SEQ = np.random.default_rng(21).integers(0, 300, 120).tolist()
 
 
-@pytest.fixture(scope="module", params=["f16", "f32"])
+# q8_0 holds whole blocks of 32 per head: the same model with heads of 64
+SHAPE_Q8 = dataclasses.replace(SHAPE, head_dim=64)
+
+
+@pytest.fixture(scope="module", params=["f16", "f32", "q8_0"])
 def kv_type(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def shape_of(kv_type: str) -> Shape:
+    return SHAPE_Q8 if kv_type == "q8_0" else SHAPE
+
+
+def row_bytes(kv_type: str) -> int:
+    """Bytes of one position's keys (or values) of one layer in a cache of kv_type."""
+    sh = shape_of(kv_type)
+    return sh.n_head_kv * kv_type_bytes(core_model.KV_TYPES[kv_type], sh.head_dim)
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+def model(tmp_path_factory: pytest.TempPathFactory, kv_type: str) -> Iterator[Model]:
     path = tmp_path_factory.mktemp("ring") / "gemma3.gguf"
-    write_model(path, SHAPE, seed=4)
+    write_model(path, shape_of(kv_type), seed=4)
     with Model.load(path) as m:
         yield m
 
@@ -60,20 +75,18 @@ def state_words(state: bytes | memoryview) -> tuple[int, ...]:
 
 
 def test_ring_takes_less_memory(model: Model, kv_type: str) -> None:
-    es = 2 if kv_type == "f16" else 4
-    kv_dim = SHAPE.n_head_kv * SHAPE.head_dim
+    row = row_bytes(kv_type)
     with ring_ctx(model, kv_type, n_slots=2) as ring, \
             ring_ctx(model, kv_type, n_slots=2, swa_full=True) as whole:
-        assert ring.kv_bytes == 2 * 2 * es * kv_dim * (1 * N_CTX + 5 * RING)
-        assert whole.kv_bytes == 2 * 2 * es * kv_dim * 6 * N_CTX
+        assert ring.kv_bytes == 2 * 2 * row * (1 * N_CTX + 5 * RING)
+        assert whole.kv_bytes == 2 * 2 * row * 6 * N_CTX
 
 
 def test_memory_check_asks_for_the_rings_only(model: Model, kv_type: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The check before a context allocates counts a local layer's ring, not n_ctx: with
     exactly the ring context's KV bytes available it opens, one byte less it does not."""
-    es = 2 if kv_type == "f16" else 4
-    want = 2 * 2 * es * SHAPE.n_head_kv * SHAPE.head_dim * (1 * N_CTX + 5 * RING)
+    want = 2 * 2 * row_bytes(kv_type) * (1 * N_CTX + 5 * RING)
     monkeypatch.setattr(core_model, "available_memory_bytes", lambda: want)
     with ring_ctx(model, kv_type, n_slots=2) as ring:
         assert ring.kv_bytes == want
@@ -140,8 +153,6 @@ def test_swa_full_context_keeps_every_prefix(model: Model, kv_type: str,
 
 
 def test_state_holds_the_rings_only(model: Model, kv_type: str, full: np.ndarray) -> None:
-    es = 2 if kv_type == "f16" else 4
-    kv_dim = SHAPE.n_head_kv * SHAPE.head_dim
     with ring_ctx(model, kv_type) as src:
         src.decode(0, SEQ[:15])
         small = bytes(src.get_state(0))  # the rings never wrapped: every position, v2
@@ -150,7 +161,7 @@ def test_state_holds_the_rings_only(model: Model, kv_type: str, full: np.ndarray
         state = bytes(src.get_state(0))
     w = state_words(state)
     assert (w[1], w[6], w[7]) == (3, 100, RING)
-    assert len(state) == 32 + 4 * 100 + 2 * es * kv_dim * (100 + 5 * RING)
+    assert len(state) == 32 + 4 * 100 + 2 * row_bytes(kv_type) * (100 + 5 * RING)
     for swa_full in (False, True):
         with ring_ctx(model, kv_type, swa_full=swa_full) as dst:
             assert dst.set_state(0, state) == len(state)
@@ -191,7 +202,8 @@ def test_speculative_rollback_stays_exact(model: Model, tmp_path: Path, kv_type:
     same token for token as with every position kept."""
     draft_path = tmp_path / "draft.gguf"
     shape = Shape(n_vocab=300, n_embd=32, n_layer=6, n_head=2, n_head_kv=1, n_ff=48,
-                  n_ctx=256, tied=True, arch="gemma3", head_dim=16, n_swa=5)
+                  n_ctx=256, tied=True, arch="gemma3", head_dim=32 if kv_type == "q8_0" else 16,
+                  n_swa=5)
     # other weights, the target's vocabulary (tokenizer seed 4)
     write_weights(draft_path, shape, random_weights(shape, 9), 4, "draft", "gemma3")
     sampling = SamplingParams(temperature=25.0)  # the random models' logits are peaked

@@ -111,6 +111,26 @@ spec_free = lib.ws_spec_free
 spm_free = lib.ws_spm_free
 
 
+def _kv_types() -> dict[str, int]:
+    """The core's KV cache types (ws_kv_type): name -> value, in value order."""
+    types = {}
+    for value in range(int(lib.WS_KV_N_TYPES)):
+        name = lib.ws_kv_type_name(value)
+        if name == ffi.NULL:
+            raise ImportError(f"the core names no KV type {value} below WS_KV_N_TYPES")
+        types[ffi.string(name).decode("ascii")] = value
+    return types
+
+
+# the one list of KV types: the core's own (native/warmslot.h)
+KV_TYPES: dict[str, int] = _kv_types()
+
+
+def kv_type_bytes(kv_type: int, n: int) -> int:
+    """Bytes n values of a KV type take (0: not a whole number of its blocks)."""
+    return int(lib.ws_kv_type_bytes(kv_type, n))
+
+
 def context_kv_bytes_needed(model: Any, params: Any) -> int:
     """The KV bytes a context of these params would allocate for the model."""
     out = ffi.new("uint64_t *")

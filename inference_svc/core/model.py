@@ -19,8 +19,8 @@ from .gguf_file import ARCH_IDS, GGUFModel, HParams, load_gguf
 from .handle import NativeHandle, buffer_arg, read_tokens, state_buffer
 from .tokenizer import Tokenizer
 
-# KV cache element types (ws_kv_type): name -> (value, bytes per element)
-KV_TYPES = {"f32": (int(binding.lib.WS_KV_F32), 4), "f16": (int(binding.lib.WS_KV_F16), 2)}
+# KV cache element types (ws_kv_type): name -> value, from the core
+KV_TYPES = binding.KV_TYPES
 DEFAULT_KV_TYPE = "f16"
 
 _LAYER_NORMS = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight"}
@@ -130,7 +130,7 @@ class Model(NativeHandle):
 
     def kv_bytes_per_token(self, kv_type: str = DEFAULT_KV_TYPE) -> int:
         hp = self.hparams
-        return 2 * KV_TYPES[kv_type][1] * hp.n_layer * hp.n_head_kv * hp.head_dim
+        return 2 * hp.n_layer * hp.n_head_kv * binding.kv_type_bytes(KV_TYPES[kv_type], hp.head_dim)
 
     def _open_contexts(self) -> bool:
         return any(not c.closed for c in getattr(self, "_contexts", ()))
@@ -162,7 +162,8 @@ class Context(NativeHandle):
                  kv_type: str = DEFAULT_KV_TYPE, swa_full: bool = False) -> None:
         """reserve_kv: commit the KV cache's memory now (see ws_context_params) instead
         of on first use. kv_type: "f16" (keys and values rounded to half when
-        written) or "f32"; a slot's state can only be set into a context of its type.
+        written), "f32" or "q8_0" (quantized in blocks of 32 when written); a slot's
+        state can only be set into a context of its type.
         swa_full: sliding-window layers keep every position instead of a ring of their
         window (the same logits; more memory, and any prefix can be kept)."""
         if kv_type not in KV_TYPES:
@@ -175,7 +176,7 @@ class Context(NativeHandle):
         params.n_threads = n_threads
         params.n_batch = n_batch
         params.reserve_kv = int(reserve_kv)
-        params.kv_type = KV_TYPES[kv_type][0]
+        params.kv_type = KV_TYPES[kv_type]
         params.swa_full = int(swa_full)
         # the bytes the core will allocate (a sliding-window layer: its ring's rows)
         need = binding.context_kv_bytes_needed(model.handle, params)
