@@ -83,12 +83,14 @@ native-avx2: $(NATIVE_AVX2_SO)
 # talk to it with `.venv/bin/python -m inference_svc.client ...` (README)
 RUN_PORT ?= 50051
 RUN_METRICS_PORT ?= 9090
+RUN_HTTP_PORT ?= 8080
 RUN_SNAPSHOT_PORT ?= 50052
 RUN_DATA ?= var/snapshots
 # the snapshot service and the inference service wired together, in the foreground
 run: setup
 	$(PY) tools/run_stack.py --port $(RUN_PORT) --snapshot-port $(RUN_SNAPSHOT_PORT) \
-		--metrics-port $(RUN_METRICS_PORT) --data $(RUN_DATA) -- --model $(MODEL) --draft $(DRAFT)
+		--metrics-port $(RUN_METRICS_PORT) --data $(RUN_DATA) -- --model $(MODEL) --draft $(DRAFT) \
+		--http-port $(RUN_HTTP_PORT)
 
 lint: $(DEPS_STAMP)
 	$(PY) -m ruff check .

@@ -14,6 +14,13 @@
 
 `--addr` (or WARMSLOT_ADDR) selects the server, default 127.0.0.1:50051.
 Every call has a deadline (`--timeout` seconds).
+
+`--http URL` (or WARMSLOT_HTTP_URL, e.g. http://127.0.0.1:8080) sends `generate` and
+`chat` through the server's OpenAI-compatible HTTP door instead (the same options, key
+and TLS files), and `models` lists its model:
+
+    python -m inference_svc.client --http http://127.0.0.1:8080 generate "def f(x):"
+    python -m inference_svc.client --http http://127.0.0.1:8080 models
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -136,13 +146,17 @@ def make_request(prompt: str | list[int], *, id_slot: int | None = None,
 
 def make_chat_request(messages: list[tuple[str, str]], *,
                       add_generation_prompt: bool | None = None, append: bool = False,
+                      id_slot: int | None = None, cache_prompt: bool | None = None,
                       **options: Any) -> pb.ChatRequest:
     """A ChatRequest of (role, content) messages; `append`: they continue the
-    conversation the session keeps. options: those of `set_options`."""
+    conversation the session keeps; None leaves a field unset; options: those of
+    `set_options`."""
     req = pb.ChatRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
                          append=append)
-    if add_generation_prompt is not None:
-        req.add_generation_prompt = add_generation_prompt
+    for name, value in (("add_generation_prompt", add_generation_prompt), ("id_slot", id_slot),
+                        ("cache_prompt", cache_prompt)):
+        if value is not None:
+            setattr(req, name, value)
     return set_options(req, **options)
 
 
@@ -178,6 +192,51 @@ def set_options(req: R, *, max_tokens: int | None = None, session: str | None = 
     return req
 
 
+def http_body(options: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI-API body fields of the options of `set_options` (None: unset; the
+    server's defaults apply as over gRPC); logprobs are not shown in HTTP mode."""
+    body = {k: v for k, v in options.items()
+            if v is not None and k not in ("speculative", "n_max", "n_min", "p_min",
+                                           "logprobs")}
+    spec = {k: v for k, v in (("enabled", options.get("speculative")),
+                              ("n_max", options.get("n_max")), ("n_min", options.get("n_min")),
+                              ("p_min", options.get("p_min"))) if v is not None}
+    if spec:
+        body["speculative"] = spec
+    return body
+
+
+def http_stream(url: str, path: str, body: dict[str, Any], *, key: str | None = None,
+                context: ssl.SSLContext | None = None,
+                timeout: float = 300.0) -> Iterator[dict[str, Any]]:
+    """The chunks of a streamed request to the HTTP door (`path` under /v1). Raises
+    RuntimeError with the server's error message."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url.rstrip("/") + "/v1" + path,
+                                 json.dumps({**body, "stream": True}).encode(), headers)
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout, context=context)
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {_http_message(exc.read())}") from None
+    with resp:
+        for line in resp:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[len(b"data: "):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            yield chunk
+
+
+def _http_message(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return raw.decode("utf-8", "replace")
+
+
 def _show(msg: Any) -> None:
     print(json.dumps(json_format.MessageToDict(msg, always_print_fields_with_no_presence=True),
                      indent=2))
@@ -190,6 +249,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="deadline of each call (s)")
     p.add_argument("--api-key-file", default=os.environ.get("WARMSLOT_API_KEY_FILE"),
                    help="file holding the API key to send (env WARMSLOT_API_KEY_FILE)")
+    p.add_argument("--http", default=os.environ.get("WARMSLOT_HTTP_URL"),
+                   help="URL of the server's HTTP door (http[s]://HOST:PORT): generate and "
+                        "chat go through it (env WARMSLOT_HTTP_URL)")
     # CLIENT variables: WARMSLOT_TLS_CERT / _KEY are the service's own certificate
     for name, what in (("ca", "CA (PEM) of the server's certificate: connect with TLS"),
                        ("cert", "client certificate (PEM), for a server that requires one"),
@@ -222,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("name")
     ds.add_argument("--owner", default="", help="admin key: the owner of a user key's session")
     sub.add_parser("info", help="models, slots, formats")
+    sub.add_parser("models", help="the HTTP door's model list (needs --http)")
     return p
 
 
@@ -287,6 +350,98 @@ def chat_loop(c: InferenceClient, a: argparse.Namespace, lines: Iterator[str],
     return messages
 
 
+def _print_timings(t: dict[str, Any], reason: str) -> None:
+    tier = t.get("session_tier")
+    where = f"slot {t['id_slot']}" + (f", session from {tier}" if tier else "")
+    print(f"\n\n[{where}] {reason}: "
+          f"prompt {t['prompt_n']} processed + {t['cache_n']} cached in {t['prompt_ms']:.1f} ms; "
+          f"{t['predicted_n']} generated in {t['predicted_ms']:.1f} ms "
+          f"({t['predicted_per_second']:.1f} tokens/s); draft {t['draft_n_accepted']}/"
+          f"{t['draft_n']} accepted ({t['lookup_n_accepted']}/{t['lookup_n']} by lookup), "
+          f"draft prefill {t['draft_prompt_n']}", file=sys.stderr)
+
+
+def _http_generate(a: argparse.Namespace, key: str | None,
+                   ctx: ssl.SSLContext | None) -> None:
+    """`generate` through the HTTP door: /v1/completions, streamed."""
+    body = {"prompt": a.prompt, **http_body(_options(a))}
+    for name, value in (("id_slot", a.slot), ("cache_prompt", False if a.no_cache else None),
+                        ("truncate_prompt", a.truncate or None)):
+        if value is not None:
+            body[name] = value
+    last: dict[str, Any] = {}
+    if not a.json:
+        sys.stdout.write(a.prompt)
+    for chunk in http_stream(a.http, "/completions", body, key=key, context=ctx,
+                             timeout=a.timeout):
+        if chunk["choices"] and not a.json:
+            sys.stdout.write(chunk["choices"][0]["text"])
+            sys.stdout.flush()
+        if "timings" in chunk:
+            last = chunk
+    if a.json:
+        print(json.dumps(last, indent=2))
+    elif last:
+        _print_timings(last["timings"], last["choices"][0]["finish_reason"])
+
+
+def http_chat_loop(a: argparse.Namespace, lines: Iterator[str], out: Any, key: str | None,
+                   ctx: ssl.SSLContext | None) -> list[tuple[str, str]]:
+    """chat_loop through the HTTP door (/v1/chat/completions)."""
+    messages: list[tuple[str, str]] = [("system", a.system)] if a.system else []
+    for line in lines:
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        messages.append(("user", text))
+        body = {"messages": [{"role": r, "content": c} for r, c in messages],
+                **http_body(_options(a))}
+        reply: list[str] = []
+        for chunk in http_stream(a.http, "/chat/completions", body, key=key, context=ctx,
+                                 timeout=a.timeout):
+            piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if piece:
+                reply.append(piece)
+                out.write(piece)
+                out.flush()
+        out.write("\n")
+        messages.append(("assistant", "".join(reply)))
+    return messages
+
+
+def _http_context(a: argparse.Namespace) -> ssl.SSLContext | None:
+    if not a.tls_ca:
+        return None
+    ctx = ssl.create_default_context(cafile=a.tls_ca)
+    if a.tls_cert:
+        ctx.load_cert_chain(a.tls_cert, a.tls_key)
+    return ctx
+
+
+def _http_main(a: argparse.Namespace, key: str | None) -> int:
+    ctx = _http_context(a)
+    try:
+        if a.cmd == "generate":
+            _http_generate(a, key, ctx)
+        elif a.cmd == "chat":
+            http_chat_loop(a, iter(sys.stdin), sys.stdout, key, ctx)
+        elif a.cmd == "models":
+            req = urllib.request.Request(a.http.rstrip("/") + "/v1/models", headers=(
+                {"Authorization": f"Bearer {key}"} if key else {}))
+            try:
+                with urllib.request.urlopen(req, timeout=a.timeout, context=ctx) as resp:
+                    print(json.dumps(json.loads(resp.read()), indent=2))
+            except urllib.error.HTTPError as exc:
+                raise RuntimeError(f"HTTP {exc.code}: {_http_message(exc.read())}") from None
+        else:
+            print(f"error: {a.cmd} is a gRPC call: leave out --http", file=sys.stderr)
+            return 2
+    except (RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
     req = make_request(a.prompt, id_slot=a.slot, cache_prompt=False if a.no_cache else None,
                        truncate_prompt=a.truncate, **_options(a))
@@ -304,16 +459,12 @@ def _generate(c: InferenceClient, a: argparse.Namespace) -> None:
     if a.json:
         _show(last)
         return
-    t = last.timings
-    reason = pb.StopReason.Name(last.stop_reason).removeprefix("STOP_REASON_").lower()
-    tier = pb.SessionTier.Name(t.session_tier).removeprefix("SESSION_TIER_").lower()
-    where = f"slot {t.id_slot}" + (f", session from {tier}" if t.session_tier else "")
-    print(f"\n\n[{where}] {reason}: "
-          f"prompt {t.prompt_n} processed + {t.cache_n} cached in {t.prompt_ms:.1f} ms; "
-          f"{t.predicted_n} generated in {t.predicted_ms:.1f} ms "
-          f"({t.predicted_per_second:.1f} tokens/s); draft {t.draft_n_accepted}/{t.draft_n} "
-          f"accepted ({t.lookup_n_accepted}/{t.lookup_n} by lookup), draft prefill "
-          f"{t.draft_prompt_n}", file=sys.stderr)
+    t = json_format.MessageToDict(last.timings, preserving_proto_field_name=True,
+                                  always_print_fields_with_no_presence=True)
+    t["session_tier"] = (pb.SessionTier.Name(last.timings.session_tier)
+                         .removeprefix("SESSION_TIER_").lower()
+                         if last.timings.session_tier else None)
+    _print_timings(t, pb.StopReason.Name(last.stop_reason).removeprefix("STOP_REASON_").lower())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
     key = auth.read_key_file(Path(a.api_key_file)) if a.api_key_file else None
     if (a.tls_cert or a.tls_key) and not a.tls_ca:
         print("error: --tls-cert and --tls-key need --tls-ca", file=sys.stderr)
+        return 2
+    if a.http:
+        return _http_main(a, key)
+    if a.cmd == "models":
+        print("error: models lists the HTTP door's model: give --http URL", file=sys.stderr)
         return 2
     creds = (tls.channel_credentials(Path(a.tls_ca), a.tls_cert and Path(a.tls_cert),
                                      a.tls_key and Path(a.tls_key)) if a.tls_ca else None)

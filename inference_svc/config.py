@@ -22,6 +22,8 @@ ENV_PREFIX = "WARMSLOT_"
 DRAFT_POLICIES = ("reprefill", "empty")
 # the core's KV types, default first
 KV_TYPES = ("f16", *(t for t in _core_kv_types if t != "f16"))
+HTTP_RISK = ("anyone who reaches the HTTP port (--http-host) could generate and read and "
+             "continue every session")
 
 
 def default_fallback_path() -> Path:
@@ -95,6 +97,9 @@ class Config:
     draft_restore_policy: str = "reprefill"
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
+    # the OpenAI-compatible HTTP door (inference_svc.http_door); None: none, 0: any free port
+    http_port: int | None = None
+    http_host: str = "127.0.0.1"
     sampling: SamplingParams = DEFAULT_SAMPLING
     speculative: Speculative = Speculative()
     default_max_tokens: int = 256
@@ -177,7 +182,8 @@ class Config:
         if self.draft_restore_policy not in DRAFT_POLICIES:
             problems.append(f"--draft-restore-policy {self.draft_restore_policy!r} is not one "
                             f"of {', '.join(DRAFT_POLICIES)}")
-        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536 or not (
+                self.http_port is None or 0 <= self.http_port < 65536):
             problems.append("ports must be in 0..65535")
         if self.workers < 0:
             problems.append("--workers must be >= 0")
@@ -226,6 +232,9 @@ class Config:
         if self.metrics_port:
             tls.check_exposure(self.metrics_host, self.api_keys, self.tls_cert is not None,
                                self.insecure, risk=tls.METRICS_RISK)
+        if self.http_port is not None:
+            tls.check_exposure(self.http_host, self.api_keys, self.tls_cert is not None,
+                               self.insecure, risk=HTTP_RISK)
 
 
 def _is_host_port(addr: str) -> bool:
@@ -286,6 +295,12 @@ def parser() -> argparse.ArgumentParser:
       "address of the metrics endpoint; with TLS it speaks HTTPS (client certificates as "
       "--tls-client-ca), with --api-keys it needs 'Authorization: Bearer <admin key>'; a "
       "non-loopback address needs one of them or --insecure")
+    f("--http-port",
+      "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+      "/v1/models, /health) on the same engine, keys and TLS as gRPC (0: any free port; "
+      "default: none)")
+    f("--http-host",
+      "address of the HTTP API; a non-loopback address needs --api-keys or TLS, or --insecure")
     f = settings.field_flags(p, d, group="sampling")
     f("--temperature", "default sampling temperature (0: greedy)")
     f("--top-k", "default top-k (0: off)")

@@ -4,13 +4,14 @@ metrics, and a graceful stop."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -44,6 +45,9 @@ from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.clientlib.streams import StreamLimit
 
+if TYPE_CHECKING:
+    from inference_svc.http_door import HttpDoor
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks
 FALLBACK_RETRY_S = 5.0  # pause between uploads of the fallback while the store is down
@@ -64,6 +68,14 @@ class Runtime:
     sessions: SessionHost
     rc: RequestContext
     store: SlotStore | None
+
+
+@dataclass
+class Generation:
+    """A queued generation: its job (job.cancel() stops it) and its responses."""
+
+    job: GenJob
+    responses: Iterator[pb.GenerateResponse]
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -104,25 +116,28 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def _stream(self, params_of: Callable[[RequestContext], GenerateParams],
                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        """A generation's responses; with API keys, one of the caller's streams."""
-        caller = auth.CURRENT.get()
-        if caller is None:  # no keys: the queue's limits apply (--max-queue)
-            yield from self._generate(params_of, context)
-            return
-        with self.streams.hold(caller):
-            yield from self._generate(params_of, context)
+        with self.generation(params_of, auth.CURRENT.get(), _time_remaining(context)) as gen:
+            context.add_callback(gen.job.cancel)
+            yield from gen.responses
 
-    def _generate(self, params_of: Callable[[RequestContext], GenerateParams],
-                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
-        rt = self._rt()
-        params = params_of(rt.rc)
-        job = rt.engine.generate(params, _time_remaining(context))
-        context.add_callback(job.cancel)
-        try:
-            yield from _responses(job, self.cfg.stream_interval_ms / 1e3,
-                                  rt.engine.n_running, rt.rc.tokenizer)
-        finally:
-            job.cancel()
+    @contextlib.contextmanager
+    def generation(self, params_of: Callable[[RequestContext], GenerateParams],
+                   caller: auth.Principal | None,
+                   time_remaining: float | None) -> Iterator[Generation]:
+        """One generation as both doors (gRPC, HTTP) run it: with API keys one of the
+        caller's streams (without keys the queue's limits apply, --max-queue), the
+        request checked and completed with the defaults (params_of), queued on the
+        engine; leaving the block cancels it if it still runs. auth.CURRENT must hold
+        the caller (a session belongs to it)."""
+        with self.streams.hold(caller) if caller is not None else contextlib.nullcontext():
+            rt = self._rt()
+            params = params_of(rt.rc)
+            job = rt.engine.generate(params, time_remaining)
+            try:
+                yield Generation(job, _responses(job, self.cfg.stream_interval_ms / 1e3,
+                                                 rt.engine.n_running, rt.rc.tokenizer))
+            finally:
+                job.cancel()
 
     def Tokenize(self, request: pb.TokenizeRequest,
                  context: grpc.ServicerContext) -> pb.TokenizeResponse:
@@ -288,6 +303,8 @@ class Server:
         self.port = 0
         self.metrics_port = 0
         self._metrics_stop: Callable[[], None] | None = None
+        self.http_port = 0
+        self._http: HttpDoor | None = None  # the OpenAI-compatible door, with --http-port
         self._grpc: grpc.Server | None = None
         self._models: list[Model] = []
         self._stopped = threading.Event()
@@ -343,8 +360,16 @@ class Server:
             self.metrics_port, self._metrics_stop = self.metrics.serve(
                 cfg.metrics_host, cfg.metrics_port, cert=cfg.tls_cert, key=cfg.tls_key,
                 client_ca=cfg.tls_client_ca, keys=self._keys)
+        if cfg.http_port is not None:
+            from inference_svc.http_door import HttpDoor  # its stack loads only when used
+
+            self._http = HttpDoor(cfg, self.servicer, self._keys, self.log,
+                                  lambda m, code: self.metrics.requests.labels(m, code).inc(),
+                                  self.unary)
+            self.http_port = self._http.start()
         self.log.info("listening", extra=log.fields(
             host=cfg.host, port=self.port, metrics_port=self.metrics_port or None,
+            http_port=self.http_port or None,
             tls=cfg.tls_cert is not None, mtls=cfg.tls_client_ca is not None,
             api_keys=len(self._keys) if self._keys is not None else None))
         return self.port
@@ -424,7 +449,8 @@ class Server:
         if self._stopped.is_set():
             return True
         self._stopped.set()
-        if self._grpc is None and self._engine is None and not self._models:
+        if self._grpc is None and self._engine is None and not self._models \
+                and self._http is None:
             return True  # refused before it listened: nothing to drain, save, free or log
         grace = self.cfg.shutdown_grace if grace is None else grace
         self.log.info("stopping", extra=log.fields(grace_s=grace))
@@ -434,6 +460,8 @@ class Server:
             rt.engine.drain(grace)
         if self._grpc is not None:
             self._grpc.stop(grace=1.0).wait()
+        if self._http is not None:
+            self._http.stop()
         uploads_done = self._fallback is None or self._fallback.close(FALLBACK_CLOSE_S)
         # while an upload of an older copy still waits on the store, save nothing there
         # (it could land after the save): everything goes to the fallback

@@ -191,7 +191,10 @@ class GenerateParams:
         tok = rc.tokenizer
         prompt = (tok.run(lambda: template.tokens(messages, agp), size)
                   if isinstance(tok, BoundedTokenizer) else template.tokens(messages, agp))
-        params = cls._build(req, rc, prompt, -1, True, False)
+        id_slot = check_slot_id(req.id_slot if req.HasField("id_slot") else -1, rc.n_slots,
+                                allow_any=True)
+        params = cls._build(req, rc, prompt, id_slot,
+                            req.cache_prompt if req.HasField("cache_prompt") else True, False)
         if params.session is None:
             return params
         return dataclasses.replace(params, messages=tuple(messages), chat_reply=agp,
@@ -241,14 +244,13 @@ class GenerateParams:
 def session_from_pb(req: pb.GenerateRequest | pb.ChatRequest) -> str | None:
     """The request's session name (checked), None without one. A session chooses its
     slot and continues its own tokens: id_slot, truncate_prompt and cache_prompt false
-    contradict it (a Chat has none of them)."""
+    contradict it (a Chat has no truncate_prompt)."""
     if not req.HasField("session"):
         return None
     name = check_session_name(req.session)
-    if isinstance(req, pb.ChatRequest):
-        return name
+    truncate = isinstance(req, pb.GenerateRequest) and req.truncate_prompt
     for bad, what in ((req.HasField("id_slot") and req.id_slot != -1, "id_slot"),
-                      (req.truncate_prompt, "truncate_prompt"),
+                      (truncate, "truncate_prompt"),
                       (req.HasField("cache_prompt") and not req.cache_prompt,
                        "cache_prompt false")):
         if bad:

@@ -157,7 +157,9 @@ class Project:
                     env["WARMSLOT_SNAPSHOT_S3_ENDPOINT"] = f"http://{weed.addr}"
             else:
                 env = {"WARMSLOT_HOST": "127.0.0.1", "WARMSLOT_PORT": str(s.port),
-                       "WARMSLOT_METRICS_PORT": "0"}
+                       "WARMSLOT_METRICS_PORT": "0",
+                       # host networking: the HTTP door on loopback, a free port each
+                       "WARMSLOT_HTTP_HOST": "127.0.0.1", "WARMSLOT_HTTP_PORT": "0"}
                 if snapshot is not None:
                     env["WARMSLOT_SNAPSHOT_ADDR"] = snapshot.addr
                 elif replicas:

@@ -277,7 +277,8 @@ def test_stack_refuses_calls_without_tls_or_key(stack: Project) -> None:
 def test_default_compose_is_secure(engine: Any) -> None:
     """The compose files as shipped: TLS and keys on every service, certificates and keys
     made by the secrets step in a volume, the snapshot service's gRPC port not published
-    on the host, and every replica with its own snapshot key (namespace)."""
+    on the host, every replica with its own snapshot key (namespace), and its HTTP door
+    published on the host's loopback beside gRPC."""
     import subprocess
 
     import yaml
@@ -308,6 +309,13 @@ def test_default_compose_is_secure(engine: Any) -> None:
         assert "WARMSLOT_INSECURE" not in env
         key_files.add(env["WARMSLOT_SNAPSHOT_KEY_FILE"])
     assert key_files == {f"/secrets/replica-inference-{i}.key" for i in range(3)}
+    # the HTTP (OpenAI API) door beside gRPC, published on the host's loopback only
+    for name, http in (("inference", "8080"), ("inference-1", "8180"), ("inference-2", "8280")):
+        assert services[name]["environment"]["WARMSLOT_HTTP_PORT"] == "8080"
+        ports = {(str(p["host_ip"]), str(p["published"]), str(p["target"]))
+                 if isinstance(p, dict) else tuple(str(p).split(":"))
+                 for p in services[name]["ports"]}
+        assert ("127.0.0.1", http, "8080") in ports, (name, ports)
 
 
 # --- the session -----------------------------------------------------------------------
