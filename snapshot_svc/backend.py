@@ -22,7 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from snapshot_svc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted
+from snapshot_svc.errors import (
+    DataLoss,
+    GenerationConflict,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from snapshot_svc.names import name_problem, validate_name
 from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.spares import SparePool
@@ -39,6 +45,9 @@ class UploadHeader:
     meta: PartMeta
     draft_follows: bool = False  # TARGET: stage it, the draft put commits both
     target_sha256: str = ""  # DRAFT: the target it belongs to
+    # commit only if the name's stored generation is this one (0: no snapshot); None:
+    # whatever is stored
+    expected_generation: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class PutOutcome:
     commit_id: str
     committed: bool  # False: a staged target
     has_draft: bool
+    generation: int = 0  # the committed generation (0: staged)
 
 
 def check_header(max_snapshot_bytes: int, name: str, part: Part, size: int, sha256: str,
@@ -69,6 +79,18 @@ def check_header(max_snapshot_bytes: int, name: str, part: Part, size: int, sha2
     elif target_sha256:
         raise InvalidArgument("target_sha256 applies to draft parts only")
     return UploadHeader(name, part, size, sha256, meta, draft_follows, target_sha256)
+
+
+def check_generation(header: UploadHeader, current: SnapshotInfo | None) -> int:
+    """The generation a commit of `header` over `current` (the name's snapshot now, None
+    when it has none) gets; GenerationConflict when the header expects another stored
+    generation than `current`'s. Called with the name's commit serialized (a lock, or a
+    conditional write of the manifest)."""
+    stored = current.generation if current is not None else 0
+    expected = header.expected_generation
+    if expected is not None and expected != stored:
+        raise GenerationConflict(header.name, expected, stored)
+    return stored + 1
 
 
 def claimed_target(name: str, part: Part, target_sha256: str) -> tuple[str, str] | None:
@@ -170,6 +192,7 @@ class PartReader(Protocol):
 
 class Backend(Protocol):
     max_snapshot_bytes: int
+    conditional_writes: bool  # a commit can be conditional on the stored generation
     spares: SparePool | None  # the local store's spare files (metrics); None elsewhere
 
     def describe(self) -> str: ...  # where the snapshots are, for the log

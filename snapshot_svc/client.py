@@ -51,11 +51,13 @@ import grpc
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, __version__, buffers
 from snapshot_svc.clientlib.auth import BearerInterceptor
+from snapshot_svc.clientlib.generations import CONDITIONAL_PUT, conditional_header
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
+    GenerationConflict,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -77,7 +79,8 @@ from snapshot_svc.wire import SnapshotStub
 
 T = TypeVar("T")
 
-CLIENT_FEATURES = ("sha256", "draft-sidecar", "paired-commit", "sha256-trailer")
+CLIENT_FEATURES = ("sha256", "draft-sidecar", "paired-commit", "sha256-trailer",
+                   "conditional-put")
 DEFAULT_MAX_SNAPSHOT_BYTES = 2 << 30  # deadline basis when the server does not say (protocol 1)
 CHANNEL_OPTIONS = (
     # reconnect quickly after a restart of the service (the defaults back off to minutes)
@@ -240,10 +243,11 @@ class SnapshotClient:
         self.close()
 
     def _call(self, fn: Callable[[float], T], size: int = 0,
-              deadline: float | None = None) -> T:
+              deadline: float | None = None, name: str = "") -> T:
         """Runs fn(timeout_seconds), retrying on UNAVAILABLE only, with backoff. Each
         attempt gets `timeout` + size / `min_rate` seconds, cut to what is left before
-        `deadline` (time.monotonic()), which also bounds the retries and their pauses."""
+        `deadline` (time.monotonic()), which also bounds the retries and their pauses.
+        `name`: the snapshot the call is about (named by a GenerationConflict)."""
         per_attempt = self.timeout + size / self.min_rate
         delay = self.backoff
         for attempt in range(self.retries + 1):
@@ -257,10 +261,10 @@ class SnapshotClient:
             except grpc.RpcError as err:
                 code = err.code() if isinstance(err, grpc.Call) else None
                 if code != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
-                    raise from_rpc_error(err) from None
+                    raise from_rpc_error(err, name) from None
                 pause = delay * random.uniform(0.5, 1.0)
                 if deadline is not None and time.monotonic() + pause >= deadline:
-                    raise from_rpc_error(err) from None  # no time left for another attempt
+                    raise from_rpc_error(err, name) from None  # no time left to try again
             time.sleep(pause)
             delay = min(delay * 2, self.max_backoff)
         raise AssertionError("unreachable")
@@ -302,6 +306,12 @@ class SnapshotClient:
                           max_snapshot_bytes=r.max_snapshot_bytes)
 
     @property
+    def conditional_writes(self) -> bool:
+        """Whether the server has generations and conditional Puts (the feature
+        "conditional-put"): False for an older server, or one whose store cannot."""
+        return CONDITIONAL_PUT in self.server_info().features
+
+    @property
     def _chunk_bytes(self) -> int:
         return min(self.server_info().max_chunk_bytes or MAX_CHUNK_BYTES, MAX_CHUNK_BYTES)
 
@@ -310,7 +320,8 @@ class SnapshotClient:
     def put(self, name: str, target: bytes | memoryview, draft: bytes | memoryview | None = None,
             target_meta: PartMeta | None = None, draft_meta: PartMeta | None = None, *,
             target_sha256: str | None = None, draft_sha256: str | None = None,
-            deadline: float | None = None) -> PutResult:
+            deadline: float | None = None,
+            expected_generation: int | None = None) -> PutResult:
         """Saves a snapshot: the target bytes and, with protocol 2, the draft sidecar,
         committed together. With protocol 1 the draft is skipped (`draft_skipped`).
 
@@ -319,9 +330,15 @@ class SnapshotClient:
         it the bytes are hashed while they are sent when the server offers the
         "sha256-trailer" feature, before otherwise. The server verifies the digest
         either way (DataLoss if wrong). `deadline` (time.monotonic()): the whole save
-        ends by then (DeadlineExceeded), whatever the per-call deadlines allow."""
+        ends by then (DeadlineExceeded), whatever the per-call deadlines allow.
+
+        `expected_generation`: commit only if the snapshot is at this generation now (0:
+        only if there is none); GenerationConflict (name, expected, stored) otherwise,
+        with nothing stored. Needs `conditional_writes` (FailedPrecondition, nothing
+        sent, against a server without). `PutResult.generation` is the new one."""
         validate_name(name)
         info = self.server_info(deadline)
+        cond = conditional_header(name, expected_generation, info.features, self.addr)
         target_meta = target_meta or PartMeta()
         trailer = "sha256-trailer" in info.features
 
@@ -331,33 +348,38 @@ class SnapshotClient:
         t_sha = digest_of(target, target_sha256)
         if draft is None or info.protocol < 2:
             skipped = draft is not None
-            r = self._put_part(name, Part.TARGET, target, t_sha, target_meta, deadline=deadline)
+            r = self._put_part(name, Part.TARGET, target, t_sha, target_meta, deadline=deadline,
+                               cond=cond)
             t_info = PartInfo(Part.TARGET, r.bytes, r.sha256, target_meta)
             note = (f"draft not saved: the snapshot service speaks protocol {info.protocol} "
                     "(target files only)" if skipped else "")
-            return PutResult(name, r.commit_id, info.protocol, t_info, None, skipped, note)
+            return PutResult(name, r.commit_id, info.protocol, t_info, None, skipped, note,
+                             r.generation)
         draft_meta = draft_meta or PartMeta()
         d_sha = digest_of(draft, draft_sha256)
         for attempt in range(2):
             t_sha = self._put_part(name, Part.TARGET, target, t_sha, target_meta,
-                                   draft_follows=True, deadline=deadline).sha256
+                                   draft_follows=True, deadline=deadline, cond=cond).sha256
             try:
                 r = self._put_part(name, Part.DRAFT, draft, d_sha, draft_meta,
-                                   target_sha256=t_sha, deadline=deadline)
+                                   target_sha256=t_sha, deadline=deadline, cond=cond)
                 break
             except FailedPrecondition:
                 if attempt:  # the staged target was lost (server restarted): save again once
                     raise
         t_info = PartInfo(Part.TARGET, len(target), t_sha, target_meta)
         d_info = PartInfo(Part.DRAFT, r.bytes, r.sha256, draft_meta, target_sha256=t_sha)
-        return PutResult(name, r.commit_id, info.protocol, t_info, d_info)
+        return PutResult(name, r.commit_id, info.protocol, t_info, d_info,
+                         generation=r.generation)
 
     def _put_part(self, name: str, part: Part, data: bytes | memoryview, sha: str | None,
                   meta: PartMeta,
                   *, draft_follows: bool = False, target_sha256: str = "",
-                  deadline: float | None = None) -> pb.PutResponse:
+                  deadline: float | None = None, cond: dict[str, int] | None = None
+                  ) -> pb.PutResponse:
         """One part. `sha` None: hashed while sent, the digest goes in the trailer
-        (the server must offer "sha256-trailer")."""
+        (the server must offer "sha256-trailer"). `cond`: the header's
+        expected_generation, when conditional."""
         limit = self.server_info().max_snapshot_bytes
         if limit and len(data) > limit:
             raise ResourceExhausted(f"{part.label} of {name!r} is {len(data)} bytes, the "
@@ -365,7 +387,7 @@ class SnapshotClient:
         header = pb.PutHeader(name=name, part=int(part), size=len(data), sha256=sha or "",
                               format_version=meta.format_version, fingerprint=meta.fingerprint,
                               n_tokens=meta.n_tokens, draft_follows=draft_follows,
-                              target_sha256=target_sha256)
+                              target_sha256=target_sha256, **(cond or {}))
         chunk = self._chunk_bytes
         sent: list[str] = []  # the trailer's digest, of the attempt that answered last
 
@@ -385,7 +407,7 @@ class SnapshotClient:
 
         try:
             r = self._call(lambda t: _put_within(self._stub, requests(), t), size=len(data),
-                           deadline=deadline)
+                           deadline=deadline, name=name)
         except InvalidArgument:
             if sha is not None:
                 raise
@@ -393,7 +415,7 @@ class SnapshotClient:
             # (it refuses the empty sha256 in the header): once more, digest first
             return self._put_part(name, part, data, _sha256(data), meta,
                                   draft_follows=draft_follows, target_sha256=target_sha256,
-                                  deadline=deadline)
+                                  deadline=deadline, cond=cond)
         want = sha if sha is not None else (sent[-1] if sent else "")
         if r.bytes != len(data) or r.sha256 != want:
             raise DataLoss(f"the server stored {r.bytes} bytes ({r.sha256}) of {name!r}, "
@@ -422,7 +444,8 @@ class SnapshotClient:
             target, th, prefix_sha = self._get_part(name, Part.TARGET, tail=digest_tail,
                                                     deadline=deadline)
             t_info = PartInfo.from_pb(th.info)
-            snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info)
+            snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info,
+                                generation=th.generation)
             if protocol < 2 or not with_draft or not th.draft_sha256:
                 note = ("protocol 1: drafts are not supported" if protocol < 2
                         else "draft not requested" if not with_draft else "no draft stored")
@@ -434,7 +457,7 @@ class SnapshotClient:
             except NotFound:
                 continue  # replaced by a newer save between the two reads: read both again
             snap = SnapshotInfo(th.name, th.commit_id, th.created_unix_ms, t_info,
-                                PartInfo.from_pb(dh.info))
+                                PartInfo.from_pb(dh.info), generation=th.generation)
             return Snapshot(name, target, draft, snap, protocol,
                             target_prefix_sha256=prefix_sha)
         return Snapshot(name, target, None, snap, protocol,
@@ -532,7 +555,8 @@ class SnapshotClient:
     # --- metadata ---------------------------------------------------------------------
 
     def stat(self, name: str) -> SnapshotInfo:
-        """Metadata of both parts of one snapshot (NotFound if there is none)."""
+        """Metadata of both parts of one snapshot and its generation (0 from a server
+        without `conditional_writes`); NotFound if there is none."""
         validate_name(name)
         r = self._call(lambda t: self._stub.Stat(pb.StatRequest(name=name), timeout=t))
         return SnapshotInfo.from_pb(r.snapshot)
@@ -551,4 +575,5 @@ class SnapshotClient:
         return r.bytes_freed
 
 
-__all__ = ["SnapshotClient", "PartMeta", "Part", "SnapshotError", "InvalidArgument"]
+__all__ = ["SnapshotClient", "PartMeta", "Part", "SnapshotError", "InvalidArgument",
+           "GenerationConflict"]

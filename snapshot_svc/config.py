@@ -58,7 +58,8 @@ class SnapshotConfig:
     tls_client_ca: Path | None = None  # set: clients need a certificate it signed (mTLS)
     # limits that keep one client from starving the others (limits.py)
     stream_idle_timeout_s: float = 30.0  # a Put sending nothing this long is cancelled
-    max_streams_per_key: int = 8  # Put/Get streams at once per key (< workers)
+    max_streams_per_key: int = 8  # Put/Get streams at once per key / keyless host (< workers)
+    stream_wait_s: float = 30.0  # a Put/Get beyond that waits this long for a place; 0: refused
     max_unary_per_key: int = 8  # other calls at once per key (+ streams < workers)
     quota_bytes: int = 0  # stored bytes per key namespace; 0 = no quota
 
@@ -78,6 +79,8 @@ class SnapshotConfig:
             raise ValueError("spare_bytes must be >= 0")
         if self.stream_idle_timeout_s <= 0 or self.quota_bytes < 0:
             raise ValueError("--stream-idle-timeout must be > 0 and --quota-bytes >= 0")
+        if self.stream_wait_s < 0:
+            raise ValueError("--stream-wait must be >= 0")
         if not 0 < self.max_streams_per_key < self.workers:
             raise ValueError(f"--max-streams-per-key must be in 1..{self.workers - 1} (fewer "
                              "than --workers, so that other keys always find a thread)")
@@ -139,7 +142,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
       "seconds a Put may send nothing before it is cancelled (its space freed)",
       field="stream_idle_timeout_s")
     f("--max-streams-per-key",
-      "Put/Get streams one API key may have open at once (RESOURCE_EXHAUSTED beyond)")
+      "Put/Get streams one API key (without keys: one client host) may have open at once; "
+      "more wait (--stream-wait)")
+    f("--stream-wait",
+      "seconds a Put/Get beyond --max-streams-per-key waits for a free stream, within its "
+      "deadline (RESOURCE_EXHAUSTED after); at most that many calls wait; 0 = refuse at once",
+      field="stream_wait_s")
     f("--max-unary-per-key",
       "with --api-keys: unary calls (Hello, List, Stat, Delete) one key may have running at "
       "once (RESOURCE_EXHAUSTED beyond)")

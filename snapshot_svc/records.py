@@ -77,19 +77,25 @@ class PartInfo:
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """A committed snapshot: the target, the optional draft, and the commit."""
+    """A committed snapshot: the target, the optional draft, and the commit.
+
+    `generation` counts the commits of the name: 1 for the first, +1 for each one after
+    (a manifest written before generations existed reads as 1). From a server without
+    the "conditional-put" feature it is 0 (not reported)."""
 
     name: str
     commit_id: str
     created_unix_ms: int
     target: PartInfo
     draft: PartInfo | None = None
+    generation: int = 1
 
     def part(self, part: Part) -> PartInfo | None:
         return self.target if part is Part.TARGET else self.draft
 
     def without_draft(self) -> SnapshotInfo:
-        return SnapshotInfo(self.name, self.commit_id, self.created_unix_ms, self.target)
+        return SnapshotInfo(self.name, self.commit_id, self.created_unix_ms, self.target,
+                            generation=self.generation)
 
     @property
     def total_bytes(self) -> int:
@@ -97,7 +103,8 @@ class SnapshotInfo:
 
     def to_pb(self) -> pb.SnapshotInfo:
         m = pb.SnapshotInfo(name=self.name, commit_id=self.commit_id,
-                            created_unix_ms=self.created_unix_ms, target=self.target.to_pb())
+                            created_unix_ms=self.created_unix_ms, target=self.target.to_pb(),
+                            generation=self.generation)
         if self.draft is not None:
             m.draft.CopyFrom(self.draft.to_pb())
         return m
@@ -106,12 +113,14 @@ class SnapshotInfo:
     def from_pb(cls, m: pb.SnapshotInfo) -> SnapshotInfo:
         return cls(name=m.name, commit_id=m.commit_id, created_unix_ms=m.created_unix_ms,
                    target=PartInfo.from_pb(m.target),
-                   draft=PartInfo.from_pb(m.draft) if m.HasField("draft") else None)
+                   draft=PartInfo.from_pb(m.draft) if m.HasField("draft") else None,
+                   generation=m.generation)
 
     def to_json(self) -> dict[str, Any]:
         return {"manifest_version": 1, "name": self.name, "commit_id": self.commit_id,
                 "created_unix_ms": self.created_unix_ms, "target": self.target.to_json(),
-                "draft": self.draft.to_json() if self.draft else None}
+                "draft": self.draft.to_json() if self.draft else None,
+                "generation": self.generation}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SnapshotInfo:
@@ -121,7 +130,16 @@ class SnapshotInfo:
         return cls(name=str(d["name"]), commit_id=str(d["commit_id"]),
                    created_unix_ms=int(d["created_unix_ms"]),
                    target=PartInfo.from_json(Part.TARGET, d["target"]),
-                   draft=PartInfo.from_json(Part.DRAFT, draft) if draft else None)
+                   draft=PartInfo.from_json(Part.DRAFT, draft) if draft else None,
+                   generation=_generation(d))
+
+
+def _generation(d: dict[str, Any]) -> int:
+    """The generation of a JSON manifest; 1 for one written before generations."""
+    g = d.get("generation", 1)
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        raise ValueError(f"bad generation {g!r}")
+    return g
 
 
 @dataclass(frozen=True)
@@ -147,6 +165,7 @@ class PutResult:
     draft: PartInfo | None  # None: no draft stored by this save
     draft_skipped: bool = False  # a draft was given but not sent (protocol 1)
     note: str = ""  # why the draft was skipped
+    generation: int = 0  # the snapshot's new generation; 0: the server does not report it
 
 
 @dataclass(frozen=True)

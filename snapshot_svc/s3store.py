@@ -33,10 +33,21 @@ Layout under `s3://bucket/prefix/`:
   (to add a draft to its target) just before another replica replaced it.
   `gc_grace_s` must exceed the longest Put (deadlines make that minutes; the default
   is one hour).
-- Writers of one name on different replicas: the last manifest written wins, and
-  every manifest names a target and the draft made for it, so a reader never gets a
-  torn pair (a draft added to the current target, racing a whole new save through
-  another replica, may replace that save with the older target and the new draft).
+- Generations: every manifest carries the name's generation (1 for the first commit,
+  +1 for each after; a manifest written before generations reads as 1). A commit reads
+  the manifest and its ETag, and writes the next one with `If-Match: <ETag>` (or
+  `If-None-Match: *` when the name has none): a conditional write, atomic in the store,
+  so of two replicas committing over the same manifest exactly one succeeds. The loser
+  (HTTP 412) reads again: a conditional Put (an expected generation) then fails with
+  GenerationConflict, an unconditional one commits on top of the winner (at most
+  `_CAS_ATTEMPTS` rounds). Generations therefore grow by exactly one per commit across
+  every replica sharing the bucket, and a conditional Put commits only over the
+  generation it names. A draft added to the current target checks that target under
+  the same condition, so it can no longer replace a newer save.
+- At start-up a replica checks that the store honours conditional writes (an object
+  written twice with `If-None-Match: *`: the second must fail). A store that ignores
+  them leaves `conditional_writes` False: the last manifest written wins again, the
+  generations are best effort, and conditional Puts are refused (FAILED_PRECONDITION).
 - At start-up a replica aborts the multipart uploads it left behind (its id is in
   their keys: give each replica its own `--replica-id`).
 """
@@ -49,13 +60,20 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
-from botocore.exceptions import NoCredentialsError
+from botocore.exceptions import ClientError, NoCredentialsError
 
-from snapshot_svc.backend import HeaderChecks, PutOutcome, UploadHeader, readable_part
+from snapshot_svc.backend import (
+    HeaderChecks,
+    PutOutcome,
+    UploadHeader,
+    check_generation,
+    readable_part,
+)
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
@@ -72,6 +90,10 @@ from snapshot_svc.s3client import S3Location, is_missing, make_client, s3_error
 from snapshot_svc.s3parts import Leftovers, S3Reader, S3Upload
 
 log = logging.getLogger("snapshot_svc.s3store")
+
+_CAS_ATTEMPTS = 16  # rounds of read-then-conditional-write of one manifest before UNAVAILABLE
+# the store's answers to a conditional write that lost (AWS answers 409 to two racing)
+_LOST = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 
 
 def _name_key(name: str) -> str:
@@ -95,6 +117,15 @@ class _Manifest:
         if (snap.draft is None) != (draft_key is None):
             raise ValueError("draft and draft_key disagree")
         return cls(snap, str(d["target_key"]), None if draft_key is None else str(draft_key))
+
+
+def _lost(exc: Exception) -> bool:
+    """Whether a failed S3 call is a conditional write refused (another write came first)."""
+    if not isinstance(exc, ClientError):
+        return False
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return code in _LOST or status in ("412", "409")
 
 
 class S3Store(HeaderChecks):
@@ -125,8 +156,10 @@ class S3Store(HeaderChecks):
         self._gc_candidates: set[str] = set()
         self._gc_lock = threading.Lock()  # one sweep at a time (timer and callers)
         self._closed = threading.Event()
+        self.conditional_writes = False  # set by the start-up check
         try:
             self._open_bucket(start_timeout_s)
+            self.conditional_writes = self._check_conditional_writes()
             self._abort_own_uploads()
             self.list()  # usage figures from the start
         except BaseException:
@@ -182,6 +215,34 @@ class S3Store(HeaderChecks):
             raise FailedPrecondition(f"bucket {bucket!r} does not exist at {self.describe()} and "
                                      f"could not be created: {s3_error('', exc).message}") from exc
         log_event(log, logging.INFO, "bucket_created", bucket=bucket)
+
+    def _check_conditional_writes(self) -> bool:
+        """Whether the store honours `If-None-Match: *` on PutObject: a probe object
+        written twice with it, the second write must be refused (then removed)."""
+        key = f"{self.loc.prefix}probe/{self.replica_id}.{uuid.uuid4().hex}"
+        try:
+            self.s3.put_object(Bucket=self.loc.bucket, Key=key, Body=b"1", IfNoneMatch="*")
+            try:
+                self.s3.put_object(Bucket=self.loc.bucket, Key=key, Body=b"2",
+                                   IfNoneMatch="*")
+                honoured = False
+            except Exception as exc:  # noqa: BLE001 - a refusal is the expected answer
+                if not _lost(exc):
+                    raise
+                honoured = True
+        except Exception as exc:  # noqa: BLE001 - any other answer: not supported
+            log_event(log, logging.WARNING, "conditional_writes_unsupported",
+                      store=str(self.loc), error=str(exc))
+            honoured = False
+        finally:
+            try:
+                self.s3.delete_object(Bucket=self.loc.bucket, Key=key)
+            except Exception:  # noqa: BLE001, S110 - the probe is tiny; a leftover is harmless
+                pass
+        if not honoured:
+            log_event(log, logging.WARNING, "conditional_writes_ignored", store=str(self.loc),
+                      effect="last manifest written wins; conditional Puts are refused")
+        return honoured
 
     def _uploads(self, prefix: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -248,16 +309,20 @@ class S3Store(HeaderChecks):
             raise s3_error(what, exc) from exc
 
     def _manifest(self, name: str) -> _Manifest | None:
+        return self._manifest_at(name)[0]
+
+    def _manifest_at(self, name: str) -> tuple[_Manifest | None, str]:
+        """The name's manifest and its ETag (None, "" when there is none)."""
         got = self._get_json(self._manifest_key(name), f"reading the manifest of {name!r}")
         if got is None:
-            return None
+            return None, ""
         try:
             m = _Manifest.from_json(got[0])
         except (ValueError, KeyError, TypeError) as exc:
             raise DataLoss(f"the manifest of {name!r} is unreadable: {exc}") from exc
         if m.snap.name != name:
             raise DataLoss(f"the manifest of {name!r} holds another name ({m.snap.name!r})")
-        return m
+        return m, got[1]
 
     # --- Put --------------------------------------------------------------------------
 
@@ -282,6 +347,8 @@ class S3Store(HeaderChecks):
         now_ms = int(time.time() * 1000)
         if h.part is Part.TARGET:
             if h.draft_follows:
+                if h.expected_generation is not None:  # early: the draft's commit decides
+                    check_generation(h, self._current(h.name))
                 commit_id = uuid.uuid4().hex
                 self._put_json(self._staged_key(h.name, h.sha256), {
                     "name": h.name, "commit_id": commit_id, "key": key,
@@ -291,42 +358,92 @@ class S3Store(HeaderChecks):
                 log_event(log, logging.INFO, "target_staged", name=h.name, sha256=h.sha256,
                           bytes=h.size, commit_id=commit_id, key=key)
                 return PutOutcome(info, commit_id, committed=False, has_draft=False)
-            snap = SnapshotInfo(h.name, uuid.uuid4().hex, now_ms, info, None)
-            self._write_manifest(_Manifest(snap, key, None))
-            return PutOutcome(info, snap.commit_id, committed=True, has_draft=False)
+            commit_id = uuid.uuid4().hex
+
+            def whole(current: _Manifest | None, generation: int) -> _Manifest:
+                return _Manifest(SnapshotInfo(h.name, commit_id, now_ms, info, None,
+                                              generation), key, None)
+
+            m = self._commit_manifest(h, whole)
+            return PutOutcome(info, commit_id, committed=True, has_draft=False,
+                              generation=m.snap.generation)
 
         staged_key = self._staged_key(h.name, h.target_sha256)
         staged = self._get_json(staged_key, f"reading the staged target of {h.name!r}")
-        if staged is not None and staged[0].get("expires_unix_ms", 0) > now_ms:
-            rec = staged[0]
-            target = PartInfo.from_json(Part.TARGET, rec["target"])
-            target_key, commit_id = str(rec["key"]), str(rec["commit_id"])
-        else:
+        if staged is not None and staged[0].get("expires_unix_ms", 0) <= now_ms:
             staged = None
-            current = self._manifest(h.name)
-            if current is None or current.snap.target.sha256 != h.target_sha256:
+        draft_commit = uuid.uuid4().hex
+
+        def with_draft(current: _Manifest | None, generation: int) -> _Manifest:
+            if staged is not None:
+                rec = staged[0]
+                target = PartInfo.from_json(Part.TARGET, rec["target"])
+                target_key, commit_id = str(rec["key"]), str(rec["commit_id"])
+            elif current is not None and current.snap.target.sha256 == h.target_sha256:
+                target, target_key, commit_id = (current.snap.target, current.target_key,
+                                                 draft_commit)
+            else:
                 have = current.snap.target.sha256 if current else "none"
                 raise FailedPrecondition(
                     f"draft of {h.name!r} belongs to target {h.target_sha256}, which is "
                     f"neither staged nor the current target ({have}); upload the target first")
-            target, target_key, commit_id = (current.snap.target, current.target_key,
-                                             uuid.uuid4().hex)
-        snap = SnapshotInfo(h.name, commit_id, now_ms, target, info)
-        self._write_manifest(_Manifest(snap, target_key, key))
+            return _Manifest(SnapshotInfo(h.name, commit_id, now_ms, target, info, generation),
+                             target_key, key)
+
+        m = self._commit_manifest(h, with_draft)
         if staged is not None:
             self._delete(staged_key, f"removing the staged target of {h.name!r}")
-        return PutOutcome(info, commit_id, committed=True, has_draft=True)
+        return PutOutcome(info, m.snap.commit_id, committed=True, has_draft=True,
+                          generation=m.snap.generation)
 
-    def _write_manifest(self, m: _Manifest) -> None:
-        """The commit point: one PutObject replaces the name's manifest atomically."""
-        snap = m.snap
-        self._put_json(self._manifest_key(snap.name), m.to_json(),
-                       f"writing the manifest of {snap.name!r}")
-        log_event(log, logging.INFO, "snapshot_committed", name=snap.name,
-                  commit_id=snap.commit_id, target_sha256=snap.target.sha256,
-                  target_bytes=snap.target.size,
-                  draft_sha256=snap.draft.sha256 if snap.draft else "",
-                  draft_bytes=snap.draft.size if snap.draft else 0)
+    def _current(self, name: str) -> SnapshotInfo | None:
+        m = self._manifest(name)
+        return None if m is None else m.snap
+
+    def _commit_manifest(self, h: UploadHeader,
+                         make: Callable[[_Manifest | None, int], _Manifest]) -> _Manifest:
+        """The commit point: reads the name's manifest, checks the header's expected
+        generation against it, and writes `make(current, next generation)` on condition
+        that the manifest is still the one read (see the module docstring). A write that
+        lost to another replica's is tried again from a fresh read, so a conditional Put
+        then fails with GenerationConflict and an unconditional one goes on top."""
+        if h.expected_generation is not None and not self.conditional_writes:
+            raise FailedPrecondition(
+                f"conditional Put of {h.name!r}: the object store at {self.describe()} "
+                "ignores conditional writes")
+        for _ in range(_CAS_ATTEMPTS):
+            current, etag = self._manifest_at(h.name)
+            generation = check_generation(h, None if current is None else current.snap)
+            m = make(current, generation)
+            if self._put_manifest(m, etag):
+                snap = m.snap
+                log_event(log, logging.INFO, "snapshot_committed", name=snap.name,
+                          commit_id=snap.commit_id, generation=snap.generation,
+                          target_sha256=snap.target.sha256, target_bytes=snap.target.size,
+                          draft_sha256=snap.draft.sha256 if snap.draft else "",
+                          draft_bytes=snap.draft.size if snap.draft else 0)
+                return m
+            log_event(log, logging.INFO, "manifest_write_lost", name=h.name,
+                      generation=generation)
+        raise Unavailable(f"the manifest of {h.name!r} changed under {_CAS_ATTEMPTS} "
+                          "commits in a row; try again")
+
+    def _put_manifest(self, m: _Manifest, etag: str) -> bool:
+        """Writes a manifest if the stored one still has ETag `etag` ("": if there is
+        none); False when another write came first. Without conditional writes in the
+        store, unconditionally (True)."""
+        body = json.dumps(m.to_json(), sort_keys=True).encode("utf-8")
+        cond: dict[str, str] = {}
+        if self.conditional_writes:
+            cond = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        try:
+            self.s3.put_object(Bucket=self.loc.bucket, Key=self._manifest_key(m.snap.name),
+                               Body=body, ContentType="application/json", **cond)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            if cond and _lost(exc):
+                return False
+            raise s3_error(f"writing the manifest of {m.snap.name!r}", exc) from exc
+        return True
 
     def drop_staged(self, name: str, target_sha256: str) -> None:
         """Removes the staged record of a failed paired save and its target's object."""

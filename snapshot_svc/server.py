@@ -10,6 +10,7 @@ In-process (tests, tools):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import socket
@@ -18,14 +19,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from contextlib import AbstractContextManager
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, limits, tenants
-from snapshot_svc.backend import Backend, claimed_target
+from snapshot_svc.backend import Backend, UploadHeader, check_generation, claimed_target
 from snapshot_svc.clientlib import auth, metrics_http, tls
+from snapshot_svc.clientlib.generations import CONDITIONAL_PUT
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.digest import StreamDigest
@@ -33,7 +36,9 @@ from snapshot_svc.errors import (
     Cancelled,
     DataLoss,
     FailedPrecondition,
+    GenerationConflict,
     InvalidArgument,
+    NotFound,
     ResourceExhausted,
     SnapshotError,
     Unavailable,
@@ -48,15 +53,22 @@ from snapshot_svc.wire import SERVICE_NAME, add_snapshot_servicer
 
 log = logging.getLogger("snapshot_svc.server")
 
+STREAM_WAIT_MARGIN_S = 0.5  # a call waiting for a stream gives up this long before its deadline
+
 FEATURES_V1 = ("sha256",)
 # "sha256-trailer": a Put may leave the header's sha256 empty and end with a PutTrailer
 # (the client hashes while sending). Not offered at --max-protocol 1, whose servers
 # predate it.
 FEATURES_V2 = ("draft-sidecar", "paired-commit", "sha256-trailer")
+# CONDITIONAL_PUT ("conditional-put"): generations, and Puts conditional on one
+# (PutHeader.expected_generation); offered at protocol 2 by a server whose store
+# honours conditional writes
 
 
-def server_features(protocol: int) -> tuple[str, ...]:
-    return FEATURES_V1 + (FEATURES_V2 if protocol >= 2 else ())
+def server_features(protocol: int, conditional: bool = True) -> tuple[str, ...]:
+    if protocol < 2:
+        return FEATURES_V1
+    return FEATURES_V1 + FEATURES_V2 + ((CONDITIONAL_PUT,) if conditional else ())
 
 
 def negotiate(client_min: int, client_max: int, server_max: int) -> int:
@@ -80,11 +92,29 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         self.config = config
         self.store = store
         self.metrics = metrics
-        self.streams = limits.StreamLimit(config.max_streams_per_key)
+        # a caller's running and waiting streams together stay below the handler threads
+        self.streams = limits.StreamLimit(
+            config.max_streams_per_key, max_waiting=min(
+                config.max_streams_per_key, config.workers - 1 - config.max_streams_per_key))
 
     @property
     def drafts(self) -> bool:
         return self.config.max_protocol >= 2
+
+    @property
+    def generations(self) -> bool:
+        """Generations reported and expected generations honoured (a --max-protocol 1
+        server behaves as an old one: neither)."""
+        return self.config.max_protocol >= 2
+
+    def _stream(self, context: grpc.ServicerContext) -> AbstractContextManager[None]:
+        """A place among the caller's streams (its key's, else its host's), waited for
+        at most --stream-wait seconds and never past the call's deadline."""
+        wait = self.config.stream_wait_s
+        left = context.time_remaining()
+        if left is not None:
+            wait = min(wait, left - STREAM_WAIT_MARGIN_S)
+        return self.streams.hold(auth.CURRENT.get(), peer=context.peer(), wait_s=wait)
 
     def _part(self, value: int) -> Part:
         if value == pb.PART_TARGET:
@@ -97,11 +127,12 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         raise InvalidArgument(f"part must be PART_TARGET or PART_DRAFT, got {value}")
 
     def _visible(self, snap: SnapshotInfo) -> SnapshotInfo:
-        return snap if self.drafts else snap.without_draft()
+        return snap if self.drafts else dataclasses.replace(snap.without_draft(), generation=0)
 
     def Hello(self, request: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
         protocol = negotiate(request.min_protocol, request.max_protocol, self.config.max_protocol)
-        features = [f for f in server_features(protocol) if f in set(request.features)]
+        offered = server_features(protocol, self.store.conditional_writes)
+        features = [f for f in offered if f in set(request.features)]
         log_event(log, logging.INFO, "hello", peer=context.peer(), protocol=protocol,
                   client_min=request.min_protocol, client_max=request.max_protocol,
                   client_version=request.client_version)
@@ -113,10 +144,31 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
 
     def Put(self, request_iterator: Iterator[pb.PutRequest],
             context: grpc.ServicerContext) -> pb.PutResponse:
-        with self.streams.hold(auth.CURRENT.get()):
+        with self._stream(context):
             return self._put(limits.until_idle(request_iterator,
                                                self.config.stream_idle_timeout_s, "Put"),
                              context)
+
+    def _expected(self, h: pb.PutHeader) -> int:
+        """The header's expected generation; FAILED_PRECONDITION when the store cannot
+        honour it (an S3 store that ignores conditional writes)."""
+        if not self.store.conditional_writes:
+            raise FailedPrecondition(f"conditional Put of {h.name!r}: the store "
+                                     f"{self.store.describe()} ignores conditional writes")
+        return h.expected_generation
+
+    def _check_generation(self, header: UploadHeader) -> None:
+        """The early check of a conditional Put (the commit checks again, atomically):
+        a Put that would lose is refused before its data is sent."""
+        try:
+            current: SnapshotInfo | None = self.store.stat(header.name)
+        except NotFound:
+            current = None
+        try:
+            check_generation(header, current)
+        except GenerationConflict as exc:
+            raise GenerationConflict(tenants.caller_name(auth.CURRENT.get(), header.name)
+                                     or header.name, exc.expected, exc.stored) from None
 
     def _check_quota(self, stored: str, size: int) -> None:
         """RESOURCE_EXHAUSTED when a namespaced key's Put of `size` bytes would take its
@@ -153,6 +205,9 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 PartMeta(h.format_version, h.fingerprint, h.n_tokens),
                 draft_follows=h.draft_follows and self.drafts,  # protocol 1: commit at once
                 target_sha256=h.target_sha256, trailer=self.drafts)
+            if h.HasField("expected_generation") and self.generations:
+                header = dataclasses.replace(header, expected_generation=self._expected(h))
+                self._check_generation(header)  # before a byte is received
             self._check_quota(header.name, h.size)
             upload = self.store.begin_put(header)
             trailer = None
@@ -178,17 +233,21 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
             if not context.is_active():
                 raise Cancelled("the client went away")
             spare = upload.overwrites_spare
-            out = self.store.finish_put(upload)
+            try:
+                out = self.store.finish_put(upload)
+            except GenerationConflict as exc:  # named as the caller names it
+                raise GenerationConflict(h.name, exc.expected, exc.stored) from None
             upload = None
             done = True
             self.metrics.bytes_received.labels(label).inc(out.info.size)
             log_event(log, logging.INFO, "put", name=header.name, part=label,
                       bytes=out.info.size, sha256=out.info.sha256, commit_id=out.commit_id,
-                      committed=out.committed, spare=spare,
+                      committed=out.committed, generation=out.generation, spare=spare,
                       ms=round((time.perf_counter() - t0) * 1e3, 2))
             return pb.PutResponse(name=h.name, part=int(part), bytes=out.info.size,
                                   sha256=out.info.sha256, commit_id=out.commit_id,
-                                  committed=out.committed, has_draft=out.has_draft)
+                                  committed=out.committed, has_draft=out.has_draft,
+                                  generation=out.generation if self.generations else 0)
         except SnapshotError as exc:
             code = exc.code.name if context.is_active() else "CANCELLED"
             if isinstance(exc, DataLoss) and context.is_active():
@@ -212,7 +271,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
 
     def Get(self, request: pb.GetRequest,
             context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
-        with self.streams.hold(auth.CURRENT.get()):
+        with self._stream(context):
             yield from self._get(request, context)
 
     def _get(self, request: pb.GetRequest,
@@ -238,7 +297,8 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
                 yield pb.GetResponse(header=pb.GetHeader(
                     name=request.name, commit_id=snap.commit_id,
                     created_unix_ms=snap.created_unix_ms, info=info.to_pb(),
-                    draft_sha256=draft_sha))
+                    draft_sha256=draft_sha,
+                    generation=snap.generation if self.generations else 0))
                 remaining = info.size
                 while remaining:
                     data = reader.read(min(MAX_CHUNK_BYTES, remaining))
@@ -339,7 +399,8 @@ class SnapshotServer:
                 self._gate, unary_limit=self.unary)],
             options=[("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (64 << 10)),
                      ("grpc.so_reuseport", 0)])
-        add_snapshot_servicer(SnapshotServicer(config, self.store, self.metrics), self._grpc)
+        self.servicer = SnapshotServicer(config, self.store, self.metrics)
+        add_snapshot_servicer(self.servicer, self._grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         reflection.enable_server_reflection(

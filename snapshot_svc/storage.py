@@ -15,6 +15,12 @@ see both parts of one save or neither. A target that a draft will follow is
 staged (kept in memory, its blob referenced) until the draft put naming its
 digest commits both; a staged target that no draft claims expires.
 
+Every manifest carries the name's generation (1 for its first commit, +1 for each
+commit after; one written before generations reads as 1). A conditional Put (an
+expected generation) is checked and committed under the store's lock, so of two
+conditional Puts expecting the same generation exactly one commits; the other is
+refused (GenerationConflict, ABORTED) before its blob is placed.
+
 Blobs are reference-counted by the manifests and the staged targets, and
 removed as soon as nothing references them (at start-up: everything not named
 by a manifest). A Get opens its blob under the store's lock, so a blob removed
@@ -46,6 +52,7 @@ from snapshot_svc.backend import (
     PutOutcome,
     UploadHeader,
     check_complete,
+    check_generation,
     check_received,
     check_trailer_sha256,
     readable_part,
@@ -225,6 +232,8 @@ class BlobReader:
 class Store(HeaderChecks):
     """The data directory of one server (the local backend). Thread-safe."""
 
+    conditional_writes = True  # every commit runs under the store's lock
+
     def __init__(self, root: Path, *, max_snapshot_bytes: int, stage_ttl_s: float = 300.0,
                  clock: Callable[[], float] = time.monotonic,
                  write: Callable[[int, memoryview], int] = os.write,
@@ -344,6 +353,9 @@ class Store(HeaderChecks):
             upload.seal()
             with self._lock:
                 self._expire_staged()
+                # a conditional Put that lost is refused before its blob is placed: the
+                # commit below runs under the same lock, so the check holds for it
+                check_generation(h, self._index.get(h.name))
                 self._place_blob(upload.path, h.sha256, h.size)
                 try:
                     return self._commit(h)
@@ -370,7 +382,10 @@ class Store(HeaderChecks):
         self._blob_sizes[sha] = size
 
     def _commit(self, h: UploadHeader) -> PutOutcome:
+        """Commits (or stages) a placed upload; under the store's lock, which makes a
+        conditional Put's check and its commit one step against every other Put."""
         info = PartInfo(h.part, h.size, h.sha256, h.meta, h.target_sha256)
+        generation = check_generation(h, self._index.get(h.name))
         if h.part is Part.TARGET:
             if h.draft_follows:
                 key = (h.name, h.sha256)
@@ -383,9 +398,11 @@ class Store(HeaderChecks):
                 log_event(log, logging.INFO, "target_staged", name=h.name, sha256=h.sha256,
                           bytes=h.size, commit_id=staged.commit_id)
                 return PutOutcome(info, staged.commit_id, committed=False, has_draft=False)
-            snap = SnapshotInfo(h.name, uuid.uuid4().hex, int(time.time() * 1000), info, None)
+            snap = SnapshotInfo(h.name, uuid.uuid4().hex, int(time.time() * 1000), info, None,
+                                generation)
             self._write_manifest(snap)
-            return PutOutcome(info, snap.commit_id, committed=True, has_draft=False)
+            return PutOutcome(info, snap.commit_id, committed=True, has_draft=False,
+                              generation=generation)
 
         staged = self._staged.get((h.name, h.target_sha256))
         current = self._index.get(h.name)
@@ -398,11 +415,13 @@ class Store(HeaderChecks):
             raise FailedPrecondition(
                 f"draft of {h.name!r} belongs to target {h.target_sha256}, which is neither "
                 f"staged nor the current target ({have}); upload the target first")
-        snap = SnapshotInfo(h.name, commit_id, int(time.time() * 1000), target, info)
+        snap = SnapshotInfo(h.name, commit_id, int(time.time() * 1000), target, info,
+                            generation)
         self._write_manifest(snap)
         if staged is not None and self._staged.pop((h.name, h.target_sha256), None) is not None:
             self._release(h.target_sha256)
-        return PutOutcome(info, commit_id, committed=True, has_draft=True)
+        return PutOutcome(info, commit_id, committed=True, has_draft=True,
+                          generation=generation)
 
     def _write_manifest(self, snap: SnapshotInfo) -> None:
         """The commit point: replaces the name's manifest atomically and durably."""

@@ -35,6 +35,7 @@ def srv(tmp_path: Path) -> Iterator[SnapshotServer]:
     keys = write_keys(tmp_path / "keys", {A: "namespace=a", B: "namespace=b"})
     cfg = SnapshotConfig(data_dir=tmp_path / "data", port=0, api_keys=keys, workers=4,
                          max_streams_per_key=2, max_unary_per_key=1, stream_idle_timeout_s=1.0,
+                         stream_wait_s=0,  # a third stream is refused at once
                          spare_bytes=0,
                          quota_bytes=10_000 + (8 << 20))
     with SnapshotServer(cfg) as s:

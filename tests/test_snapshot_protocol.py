@@ -129,7 +129,8 @@ def test_new_peers_speak_protocol_2(v2: SnapshotServer) -> None:
         info = c.server_info()
         assert (info.protocol, info.hello_supported) == (2, True)
         assert info.features == ("sha256", "draft-sidecar", "paired-commit",
-                                 "sha256-trailer")
+                                 "sha256-trailer", "conditional-put")
+        assert c.conditional_writes
         assert (info.max_chunk_bytes, info.max_snapshot_bytes) == (1 << 20, 2 << 30)
         res = c.put("s", b"target", b"draft")
         assert res.draft is not None and not res.draft_skipped

@@ -8,9 +8,9 @@ from types import MappingProxyType
 
 import grpc
 
-__all__ = ["Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
+__all__ = ["Aborted", "Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
            "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted",
-           "StatusError", "Unauthenticated", "Unavailable", "from_rpc_error"]
+           "GenerationConflict", "StatusError", "Unauthenticated", "Unavailable", "from_rpc_error"]
 
 
 class StatusError(Exception):
@@ -21,6 +21,10 @@ class StatusError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata the server sends with the status (none by default)."""
+        return ()
 
 
 def _coded(code: grpc.StatusCode, doc: str) -> type[StatusError]:
@@ -41,19 +45,44 @@ Cancelled = _coded(_C.CANCELLED, "The caller went away.")
 Unauthenticated = _coded(_C.UNAUTHENTICATED, "No key, or a key the server does not know.")
 PermissionDenied = _coded(_C.PERMISSION_DENIED, "A known key without the right to the call.")
 Internal = _coded(_C.INTERNAL, "A bug or an unexpected I/O error on the server.")
+Aborted = _coded(_C.ABORTED, "A conditional write lost: another write came first.")
+
+EXPECTED_KEY = "warmslot-expected-generation"  # trailing metadata of a GenerationConflict
+STORED_KEY = "warmslot-stored-generation"
+
+
+class GenerationConflict(Aborted):  # type: ignore[valid-type,misc]
+    """A conditional Put refused: the snapshot `name` is at generation `stored` (0: it
+    does not exist), the Put expected `expected`. Nothing of the Put was stored."""
+
+    def __init__(self, name: str, expected: int, stored: int) -> None:
+        have = f"stored {stored}" if stored else "stored 0: no such snapshot"
+        super().__init__(f"snapshot {name!r} changed: expected generation {expected}, {have}")
+        self.name, self.expected, self.stored = name, expected, stored
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((EXPECTED_KEY, str(self.expected)), (STORED_KEY, str(self.stored)))
 
 _BY_CODE: Mapping[grpc.StatusCode, type[StatusError]] = MappingProxyType({
     cls.code: cls
     for cls in (InvalidArgument, NotFound, FailedPrecondition, DataLoss, ResourceExhausted,
                 DeadlineExceeded, Unavailable, Cancelled, Unauthenticated, PermissionDenied,
-                Internal)
+                Internal, Aborted)
 })
 
 
-def from_rpc_error(err: grpc.RpcError) -> StatusError:
-    """The typed error for a failed call (the base class for unmapped codes)."""
+def from_rpc_error(err: grpc.RpcError, name: str = "") -> StatusError:
+    """The typed error for a failed call (the base class for unmapped codes); an
+    ABORTED call whose trailers carry both generations is a GenerationConflict of
+    `name` (the snapshot the call was about)."""
     code = err.code() if isinstance(err, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = (err.details() if isinstance(err, grpc.Call) else None) or str(code)
+    if code == grpc.StatusCode.ABORTED and isinstance(err, grpc.Call):
+        meta = dict(err.trailing_metadata() or ())
+        try:
+            return GenerationConflict(name, int(meta[EXPECTED_KEY]), int(meta[STORED_KEY]))
+        except (KeyError, ValueError):
+            pass
     cls = _BY_CODE.get(code, StatusError)
     exc = cls(details)
     exc.code = code

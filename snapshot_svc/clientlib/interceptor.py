@@ -136,6 +136,8 @@ class StatusInterceptor(grpc.ServerInterceptor):
             log_event(self._log, logging.INFO, "rpc_failed", method=method, code=code.name,
                       message=message)
         self._count(method, code.name)
+        if isinstance(exc, StatusError) and exc.trailers():
+            context.set_trailing_metadata(exc.trailers())  # e.g. a conflict's generations
         context.abort(code, message)
 
     def _call(self, full: str, method: str, context: grpc.ServicerContext,
