@@ -51,7 +51,11 @@ import grpc
 
 from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, __version__, buffers
 from snapshot_svc.clientlib.auth import BearerInterceptor
-from snapshot_svc.clientlib.generations import CONDITIONAL_PUT, conditional_header
+from snapshot_svc.clientlib.generations import (
+    CONDITIONAL_PUT,
+    conditional_header,
+    is_own_commit,
+)
 from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
@@ -335,10 +339,42 @@ class SnapshotClient:
         `expected_generation`: commit only if the snapshot is at this generation now (0:
         only if there is none); GenerationConflict (name, expected, stored) otherwise,
         with nothing stored. Needs `conditional_writes` (FailedPrecondition, nothing
-        sent, against a server without). `PutResult.generation` is the new one."""
+        sent, against a server without). `PutResult.generation` is the new one. A
+        conflict that finds exactly this Put's bytes stored one generation on (its first
+        attempt committed, the answer was lost and the retry found it) is a success."""
         validate_name(name)
         info = self.server_info(deadline)
         cond = conditional_header(name, expected_generation, info.features, self.addr)
+        try:
+            return self._put(name, target, draft, target_meta, draft_meta, info, cond,
+                             target_sha256, draft_sha256, deadline)
+        except GenerationConflict as exc:
+            own = self._own_commit(exc, target, draft, info.protocol)
+            if own is None:
+                raise
+            return own
+
+    def _own_commit(self, exc: GenerationConflict, target: bytes | memoryview,
+                    draft: bytes | memoryview | None, protocol: int) -> PutResult | None:
+        """The stored snapshot when it is what this Put would have committed
+        (`is_own_commit`); None: a real conflict."""
+        if exc.stored != exc.expected + 1:
+            return None
+        try:
+            snap = self.stat(exc.name)
+        except SnapshotError:
+            return None
+        stored = (snap.generation, snap.target.sha256, snap.draft.sha256 if snap.draft else "")
+        sent = (_sha256(target), _sha256(draft) if draft is not None and protocol >= 2 else "")
+        if not is_own_commit(exc, stored, sent):
+            return None
+        return PutResult(exc.name, snap.commit_id, protocol, snap.target, snap.draft,
+                         generation=snap.generation)
+
+    def _put(self, name: str, target: bytes | memoryview, draft: bytes | memoryview | None,
+             target_meta: PartMeta | None, draft_meta: PartMeta | None, info: ServerInfo,
+             cond: dict[str, int] | None, target_sha256: str | None,
+             draft_sha256: str | None, deadline: float | None) -> PutResult:
         target_meta = target_meta or PartMeta()
         trailer = "sha256-trailer" in info.features
 

@@ -19,7 +19,7 @@ import pytest
 
 from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
-from snapshot_svc.errors import FailedPrecondition, GenerationConflict
+from snapshot_svc.errors import FailedPrecondition, GenerationConflict, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.server import SnapshotServer
@@ -397,3 +397,32 @@ def test_a_staged_target_that_would_lose_is_refused_before_its_data(tmp_path: Pa
         assert srv.store._staged == {}  # type: ignore[attr-defined]
         assert [p.name for p in srv.store.tmp.iterdir()  # type: ignore[attr-defined]
                 if not p.name.startswith("spare-")] == []
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_retried_put_that_had_committed_is_not_a_conflict(tmp_path: Path,
+                                                            paired: bool) -> None:
+    """The first attempt commits and its answer is lost (UNAVAILABLE): the retry finds
+    the snapshot one generation on, holding exactly its bytes, and reports success."""
+    with running_server(tmp_path / "d") as srv, \
+            SnapshotClient(srv.address, backoff=0.01) as c:
+        c.put("a", b"v1")
+        real_finish = srv.store.finish_put
+        lost: list[int] = []
+
+        def finish_then_fail(upload: Any) -> Any:
+            out = real_finish(upload)
+            if out.committed and not lost:
+                lost.append(out.generation)
+                raise Unavailable("the answer was lost")
+            return out
+
+        srv.store.finish_put = finish_then_fail  # type: ignore[method-assign]
+        draft = b"d2" if paired else None
+        res = c.put("a", b"v2", draft, expected_generation=1)
+        assert (lost, res.generation) == ([2], 2)
+        assert (res.target.sha256, res.draft.sha256 if res.draft else "") == (
+            sha(b"v2"), sha(b"d2") if paired else "")
+        assert c.stat("a").generation == 2
+        # different bytes over the same generation: a real conflict
+        assert conflict_of(lambda: c.put("a", b"v3", draft, expected_generation=1)).stored == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from snapshot_svc.clientlib.errors import FailedPrecondition, InvalidArgument
+from snapshot_svc.clientlib.errors import FailedPrecondition, GenerationConflict, InvalidArgument
 
 # Hello feature: every snapshot carries a generation and a Put may expect one
 CONDITIONAL_PUT = "conditional-put"
@@ -26,3 +26,17 @@ def conditional_header(name: str, expected: int | None, features: Sequence[str],
             f"service at {server} has no conditional writes (no {CONDITIONAL_PUT!r} "
             "feature: an older server, or a store that ignores them); nothing was sent")
     return {"expected_generation": expected}
+
+
+def is_own_commit(conflict: GenerationConflict, stored: tuple[int, str, str],
+                  sent: tuple[str, str]) -> bool:
+    """Whether a conflicting Put in fact committed: the stored snapshot, one generation
+    past the expected one, holds exactly its bytes. `stored`: (generation, target
+    SHA-256, draft SHA-256 or ""); `sent`: (target SHA-256, draft SHA-256 or "").
+
+    That is the answer a retried conditional Put gets when its first attempt committed
+    and the answer was lost (UNAVAILABLE): the retry finds its own commit. Another
+    writer that stored the same bytes over the same generation leaves the same state,
+    so either way the Put's state is the stored one, at `stored[0]`."""
+    return (conflict.stored == conflict.expected + 1
+            and stored == (conflict.stored, *sent))
