@@ -15,6 +15,9 @@ directory and on S3 (a SeaweedFS started on 127.0.0.1), measured A/B interleaved
    as before generations (one PutObject) against as now (GetObject of the current
    manifest for its generation and ETag, then PutObject with If-Match), interleaved;
    per-commit medians and ratio.
+3. Races on SeaweedFS: `--races` rounds of 8 threads writing one object with the same
+   If-Match ETag (and as many with If-None-Match: * on a fresh key) at once; how many
+   writes each round accepted (exactly 1 every round is what the backend relies on).
 
 The last line printed is one JSON object (also written to --out).
 """
@@ -31,13 +34,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 # the repository on the path, this directory off it (its http.py would shadow the module)
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from botocore.exceptions import ClientError  # noqa: E402
 
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.s3client import make_client  # noqa: E402
@@ -129,11 +136,49 @@ def manifest_commits(fs: SeaweedFS, n: int) -> dict[str, Any]:
             "ratio": round(statistics.median(new) / statistics.median(old), 3), "n": n}
 
 
+def races(fs: SeaweedFS, rounds: int, writers: int = 8) -> dict[str, Any]:
+    """Winners per round of `writers` simultaneous conditional writes of one object."""
+    os.environ.update(fs.env())
+    s3 = make_client(fs.endpoint, "", writers)
+    pool = futures.ThreadPoolExecutor(writers)
+    out: dict[str, Any] = {}
+    for mode in ("if_match", "if_none_match"):
+        winners: list[int] = []
+        for r in range(rounds):
+            key = f"race/{mode}/{r if mode == 'if_none_match' else 0}"
+            cond: dict[str, str] = {"IfNoneMatch": "*"}
+            if mode == "if_match":
+                etag = s3.put_object(Bucket=BUCKET, Key=key, Body=b"%d" % r)["ETag"]
+                cond = {"IfMatch": etag}
+            barrier = threading.Barrier(writers)
+
+            def write(w: int, key: str = key, cond: dict[str, str] = cond,
+                      barrier: threading.Barrier = barrier, r: int = r) -> int:
+                barrier.wait(30)
+                try:
+                    s3.put_object(Bucket=BUCKET, Key=key, Body=b"%d-%d" % (r, w), **cond)
+                    return 1
+                except ClientError as exc:
+                    code = exc.response.get("Error", {}).get("Code", "")
+                    if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                        return 0
+                    raise
+
+            winners.append(sum(pool.map(write, range(writers))))
+        out[mode] = {"rounds": rounds, "writers": writers,
+                     "rounds_with_exactly_one_winner": winners.count(1),
+                     "winners_min": min(winners), "winners_max": max(winners)}
+    pool.shutdown()
+    s3.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--sizes-kib", default="64,4096")
     ap.add_argument("--commits", type=int, default=200)
+    ap.add_argument("--races", type=int, default=100)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes_kib.split(",")]
@@ -158,6 +203,8 @@ def main() -> int:
                             print(backend, f"{kib} KiB", r, flush=True)
             result["manifest_commit_s3"] = manifest_commits(fs, a.commits)
             print("manifest commit", result["manifest_commit_s3"], flush=True)
+            result["races_s3"] = races(fs, a.races)
+            print("races", result["races_s3"], flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     line = json.dumps(result, sort_keys=True)

@@ -57,7 +57,8 @@ def _part_json(p: PartInfo | None) -> dict[str, Any] | None:
 
 def _snapshot_json(s: SnapshotInfo) -> dict[str, Any]:
     return {"name": s.name, "commit_id": s.commit_id, "created_unix_ms": s.created_unix_ms,
-            "target": _part_json(s.target), "draft": _part_json(s.draft)}
+            "generation": s.generation, "target": _part_json(s.target),
+            "draft": _part_json(s.draft)}
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -94,8 +95,10 @@ def run(a: argparse.Namespace, client: SnapshotClient) -> Any:
             draft = draft_path.read_bytes()
         res = client.put(a.name, target_path.read_bytes(), draft,
                          PartMeta(a.format_version, a.fingerprint, a.n_tokens),
-                         PartMeta(a.format_version, a.draft_fingerprint, a.n_tokens))
+                         PartMeta(a.format_version, a.draft_fingerprint, a.n_tokens),
+                         expected_generation=a.expected_generation)
         return {"name": res.name, "commit_id": res.commit_id, "protocol": res.protocol,
+                "generation": res.generation,
                 "target": _part_json(res.target), "draft": _part_json(res.draft),
                 "draft_skipped": res.draft_skipped, "note": res.note}
     got = client.get(a.name, with_draft=draft_path is not None)
@@ -145,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--fingerprint", default="", help="target model fingerprint")
             c.add_argument("--draft-fingerprint", default="", help="draft model fingerprint")
             c.add_argument("--n-tokens", type=int, default=0)
+            c.add_argument("--expected-generation", type=int, default=None,
+                           help="store only if the snapshot is at this generation now (0: "
+                                "only if there is none); ABORTED otherwise")
     return p
 
 

@@ -668,13 +668,22 @@ def test_ctl_moves_files_between_stores(server: SnapshotServer, tmp_path: Path,
     assert ctl.main(addr + ["put", "chat 1", "--dir", str(local), "--n-tokens", "12"]) == 0
     put = json.loads(capsys.readouterr().out)
     assert put["target"]["size"] == len(t) and put["draft"]["size"] == len(d)
+    assert put["generation"] == 1
+    # a conditional put that lost: ABORTED, both generations named, nothing stored
+    (tmp_path / "newer").mkdir()
+    (tmp_path / "newer" / "chat 1").write_bytes(b"another state")
+    assert ctl.main(addr + ["put", "chat 1", "--dir", str(tmp_path / "newer"),
+                            "--expected-generation", "0"]) == 1
+    assert json.loads(capsys.readouterr().err) == {
+        "error": "ABORTED",
+        "message": "snapshot 'chat 1' changed: expected generation 0, stored 1"}
     assert ctl.main(addr + ["get", "chat 1", "--dir", str(other)]) == 0
     capsys.readouterr()
     assert (other / "chat 1").read_bytes() == t and (other / "chat 1.drft").read_bytes() == d
     assert sorted(p.name for p in other.iterdir()) == ["chat 1", "chat 1.drft"]
     assert ctl.main(addr + ["ls", "chat"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [s["name"] for s in listed] == ["chat 1"]
+    assert [(s["name"], s["generation"]) for s in listed] == [("chat 1", 1)]
     assert listed[0]["target"]["meta"]["n_tokens"] == 12
     assert ctl.main(addr + ["rm", "chat 1"]) == 0
     assert json.loads(capsys.readouterr().out)["bytes_freed"] == len(t) + len(d)
