@@ -79,11 +79,13 @@ def prompts(model: Model, n_tokens: int, count: int) -> list[list[int]]:
 class Service:
     """`python -m inference_svc` on a free port, its stderr drained in a thread."""
 
-    def __init__(self, args: argparse.Namespace, target: Path, draft: Path | None) -> None:
+    def __init__(self, args: argparse.Namespace, target: Path, draft: Path | None,
+                 extra: tuple[str, ...] = ()) -> None:
         cmd = [sys.executable, "-m", "inference_svc", "--model", str(target),
                "--draft", str(draft) if draft else "none", "--slots", str(SLOTS),
                "--ctx", str(args.ctx), "--threads", str(args.threads), "--port", "0",
-               "--host", "127.0.0.1", "--log-format", "json", "--spec-n-max", str(args.n_max)]
+               "--host", "127.0.0.1", "--log-format", "json", "--spec-n-max", str(args.n_max),
+               *extra]
         self.p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                   stdout=subprocess.DEVNULL)
         self.port = 0

@@ -114,10 +114,15 @@ class HttpDoor:
         self.port = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        # /chat/completions and /models without /v1 as llama.cpp's server serves them
+        # (clients configured with a base URL lacking /v1); not /completions, which
+        # is llama.cpp's own completion API there, of another shape
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error})
 

@@ -14,7 +14,7 @@ import pytest
 
 from inference_svc.server import Server
 from tests.fixtures.servicekit import running
-from tests.httpkit import MODEL_ID, client, erase_all, grpc_client, http_config, raw
+from tests.httpkit import MODEL_ID, client, erase_all, grpc_client, http_config, post, raw
 
 PROMPT = "def merge_sorted(a, b):"
 CHAT = [("system", "You write Python."), ("user", "Sort a list of numbers.")]
@@ -235,6 +235,24 @@ def test_models_and_health(server: Server, oa: openai.OpenAI) -> None:
     for name in ("target.gguf", "warmslot-target"):
         r = oa.completions.create(model=name, prompt=PROMPT, max_tokens=1)
         assert r.model == MODEL_ID
+
+
+def test_paths_without_v1_as_llama_cpp_serves_them(server: Server) -> None:
+    status, _, body = raw(server, "GET", "/models")
+    status_v1, _, body_v1 = raw(server, "GET", "/v1/models")
+    assert (status, json.loads(body)) == (status_v1, json.loads(body_v1)) == (
+        200, json.loads(body_v1))
+    req = {"messages": _messages(), "max_tokens": 6, "temperature": 0}
+    answers = []
+    for path in ("/chat/completions", "/v1/chat/completions"):
+        with grpc_client(server):  # fresh slots: the same work for both
+            pass
+        code, out = post(server, path, req)
+        assert code == 200
+        answers.append((out["choices"][0]["message"]["content"], out["usage"]))
+    assert answers[0] == answers[1]
+    # llama.cpp's /completions is its own API, not OpenAI's: not served here
+    assert raw(server, "POST", "/completions", json.dumps({"prompt": PROMPT}))[0] == 404
 
 
 def test_sse_bytes(server: Server) -> None:

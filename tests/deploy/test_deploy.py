@@ -312,8 +312,10 @@ def test_default_compose_is_secure(engine: Any) -> None:
     # the HTTP (OpenAI API) door beside gRPC, published on the host's loopback only
     for name, http in (("inference", "8080"), ("inference-1", "8180"), ("inference-2", "8280")):
         assert services[name]["environment"]["WARMSLOT_HTTP_PORT"] == "8080"
+        # docker-compose 1.29 prints a port as "127.0.0.1:8080:8080/tcp", compose v2 as
+        # a mapping
         ports = {(str(p["host_ip"]), str(p["published"]), str(p["target"]))
-                 if isinstance(p, dict) else tuple(str(p).split(":"))
+                 if isinstance(p, dict) else tuple(str(p).removesuffix("/tcp").split(":"))
                  for p in services[name]["ports"]}
         assert ("127.0.0.1", http, "8080") in ports, (name, ports)
 

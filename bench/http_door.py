@@ -1,7 +1,7 @@
 """The HTTP door against gRPC: the same streamed request through both, and a load of many
 concurrent streaming clients.
 
-    python bench/http.py [--model PATH] [--draft PATH|none] [--reps 7]
+    python bench/http_door.py [--model PATH] [--draft PATH|none] [--reps 7]
                          [--prompt-tokens 128] [--gen 128] [--clients 64] [--load-gen 32]
 
 The service runs as its own process (`python -m inference_svc --http-port 0`, 4 slots) on
