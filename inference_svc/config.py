@@ -130,6 +130,8 @@ class Config:
     chat_template: Path | None = None  # Jinja chat template file; None: the model's own
     # bytes of idle sessions' state kept in host memory before they go to the store
     session_ram_mb: int = 1024
+    # each session turn's end state written to the store in the background (with a store)
+    session_write_through: bool = True
 
     @property
     def grpc_workers(self) -> int:
@@ -359,6 +361,10 @@ def parser() -> argparse.ArgumentParser:
     f("--session-ram-mb",
       "MiB of idle sessions' state (target + draft) kept in host memory; beyond it the least "
       "recently used go to the store (without a store: are dropped); 0: straight to the store")
+    f("--session-write-through",
+      "with a store, write each session turn's end state to it in the background right after "
+      "the turn, so other replicas continue from it and a killed replica loses only the turns "
+      "still being written (--no-session-write-through: only on eviction and at stop)")
     f("--api-keys",
       "file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); calls other than "
       "health then need 'authorization: Bearer <key>'")

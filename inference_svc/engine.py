@@ -712,6 +712,12 @@ class Engine:
         last = Chunk(tokens or [], text, lps) if tokens or text else None
         job.out.put(Finished(reason, tm, stop, job.params.seed, last))
         job.ended.set()
+        if job.session is not None and self.sessions is not None:
+            try:
+                self.sessions.after_turn(job.slot, job.session)
+            except Exception:  # noqa: BLE001 - the turn itself succeeded
+                self.log.exception("capturing a session for write-through failed",
+                                   extra=log.fields(slot=job.slot))
         self.log.info("generate", extra=log.fields(
             slot=job.slot, stop_reason=reason.name.lower(), prompt_n=tm.prompt_n,
             cache_n=tm.cache_n, predicted_n=tm.predicted_n, prompt_ms=round(tm.prompt_ms, 2),

@@ -54,6 +54,11 @@ class Metrics:
             "warmslot_session_evictions",
             "Sessions moved down a tier: slot_to_ram, ram_to_store, dropped (RAM tier full, "
             "no store)", ["kind"], registry=r)
+        self.session_store_writes = Counter(
+            "warmslot_session_store_writes",
+            "Session writes to the store beside evictions: write_through (a turn's end "
+            "state), conflict (refused: another replica had moved the session on)",
+            ["kind"], registry=r)
         self.session_restores = Counter("warmslot_session_restores",
                                         "Sessions brought into a slot, by the tier they were in",
                                         ["tier"], registry=r)

@@ -28,12 +28,26 @@ the host knows which version the store holds. When a turn fails and its slot is 
 store only if the store holds the very state the turn started from; otherwise its state
 is lost: the older copy in the store is removed, and the session's next turn gets
 DATA_LOSS naming it (after which the name starts a new conversation).
+
+Replicas sharing one snapshot service share sessions by the store's generations
+(a snapshot service with conditional writes). Each replica remembers the generation of
+the state it last read or wrote per session and writes only over that generation: a
+write that finds another replica's newer one writes nothing (the conversation is not
+sent back in time). Before a turn continues this replica's own copy (in a slot or in
+RAM), the store's generation is checked (Stat): when another replica moved the session
+on, the own copy is dropped and the store's is read; if the own copy also held turns
+the store does not have, the turn gets ABORTED naming the session and both
+generations, and the next one continues from the store's copy. With write-through
+(`--session-write-through`, on by default with a store), each turn's end state is
+written in the background right after the turn, so another replica finds it and a
+killed replica loses only the turns whose write was still in flight.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -42,7 +56,13 @@ from dataclasses import dataclass
 from inference_svc import chat_record, log, slotfile
 from inference_svc.chat import Message
 from inference_svc.engine import Engine, GenJob
-from inference_svc.errors import DataLoss, NotFound
+from inference_svc.errors import (
+    Aborted,
+    DataLoss,
+    FailedPrecondition,
+    GenerationConflict,
+    NotFound,
+)
 from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
 from inference_svc.scheduler import Job
@@ -119,7 +139,8 @@ class SessionHost:
     and `save_all` on the caller's."""
 
     def __init__(self, engine: Engine, slots: SlotManager, ram_bytes: int,
-                 metrics: Metrics, fallback: Fallback | None = None) -> None:
+                 metrics: Metrics, fallback: Fallback | None = None,
+                 write_through: bool = False) -> None:
         self.engine = engine
         self.slots = slots
         self.store: SlotStore | None = slots.store
@@ -152,6 +173,13 @@ class SessionHost:
         self._peeked: dict[str, tuple[PreparedRestore, float]] = {}
         self._stale: set[str] = set()  # of those, the ones whose older store copy remains
         self._write_failed: float | None = None  # time.monotonic() of the last failed write
+        # each turn's end state goes to the store in the background (needs a store)
+        self.write_through = write_through and slots.store is not None
+        self._through: dict[str, Held] = {}  # a session's newest state waiting to be written
+        # the store's generation of the state this replica last read or wrote, per session
+        self._gen: dict[str, int] = {}
+        self._conflicts: dict[str, str] = {}  # sessions another replica moved on: the report
+        self._conditional: bool | None = None  # the store has generations (asked once)
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="warmslot-sessions",
                                         daemon=True)
@@ -178,7 +206,11 @@ class SessionHost:
                 self._reserving.add(id(job))
             try:
                 self._report_loss(k, deadline)
-                if self.engine.session_resident(k) or self._held(k) or self.store is None:
+                self._report_conflict(k)
+                if self.store is None:
+                    return
+                if ((self.engine.session_resident(k) or self._held(k))
+                        and not self._moved_on(k, deadline)):
                     return
                 t0 = time.perf_counter()
                 with self._lock:
@@ -201,6 +233,12 @@ class SessionHost:
                     self._ver[k] = v
                     self._store_ver[k] = (v, prepared.n_tokens)
                     self._in_store.add(k)
+                    self._gen[k] = prepared.generation
+                if self.fallback is not None and self.fallback.has(k) and self._conditional_store():
+                    # a stop's copy continues whatever the store holds: it goes over that
+                    gen = self.store.generation(k, deadline=deadline)
+                    with self._lock:
+                        self._gen[k] = gen
                 # the read and checks count in the turn's restore time
                 job.timings.session_restore_ms = 1e3 * (time.perf_counter() - t0)
             except BaseException:
@@ -227,6 +265,77 @@ class SessionHost:
         with self._lock:
             self._lost.pop(k, None)
         raise DataLoss(msg)
+
+    def _report_conflict(self, k: str) -> None:
+        """Aborted, once, for a session whose write met another replica's newer state."""
+        with self._lock:
+            msg = self._conflicts.pop(k, None)
+        if msg is not None:
+            raise Aborted(msg)
+
+    def _conditional_store(self) -> bool:
+        """Whether the store keeps generations (asked once; False while unreachable)."""
+        if self._conditional is None and self.store is not None:
+            try:
+                self._conditional = self.store.conditional()
+            except Exception:  # noqa: BLE001 - asked again on the next call
+                return False
+        return bool(self._conditional)
+
+    def _moved_on(self, k: str, deadline: float | None) -> bool:
+        """Whether another replica wrote session `k` after the state this replica last
+        read or wrote (Stat on the store): then this replica's copy (in a slot or in
+        RAM) is dropped and True returned, so the store's is read. Aborted, naming both
+        generations, when the dropped copy held turns the store does not have."""
+        if not self._conditional_store():
+            return False
+        assert self.store is not None
+        stored = self.store.generation(k, deadline=deadline)
+        with self._lock:
+            known = self._gen.get(k, 0)
+        if stored == known:
+            return False
+        try:
+            self.engine.unbind_session(k)
+        except FailedPrecondition:
+            return False  # a turn of it runs here: its write meets the newer state
+        with self._lock:
+            sv = self._store_ver.get(k)
+            unsaved = sv is None or sv[0] != self._ver.get(k)
+            self._drop_local(k)
+        name = self._display(k)
+        if unsaved:
+            msg = (f"session {name!r} was continued by another replica: the store holds "
+                   f"generation {stored}, this replica's copy continued generation {known} "
+                   "with turns the store does not have; they are dropped and the next turn "
+                   "continues from the store's copy (this turn was not run)")
+            self.log.error("session conflict: own turns dropped", extra=log.fields(
+                session=name, stored_generation=stored, own_generation=known))
+            self.metrics.session_store_writes.labels("conflict").inc()
+            raise Aborted(msg)
+        self.log.info("session moved on by another replica: continuing from the store",
+                      extra=log.fields(session=name, stored_generation=stored,
+                                       own_generation=known))
+        return True
+
+    def _drop_local(self, k: str) -> None:
+        """Under the lock: forgets this replica's copy of session `k` in RAM and what it
+        knew of its versions (its slot is unbound by the caller)."""
+        for tier in (self._ram, self._staged):
+            held = tier.pop(k, None)
+            if held is not None:
+                if tier is self._ram:
+                    self._ram_used -= held.size
+                held.deleted = held.writing
+        self._through.pop(k, None)
+        for d in (self._ver, self._store_ver, self._gen, self._chats):
+            d.pop(k, None)  # type: ignore[attr-defined]
+        self._lock.notify_all()
+
+    @staticmethod
+    def _display(k: str) -> str:
+        key = from_store_name(k)
+        return key.name if key is not None else k
 
     def conversation(self, name: str, deadline: float | None) -> tuple[Message, ...]:
         """The chat conversation the caller's session `name` keeps (empty for a new
@@ -440,6 +549,22 @@ class SessionHost:
             self.metrics.session_restore_seconds.labels(label).observe(ms / 1e3)
         self._gauges()
 
+    def after_turn(self, slot: int, key: str) -> None:
+        """At the end of a session's successful turn (engine thread, after its last
+        response went out): with write-through, its state is captured for the writer,
+        which stores it in the background (a newer turn's state replaces one still
+        waiting)."""
+        if not self.write_through:
+            return
+        held = self._capture(slot, key)
+        if held is None or held.in_store:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._through[key] = held
+            self._lock.notify_all()
+
     def evict(self, slot: int, key: str) -> None:
         """Captures the slot's state as session `key` into the RAM tier (engine thread).
         An empty slot holds nothing to keep."""
@@ -459,9 +584,10 @@ class SessionHost:
         with self._lock:
             version = self._ver.get(key, 0)
             chat = self._chats.get(key)
+            stored = version != 0 and self._store_ver.get(key, (0, 0))[0] == version
         return Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
                     size, eng.slot_last_used_ms(slot), TIER_RAM, version=version,
-                    raw_target=state.target, chat=chat)
+                    raw_target=state.target, chat=chat, in_store=stored)
 
     def _put(self, held: Held) -> None:
         """Puts a session captured from its slot into the RAM tier without ever holding
@@ -579,6 +705,11 @@ class SessionHost:
         with self._lock:
             self._in_store |= found
         self._gauges()
+        if not self.store.describe().startswith("local:") and not self._conditional_store():
+            self.log.warning(
+                "the snapshot service keeps no generations (an older version, or a store "
+                "without conditional writes): replicas sharing it can overwrite each other's "
+                "sessions", extra=log.fields(store=self.store.describe()))
 
     def _write_loop(self) -> None:
         """Moves the sessions a stop left in the local fallback to the store (retried
@@ -592,16 +723,23 @@ class SessionHost:
                     return
                 stale = next(iter(self._stale), None)
                 failing = self._store_failing()  # then its pause is kept
-                held = self._next_to_write() if stale is None and not failing else None
+                through = (next(iter(self._through.values()), None)
+                           if stale is None and not failing else None)
+                if through is not None:
+                    through.writing = True
+                held = (self._next_to_write() if stale is None and not failing
+                        and through is None else None)
                 if held is not None:
                     held.writing = True
-                elif stale is None:
+                elif stale is None and through is None:
                     self._lock.wait(SPILL_RETRY_S if fallback_left or failing else None)
                     if fallback_left and not self._closed:
                         fallback_left = not self._upload_fallback()
                     continue
             if stale is not None:
                 ok = self._remove_stale(stale, None)
+            elif through is not None:
+                ok = self._write_through(through)
             else:
                 assert held is not None
                 ok = self._spill(held, None)
@@ -610,6 +748,19 @@ class SessionHost:
                 with self._lock:
                     while not self._closed and (left := until - time.monotonic()) > 0:
                         self._lock.wait(left)
+
+    def _write_through(self, held: Held) -> bool:
+        """Stores a turn's end state captured by `after_turn`; it stays waiting (for a
+        retry) when the store did not take it and no newer state replaced it."""
+        ok = self._write(held, time.monotonic() + ENGINE_WRITE_S)
+        with self._lock:
+            held.writing = False
+            if ok and self._through.get(held.key) is held:
+                del self._through[held.key]
+            self._lock.notify_all()
+        if ok:
+            self.metrics.session_store_writes.labels("write_through").inc()
+        return ok
 
     def _upload_fallback(self) -> bool:
         """Copies each session the local fallback holds into the store and removes it
@@ -683,10 +834,20 @@ class SessionHost:
             if self._store_ver.get(k, (0, 0))[0] > held.version:
                 return True  # a newer state of it is there already
             self._writing.add(k)
+        gen: int | None = None
         try:
             enc = self._encode(held)
-            store.save(k, enc.target, enc.draft, target_sha256=enc.target_sha256,
-                       deadline=deadline)
+            if self._conditional_store():
+                with self._lock:
+                    expected = self._gen.get(k, 0)
+                gen = store.save_if(k, enc.target, enc.draft, expected,
+                                    target_sha256=enc.target_sha256, deadline=deadline)
+            else:
+                store.save(k, enc.target, enc.draft, target_sha256=enc.target_sha256,
+                           deadline=deadline)
+        except GenerationConflict as exc:
+            self._lost_race(held, exc)
+            return True  # never written over the newer state: nothing to retry
         except Exception as exc:  # noqa: BLE001 - kept in RAM, retried
             self.log.warning("session not written to the store", extra=log.fields(
                 session=k, error=str(exc)))
@@ -706,9 +867,40 @@ class SessionHost:
             undo = held.deleted
             if not undo:
                 self._store_ver[k] = (held.version, held.n_tokens)
+                if gen is not None:
+                    self._gen[k] = gen
         if undo:  # deleted while it was being written: it must not come back
             self._delete_stored(k, deadline)
         return True
+
+    def _lost_race(self, held: Held, exc: GenerationConflict) -> None:
+        """A write of session `held.key` found another replica's newer state in the store:
+        nothing was written over it. This replica's copy is dropped (the store's is the
+        session's from now on); its next turn here gets Aborted naming both generations,
+        unless the copy held nothing the store lacks."""
+        k = held.key
+        name = self._display(k)
+        with self._lock:
+            sv = self._store_ver.get(k)
+            unsaved = held.version != 0 and (sv is None or sv[0] != held.version)
+            if self._ram.get(k) is held or self._staged.get(k) is held or \
+                    self._through.get(k) is held:
+                self._drop_local(k)
+            else:
+                self._gen.pop(k, None)
+            if unsaved:
+                self._conflicts[k] = (
+                    f"session {name!r} was continued by another replica: writing this "
+                    f"replica's state of {held.n_tokens} tokens over generation {exc.expected} "
+                    f"found generation {exc.stored} in the store; this replica's turns since "
+                    f"generation {exc.expected} are dropped and the next turn continues from "
+                    "the store's copy (this turn was not run)")
+        self.log.log(logging.ERROR if unsaved else logging.INFO,
+                     "session not written: another replica moved it on" + (
+                         "; this replica's turns since are dropped" if unsaved else ""),
+                     extra=log.fields(session=name, expected_generation=exc.expected,
+                                      stored_generation=exc.stored, n_tokens=held.n_tokens))
+        self.metrics.session_store_writes.labels("conflict").inc()
 
     def _encode(self, held: Held) -> EncodedSlot:
         """The slot files of a session's captured state, with its conversation."""
@@ -728,6 +920,7 @@ class SessionHost:
         with self._lock:
             self._in_store.discard(key)
             self._store_ver.pop(key, None)
+            self._gen.pop(key, None)
         return removed
 
     # ------------------------------------------------------------ list, delete
@@ -781,6 +974,10 @@ class SessionHost:
                 staged = self._staged.pop(k, None)
                 if staged is not None:
                     staged.deleted = True
+                through = self._through.pop(k, None)
+                if through is not None:
+                    through.deleted = True  # a write in flight is undone
+                self._conflicts.pop(k, None)
                 was_lost = self._lost.pop(k, None) is not None
                 self._stale.discard(k)
                 self._ver.pop(k, None)
@@ -815,6 +1012,7 @@ class SessionHost:
         (0, 0): sessions end with the process."""
         with self._lock:
             self._closed = True
+            self._through.clear()  # the slots and the RAM tier hold these states, or newer
             self._lock.notify_all()
         self._writer.join(timeout=30)
         if self.store is None:
@@ -851,7 +1049,7 @@ class SessionHost:
                     session=k, error=str(exc)))
                 failed += 1
                 continue
-            if held is not None:
+            if held is not None and not held.in_store:  # else the store holds this state
                 save(held)
             self.engine.call(lambda s=slot: self.engine.unbind_slot(s))
         with self._lock:

@@ -84,6 +84,17 @@ class FailoverStore:
     def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
         return self._failover("load", lambda s: s.load(name, deadline=deadline))
 
+    def conditional(self) -> bool:
+        return self._failover("hello", lambda s: s.conditional())
+
+    def generation(self, name: str, *, deadline: float | None = None) -> int:
+        return self._failover("stat", lambda s: s.generation(name, deadline=deadline))
+
+    def save_if(self, name: str, target: Buffer, draft: Buffer | None, expected: int, *,
+                target_sha256: str | None = None, deadline: float | None = None) -> int:
+        return self._failover("save", lambda s: s.save_if(
+            name, target, draft, expected, target_sha256=target_sha256, deadline=deadline))
+
     def delete(self, name: str, *, deadline: float | None = None) -> bool:
         return self._failover("delete", lambda s: s.delete(name, deadline=deadline))
 

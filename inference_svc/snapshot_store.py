@@ -149,6 +149,42 @@ class SnapshotStore:
             self._warn_protocol_1(client)
         return res.target.size + (res.draft.size if res.draft is not None else 0)
 
+    def conditional(self) -> bool:
+        """Whether the snapshot service has generations and conditional Puts (its Hello
+        names the feature; asked once per connection)."""
+        try:
+            return self._current().conditional_writes
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, "*", "ask for the features of") from exc
+
+    def generation(self, name: str, *, deadline: float | None = None) -> int:
+        """The snapshot's generation by Stat, 0 when there is none."""
+        validate_name(name)
+        del deadline  # Stat is bounded by the client's timeout and retries
+        try:
+            return self._current().stat(name).generation
+        except snap_errors.NotFound:
+            return 0
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, name, "stat") from exc
+
+    def save_if(self, name: str, target: Buffer, draft: Buffer | None, expected: int, *,
+                target_sha256: str | None = None, deadline: float | None = None) -> int:
+        """A conditional Put; the new generation. GenerationConflict as it comes."""
+        validate_name(name)
+        client = self._current()
+        try:
+            res = client.put(name, target, draft, part_meta(target),
+                             part_meta(draft) if draft is not None else None,
+                             target_sha256=target_sha256, deadline=deadline,
+                             expected_generation=expected)
+        except snap_errors.GenerationConflict:
+            raise
+        except snap_errors.SnapshotError as exc:
+            raise self._error(exc, name, "save") from exc
+        self._protocol = res.protocol
+        return res.generation
+
     def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
         """The stored bytes. A draft that cannot be read (corrupt, or a protocol-1
         peer) leaves draft None with the reason in draft_note; NotFound when there is
@@ -173,7 +209,8 @@ class SnapshotStore:
             note = f"no draft: {self._protocol_1_reason(client)}"
         return StoredSlot(snap.target, snap.draft, note if snap.draft is None else "",
                           target_sha256=snap.info.target.sha256,  # verified by the Get
-                          target_body_sha256=snap.target_prefix_sha256 or None)
+                          target_body_sha256=snap.target_prefix_sha256 or None,
+                          generation=snap.info.generation)
 
     def delete(self, name: str, *, deadline: float | None = None) -> bool:
         """Removes the snapshot (both parts); False when there was none. `deadline`

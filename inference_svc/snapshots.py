@@ -123,6 +123,7 @@ class PreparedRestore:
     draft_note: str  # why draft_state is None
     n_read: int
     chat: tuple[Message, ...] | None = None  # a session's conversation (CHAT section)
+    generation: int = 0  # the store's generation of what was read (0: none kept)
 
 
 def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
@@ -148,4 +149,4 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
         except slotfile.SlotFileError as exc:
             note = str(exc)
     return PreparedRestore(slotfile.core_parts_from_target(t), t.n_tokens, draft_state, note,
-                           n_read, chat_record.unpack(t.extra))
+                           n_read, chat_record.unpack(t.extra), stored.generation)

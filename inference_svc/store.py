@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Protocol
 
 from inference_svc import slotfile
-from inference_svc.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from inference_svc.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from inference_svc.names import DRAFT_SUFFIX, validate_name
 from snapshot_svc.clientlib.files import fsync_dir
 
@@ -38,6 +44,8 @@ class StoredSlot:
     # hex SHA-256 of `target` without its digest trailer, when the store computed it while
     # reading (the file's own check then needs no second pass)
     target_body_sha256: str | None = field(default=None, compare=False)
+    # the store's generation of what was read (0: the store keeps no generations)
+    generation: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,24 @@ class SlotStore(Protocol):
     def load(self, name: str, *, deadline: float | None = None) -> StoredSlot:
         """The stored bytes; NotFound when there is no target file of that name.
         `deadline` (time.monotonic()): a remote store gives up by then."""
+        ...
+
+    def conditional(self) -> bool:
+        """Whether the store keeps a generation per name and takes conditional saves
+        (a remote store asks its service once)."""
+        ...
+
+    def generation(self, name: str, *, deadline: float | None = None) -> int:
+        """The name's stored generation, 0 when nothing is stored under it (only on a
+        `conditional` store)."""
+        ...
+
+    def save_if(self, name: str, target: Buffer, draft: Buffer | None, expected: int, *,
+                target_sha256: str | None = None, deadline: float | None = None) -> int:
+        """`save`, committed only if the name is at generation `expected` now (0: none
+        stored); returns the new generation. GenerationConflict (ABORTED, naming both
+        generations) when another save came first: nothing of this one is stored. Only
+        on a `conditional` store."""
         ...
 
     def delete(self, name: str, *, deadline: float | None = None) -> bool:
@@ -245,6 +271,18 @@ class LocalStore:
             except OSError as exc:
                 draft, note = None, f"cannot read the draft sidecar: {exc}"
         return StoredSlot(target, draft, note)
+
+    def conditional(self) -> bool:
+        """A local directory keeps no generations: one replica owns it."""
+        return False
+
+    def generation(self, name: str, *, deadline: float | None = None) -> int:
+        raise FailedPrecondition(f"the local store {self.describe()} keeps no generations")
+
+    def save_if(self, name: str, target: Buffer, draft: Buffer | None, expected: int, *,
+                target_sha256: str | None = None, deadline: float | None = None) -> int:
+        raise FailedPrecondition(f"the local store {self.describe()} takes no conditional "
+                                 f"saves (of {name!r}, expected generation {expected})")
 
     def delete(self, name: str, *, deadline: float | None = None) -> bool:
         del deadline  # local files: nothing to wait for

@@ -32,7 +32,9 @@ SLOT, RAM, STORE, NEW = (pb.SESSION_TIER_SLOT, pb.SESSION_TIER_RAM, pb.SESSION_T
 
 
 def config(**kw: object) -> object:
-    base: dict[str, object] = dict(slots=1, ctx=256, session_ram_mb=64, instance_id="t")
+    # write-through off: these tests follow a session down the tiers (it has its own tests)
+    base: dict[str, object] = dict(slots=1, ctx=256, session_ram_mb=64, instance_id="t",
+                                   session_write_through=False)
     base.update(kw)
     return service_config(TARGET, DRAFT, **base)
 

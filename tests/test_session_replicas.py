@@ -1,0 +1,161 @@
+"""Replicas sharing sessions through one snapshot service: the store's generations decide.
+
+Two inference replicas (one slot each) and one snapshot service, in-process. Each
+scenario sends a session's turns to either replica and checks that a turn continues the
+newest acknowledged state (its tokens equal a never-evicted server's for the same
+turns), that no stop writes an older state over a newer one, and that a replica whose
+own turns were overtaken reports it (ABORTED naming both generations) instead of
+losing them silently."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_svc.server import Server
+from snapshot_svc.client import SnapshotClient
+from snapshot_svc.testing import running_server
+from tests.fixtures.servicekit import running
+from tests.resumekit import wait_until
+from tests.test_sessions import (
+    STORE,
+    client,
+    config,
+    prompts,
+    reference,
+    spec,
+    turn,
+)
+
+STORE_NAME = "session~~s"
+
+
+def replica(snap_addr: str, name: str, **kw: object) -> object:
+    base: dict[str, object] = dict(snapshot_addr=snap_addr, instance_id=name,
+                                   session_write_through=True)
+    base.update(kw)
+    return running(config(**base))
+
+
+def generation(snap_addr: str) -> int:
+    with SnapshotClient(snap_addr) as c:
+        try:
+            return c.stat(STORE_NAME).generation
+        except Exception:  # noqa: BLE001 - none stored yet
+            return 0
+
+
+def written_through(srv: Server, n: int) -> bool:
+    value = srv.metrics.registry.get_sample_value(
+        "warmslot_session_store_writes_total", {"kind": "write_through"})
+    return (value or 0) >= n
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The reference: one server with a slot for every session."""
+    with running(config(slots=4, slot_save_path=tmp_path_factory.mktemp("wide"))) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def snap(tmp_path: Path) -> Iterator[str]:
+    with running_server(tmp_path / "snap") as s:
+        yield s.address
+
+
+def test_turns_alternating_between_replicas_continue_each_other(
+        snap: str, wide: Server, tmp_path: Path) -> None:
+    """Turn 1 on A, turn 2 on B, turn 3 on A, stop A then B, turn 4 on a new replica:
+    every turn continues the one before it, and the last stop does not write an older
+    copy over the newer one."""
+    with replica(snap, "a") as ra, replica(snap, "b") as rb, \
+            client(ra) as ca, client(rb) as cb:
+        p = prompts(ca)
+        out = [spec(*turn(ca, "s", p[0]))]
+        wait_until(lambda: generation(snap) == 1)
+        toks, t = turn(cb, "s", p[1])
+        assert (t.session_tier, t.cache_n, t.prompt_n) == (STORE, len(p[0]) + 10, len(p[1]))
+        out.append(spec(toks, t))
+        wait_until(lambda: generation(snap) == 2)
+        toks, t = turn(ca, "s", p[2])  # A's slot holds turn 1 only: the store's copy wins
+        assert (t.session_tier, t.cache_n) == (STORE, len(p[0]) + len(p[1]) + 20)
+        out.append(spec(toks, t))
+        wait_until(lambda: generation(snap) == 3)
+    # both stopped (A first, then B, whose slot held turn 2 only): generation 3 stays
+    assert generation(snap) == 3
+    with replica(snap, "c") as rc, client(rc) as cc:
+        toks, t = turn(cc, "s", p[3])
+        assert (t.session_tier, t.cache_n) == (STORE, sum(len(x) for x in p[:3]) + 30)
+        out.append(spec(toks, t))
+    assert out == reference(wide, "ref-alternate", p[:4])
+
+
+def test_a_replica_that_stored_a_session_continues_from_the_other_replicas_turn(
+        snap: str, wide: Server) -> None:
+    """A evicts the session to the store, B continues it, A's next turn restores B's
+    state, not the copy A wrote."""
+    with replica(snap, "a", session_ram_mb=0, session_write_through=False) as ra, \
+            replica(snap, "b") as rb, client(ra) as ca, client(rb) as cb:
+        p = prompts(ca)
+        out = [spec(*turn(ca, "s", p[0]))]
+        turn(ca, "other", p[3])  # the one slot goes to "other": s goes to the store
+        wait_until(lambda: generation(snap) == 1)
+        out.append(spec(*turn(cb, "s", p[1])))
+        wait_until(lambda: generation(snap) == 2)
+        toks, t = turn(ca, "s", p[2])
+        assert (t.session_tier, t.cache_n) == (STORE, len(p[0]) + len(p[1]) + 20)
+        out.append(spec(toks, t))
+    assert out == reference(wide, "ref-evicted", p[:3])
+
+
+def test_overtaken_own_turns_are_reported_not_lost_silently(snap: str, wide: Server) -> None:
+    """A without write-through holds turn 2 only in its slot over the store's turn 1;
+    B continues from turn 1 and writes. A's next turn gets ABORTED naming the session
+    and both generations; the turn after continues B's state, and A's turn 2 never
+    comes back."""
+    with replica(snap, "a", session_write_through=False, session_ram_mb=0) as ra, \
+            replica(snap, "b") as rb, client(ra) as ca, client(rb) as cb:
+        p = prompts(ca)
+        turn(ca, "s", p[0])
+        turn(ca, "other", p[3])  # s (turn 1) goes to the store: generation 1
+        wait_until(lambda: generation(snap) == 1)
+        turn(ca, "s", p[1])  # A: turn 2, in its slot only
+        b_toks = spec(*turn(cb, "s", p[2]))  # B continues from turn 1: generation 2
+        wait_until(lambda: generation(snap) == 2 and written_through(rb, 1))
+        with pytest.raises(grpc.RpcError) as err:
+            turn(ca, "s", p[3])
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        msg = err.value.details() or ""
+        assert "'s'" in msg and "generation 2" in msg and "generation 1" in msg, msg
+        toks, t = turn(ca, "s", p[3])
+        assert (t.session_tier, t.cache_n) == (STORE, len(p[0]) + len(p[2]) + 20)
+        a_toks = spec(toks, t)
+    # A's dropped turn 2 never came back: after both stops the session is turns 1, 3, 4
+    with replica(snap, "c") as rc, client(rc) as cc:
+        toks, t = turn(cc, "s", p[1])
+        assert (t.session_tier, t.cache_n) == (STORE, len(p[0]) + len(p[2]) + len(p[3]) + 30)
+        c_toks = spec(toks, t)
+    assert [b_toks, a_toks, c_toks] == reference(wide, "ref-overtaken",
+                                                 [p[0], p[2], p[3], p[1]])[1:]
+
+
+def test_write_through_lets_another_replica_continue_and_a_late_stop_writes_nothing(
+        snap: str, wide: Server) -> None:
+    """Each turn is in the store once written through, so another replica continues
+    from A's last turn while A still holds it (as after A is killed), and A's later stop
+    does not write its older copy over the other replica's turn."""
+    with replica(snap, "a") as ra, client(ra) as ca:
+        p = prompts(ca)
+        out = [spec(*turn(ca, "s", p[0])), spec(*turn(ca, "s", p[1]))]
+        wait_until(lambda: generation(snap) == 2)
+        with replica(snap, "b") as rb, client(rb) as cb:
+            toks, t = turn(cb, "s", p[2])
+            assert (t.session_tier, t.cache_n) == (STORE, len(p[0]) + len(p[1]) + 20)
+            out.append(spec(toks, t))
+            wait_until(lambda: generation(snap) == 3)
+    assert generation(snap) == 3  # B's stop had nothing newer; A's lost the race
+    assert out == reference(wide, "ref-crash", p[:3])
