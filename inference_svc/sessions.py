@@ -707,9 +707,9 @@ class SessionHost:
         self._gauges()
         if not self.store.describe().startswith("local:") and not self._conditional_store():
             self.log.warning(
-                "the snapshot service keeps no generations (an older version, or a store "
-                "without conditional writes): replicas sharing it can overwrite each other's "
-                "sessions", extra=log.fields(store=self.store.describe()))
+                f"the store {self.store.describe()} keeps no generations (an older snapshot "
+                "service, or a store without conditional writes): replicas sharing it can "
+                "overwrite each other's sessions", extra=log.fields(store=self.store.describe()))
 
     def _write_loop(self) -> None:
         """Moves the sessions a stop left in the local fallback to the store (retried

@@ -159,3 +159,23 @@ def test_write_through_lets_another_replica_continue_and_a_late_stop_writes_noth
             wait_until(lambda: generation(snap) == 3)
     assert generation(snap) == 3  # B's stop had nothing newer; A's lost the race
     assert out == reference(wide, "ref-crash", p[:3])
+
+
+def test_an_older_snapshot_service_is_named_in_a_warning_and_sessions_still_work(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A snapshot service without generations (protocol 1 here, as an older version):
+    the replica says at start that replicas sharing it can overwrite each other's
+    sessions, and its own sessions are written unconditionally as before."""
+    with running_server(tmp_path / "v1", max_protocol=1) as old, \
+            replica(old.address, "a") as ra, client(ra) as ca:
+        wait_until(lambda: any("keeps no generations" in r.getMessage()
+                               for r in caplog.records))
+        warning = next(r for r in caplog.records if "keeps no generations" in r.getMessage())
+        assert warning.levelname == "WARNING"
+        assert warning.getMessage().startswith(
+            f"the store snapshot:{old.address} keeps no generations")
+        p = prompts(ca)
+        turn(ca, "s", p[0])
+        wait_until(lambda: written_through(ra, 1))
+        with SnapshotClient(old.address) as c:
+            assert c.stat(STORE_NAME).generation == 0  # an old service reports none
