@@ -66,6 +66,8 @@ def run_round(c: InferenceClient, side: str, turns: list[list[int]], gen: int) -
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if not all(outs):
+        raise SystemExit(f"a turn on the {side!r} service failed (see its log)")
     return {"tok_s": sum(o["n"] for o in outs) / wall,
             "ttft_ms": 1e3 * statistics.median(o["ttft"] for o in outs),
             "turn_ms": 1e3 * statistics.median(o["total"] for o in outs)}
@@ -86,10 +88,13 @@ def main() -> int:
     args = ap.parse_args()
     with Model.load(args.target) as model:
         tok = model.tokenizer
-        texts = code_prompts(tok, args.sessions * (args.rounds + 2),
-                             max(args.context, args.new))
-    starts = [t[:args.context] for t in texts[:args.sessions]]
-    news = [t[:args.new] for t in texts[args.sessions:]]
+        starts = code_prompts(tok, args.sessions, args.context)
+        # the turns' new tokens: successive pieces of the held-out files
+        pieces = [t[i:i + args.new] for t in code_prompts(tok, 64, 1024)
+                  for i in range(0, 1024 - args.new + 1, args.new)]
+    news = pieces[:args.sessions * args.rounds]
+    if len(starts) < args.sessions or len(news) < args.sessions * args.rounds:
+        raise SystemExit("not enough held-out text for these sessions and rounds")
     ns = argparse.Namespace(ctx=args.ctx, threads=args.threads, n_max=8)
     with tempfile.TemporaryDirectory(prefix="write-through-") as tmp:
         snap = ServerProcess(Path(tmp) / "snap")

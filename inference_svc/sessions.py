@@ -164,6 +164,7 @@ class SessionHost:
         self._store_ver: dict[str, tuple[int, int]] = {}  # the store's copy: version, tokens
         self._turns: dict[str, Turn] = {}  # each session's running (or last) turn
         self._writing: set[str] = set()  # sessions being written: one write at a time each
+        self._checking: set[str] = set()  # sessions whose store generation is being asked
         self._lost: dict[str, str] = {}  # sessions whose state was lost: the report
         # each session's chat conversation (its Chats' messages and replies), whatever
         # tier holds its state
@@ -290,7 +291,19 @@ class SessionHost:
         if not self._conditional_store():
             return False
         assert self.store is not None
-        stored = self.store.generation(k, deadline=deadline)
+        with self._lock:
+            # a write of it in flight here (write-through) is this replica's own move:
+            # its generation is known once it ends (within its own deadline); none starts
+            # while the store is asked
+            while k in self._writing or k in self._checking:
+                self._lock.wait()
+            self._checking.add(k)
+        try:
+            stored = self.store.generation(k, deadline=deadline)
+        finally:
+            with self._lock:
+                self._checking.discard(k)
+                self._lock.notify_all()
         with self._lock:
             known = self._gen.get(k, 0)
         if stored == known:
@@ -829,12 +842,16 @@ class SessionHost:
         assert held.raw_target is not None
         k = held.key
         with self._lock:
-            while k in self._writing:
+            while k in self._writing or k in self._checking:
                 self._lock.wait()
-            if self._store_ver.get(k, (0, 0))[0] > held.version:
-                return True  # a newer state of it is there already
+            if self._store_ver.get(k, (0, 0))[0] >= held.version > 0:
+                # this state, or a newer one, is there already: writing it again would
+                # only move the generation on under another replica's read
+                held.in_store = True
+                return True
             self._writing.add(k)
         gen: int | None = None
+        written = False
         try:
             enc = self._encode(held)
             if self._conditional_store():
@@ -845,6 +862,7 @@ class SessionHost:
             else:
                 store.save(k, enc.target, enc.draft, target_sha256=enc.target_sha256,
                            deadline=deadline)
+            written = True
         except GenerationConflict as exc:
             self._lost_race(held, exc)
             return True  # never written over the newer state: nothing to retry
@@ -856,19 +874,19 @@ class SessionHost:
             return False
         finally:
             with self._lock:
+                if written:  # what this replica knows of the store, before it may look
+                    self._write_failed = None
+                    self._in_store.add(k)
+                    if not held.deleted:
+                        self._store_ver[k] = (held.version, held.n_tokens)
+                        if gen is not None:
+                            self._gen[k] = gen
                 self._writing.discard(k)
                 self._lock.notify_all()
-        with self._lock:
-            self._write_failed = None
         if self.fallback is not None:
             self.fallback.discard(k)  # older than what the store now holds
         with self._lock:
-            self._in_store.add(k)
             undo = held.deleted
-            if not undo:
-                self._store_ver[k] = (held.version, held.n_tokens)
-                if gen is not None:
-                    self._gen[k] = gen
         if undo:  # deleted while it was being written: it must not come back
             self._delete_stored(k, deadline)
         return True
