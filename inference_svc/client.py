@@ -41,6 +41,7 @@ from google.protobuf import json_format
 
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
+from inference_svc.session_names import SESSION_HEADER
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.auth import BearerInterceptor
 
@@ -76,7 +77,8 @@ class InferenceClient:
     def generate_stream(self, request: pb.GenerateRequest,
                         timeout: float | None = None) -> Any:
         """The response stream (iterate it; .cancel() stops the generation)."""
-        return self.stub.Generate(request, timeout=timeout or self.timeout)
+        return self.stub.Generate(request, timeout=timeout or self.timeout,
+                                  metadata=session_metadata(request))
 
     def generate(self, prompt: str | list[int], timeout: float | None = None,
                  **fields: Any) -> tuple[list[pb.GenerateResponse], pb.GenerateResponse]:
@@ -87,7 +89,8 @@ class InferenceClient:
 
     def chat_stream(self, request: pb.ChatRequest, timeout: float | None = None) -> Any:
         """The response stream of a Chat (iterate it; .cancel() stops the generation)."""
-        return self.stub.Chat(request, timeout=timeout or self.timeout)
+        return self.stub.Chat(request, timeout=timeout or self.timeout,
+                              metadata=session_metadata(request))
 
     def chat(self, messages: list[tuple[str, str]], timeout: float | None = None,
              **fields: Any) -> tuple[list[pb.GenerateResponse], pb.GenerateResponse]:
@@ -126,6 +129,14 @@ class InferenceClient:
     def delete_session(self, name: str, owner: str = "") -> pb.DeleteSessionResponse:
         return self.stub.DeleteSession(pb.DeleteSessionRequest(name=name, owner=owner),
                                        timeout=self.timeout)
+
+
+def session_metadata(request: pb.GenerateRequest | pb.ChatRequest) -> tuple[tuple[str, str], ...]:
+    """The request's session as `x-session-id` metadata (none without a session): a
+    router in front of replicas (deploy/, `--profile replicas`) sends every turn of a
+    session to the replica that holds it. The server reads the session from the
+    request itself."""
+    return ((SESSION_HEADER, request.session),) if request.HasField("session") else ()
 
 
 def make_request(prompt: str | list[int], *, id_slot: int | None = None,
@@ -214,6 +225,8 @@ def http_stream(url: str, path: str, body: dict[str, Any], *, key: str | None = 
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
+    if isinstance(body.get("session"), str):
+        headers[SESSION_HEADER] = body["session"]  # for a router, as over gRPC
     req = urllib.request.Request(url.rstrip("/") + "/v1" + path,
                                  json.dumps({**body, "stream": True}).encode(), headers)
     try:

@@ -47,6 +47,7 @@ from inference_svc.errors import (
 )
 from inference_svc.openai_api import JSON
 from inference_svc.pb import inference_pb2 as pb
+from inference_svc.session_names import SESSION_HEADER
 from inference_svc.types import GenerateParams, RequestContext
 from snapshot_svc.clientlib import auth
 from snapshot_svc.clientlib.streams import StreamLimit
@@ -64,7 +65,6 @@ BODY_S = 30.0  # the longest a body may take to arrive (a stalled client holds a
 HEAD_S = 30.0  # the longest a new connection may take to send its first request's head
 START_S = 10.0  # the longest the listener may take to come up
 STOP_S = 5.0  # the longest the door's thread may take to end after its last response
-SESSION_HEADER = "x-session-id"
 
 
 def _protocol(head_s: Callable[[], float]) -> type[H11Protocol]:

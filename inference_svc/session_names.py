@@ -17,6 +17,9 @@ from inference_svc.errors import InvalidArgument
 from inference_svc.names import DRAFT_SUFFIX, name_problem
 
 SESSION_PREFIX = "session~"
+# the header (gRPC metadata) naming a request's session: a router in front of replicas
+# hashes it to keep a session on one replica; the HTTP door also takes the session from it
+SESSION_HEADER = "x-session-id"
 _OWNER_CHARS = 8  # auth.key_id: 8 hex digits
 # the longest store name (owner included) must leave room for `<name>.drft` in a directory
 MAX_SESSION_NAME_BYTES = 255 - len(DRAFT_SUFFIX) - len(SESSION_PREFIX) - _OWNER_CHARS - 1

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 
+from inference_svc.client import InferenceClient, make_chat_request, make_request
 from inference_svc.server import Server
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.clientlib.errors import NotFound
@@ -234,3 +236,27 @@ def test_random_turns_on_two_replicas_with_restarts_lose_nothing(snap: str) -> N
             wait_until(lambda nm=name: stored_tokens(snap, nm) == history[nm])
             _, t = turn(cc, name, [vocab[0]], n=1)
             assert (t.session_tier, t.cache_n) == (STORE, history[name])
+
+
+def test_the_client_names_the_session_for_a_router() -> None:
+    """Generate and Chat of a session carry `x-session-id` metadata (what a router
+    hashes); a request without a session carries none."""
+    seen: list[dict[str, str]] = []
+
+    def record(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        seen.append(dict(context.invocation_metadata()))
+        return iter(())
+
+    handler = grpc.method_handlers_generic_handler("warmslot.inference.v1.Inference", {
+        m: grpc.unary_stream_rpc_method_handler(record) for m in ("Generate", "Chat")})
+    server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with InferenceClient(f"127.0.0.1:{port}", timeout=10) as c:
+            list(c.generate_stream(make_request("x", session="s-1")))
+            list(c.chat_stream(make_chat_request([("user", "hi")], session="s-2")))
+            list(c.generate_stream(make_request("x")))
+    finally:
+        server.stop(0)
+    assert [d.get("x-session-id") for d in seen] == ["s-1", "s-2", None]
