@@ -266,8 +266,8 @@ def test_the_conversation_section_round_trips_and_refuses_what_is_not_one() -> N
 
 def test_two_appends_at_once_never_drop_a_turn(tmp_path: Path, tok: Tokenizer) -> None:
     """Two `append` Chats of one session queued together are rendered after the same
-    conversation: the first runs, the second is refused (FAILED_PRECONDITION) rather
-    than dropping the first's turn; sent again it continues both."""
+    conversation: the one queued first runs, the other is refused (FAILED_PRECONDITION)
+    rather than dropping the first's turn; sent again it continues both."""
     u1, u2, u3 = ("user", "hello there"), ("user", "and then"), ("user", "or else")
     with running(config(tmp_path)) as srv, InferenceClient(addr(srv)) as c:
         r1, _, _ = chat(c, [u1], session="a", append=True)
@@ -281,17 +281,29 @@ def test_two_appends_at_once_never_drop_a_turn(tmp_path: Path, tok: Tokenizer) -
             wait_until(lambda: len(engine.sched.waiting) == 2)
         finally:
             hold.release()
-        rs = list(first)
+        # the two calls' handler threads race to queue: either may run first
+        outcomes: dict[tuple[str, str], list | grpc.RpcError] = {}
+        for msg, stream in ((u2, first), (u3, second)):
+            try:
+                outcomes[msg] = list(stream)
+            except grpc.RpcError as exc:
+                outcomes[msg] = exc
+        refused = [m for m, o in outcomes.items() if isinstance(o, grpc.RpcError)]
+        assert len(refused) == 1
+        lost = refused[0]
+        won = u3 if lost == u2 else u2
+        err = outcomes[lost]
+        assert isinstance(err, grpc.RpcError)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "conversation changed" in (err.details() or "")
+        rs = outcomes[won]
+        assert isinstance(rs, list)
         r2, n2 = "".join(r.text for r in rs), rs[-1].timings
         toks2 = [x for r in rs for x in r.tokens]
-        with pytest.raises(grpc.RpcError) as err:
-            list(second)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "conversation changed" in err.value.details()
         kept = held(c)["a"]
         assert kept == n2.cache_n + n2.prompt_n + n2.predicted_n
-        _, _, t = chat(c, [u3], session="a", append=True)
-        ids = prompt_of(tok, [u1, ("assistant", r1), u2, ("assistant", r2), u3])
-        same = common_prefix(prompt_of(tok, [u1, ("assistant", r1), u2]) + toks2, ids)
+        _, _, t = chat(c, [lost], session="a", append=True)
+        ids = prompt_of(tok, [u1, ("assistant", r1), won, ("assistant", r2), lost])
+        same = common_prefix(prompt_of(tok, [u1, ("assistant", r1), won]) + toks2, ids)
         assert (t.cache_n, t.prompt_n, t.session_n_discarded) == (
             same, len(ids) - same, kept - same)
