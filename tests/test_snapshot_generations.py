@@ -20,6 +20,7 @@ import pytest
 from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.errors import FailedPrecondition, GenerationConflict, Unavailable
+from snapshot_svc.namelocks import NameLocks
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.server import SnapshotServer
@@ -424,5 +425,21 @@ def test_a_retried_put_that_had_committed_is_not_a_conflict(tmp_path: Path,
         assert (res.target.sha256, res.draft.sha256 if res.draft else "") == (
             sha(b"v2"), sha(b"d2") if paired else "")
         assert c.stat("a").generation == 2
-        # different bytes over the same generation: a real conflict
+        # different bytes over the same generation: a real conflict; the same bytes: the
+        # state this Put wanted is the stored one
         assert conflict_of(lambda: c.put("a", b"v3", draft, expected_generation=1)).stored == 2
+        assert c.put("a", b"v2", draft, expected_generation=1).generation == 2
+        assert c.stat("a").generation == 2
+
+
+def test_name_locks_take_turns_per_name_and_are_bounded() -> None:
+    locks = NameLocks(timeout_s=0.2)
+    with locks.hold("a"):
+        with locks.hold("b"):  # another name: its own lock
+            assert (locks.users("a"), locks.users("b")) == (1, 1)
+        with pytest.raises(Unavailable) as err:
+            with locks.hold("a"):
+                pass
+        assert err.value.message == "another commit of 'a' held it for 0.2 s"
+    assert (locks.users("a"), locks.users("b")) == (0, 0)
+    assert locks._locks == {}  # nothing kept for names nobody commits
