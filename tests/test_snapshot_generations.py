@@ -24,7 +24,7 @@ from snapshot_svc.namelocks import NameLocks
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.server import SnapshotServer
-from snapshot_svc.testing import running_server
+from snapshot_svc.testing import ServerProcess, running_server
 from tests.seaweed import SeaweedFS
 from tests.snapkit import blob, sha
 from tests.test_snapshot_s3 import (  # noqa: F401 - fixtures
@@ -443,3 +443,18 @@ def test_name_locks_take_turns_per_name_and_are_bounded() -> None:
         assert err.value.message == "another commit of 'a' held it for 0.2 s"
     assert (locks.users("a"), locks.users("b")) == (0, 0)
     assert locks._locks == {}  # nothing kept for names nobody commits
+
+
+def test_two_service_processes_on_one_bucket_race_conditional_puts(
+        s3env: SeaweedFS) -> None:  # noqa: F811
+    """The same race between two `python -m snapshot_svc` processes: one winner a round."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    args = ("--store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", s3env.endpoint)
+    with ServerProcess(None, *args, "--replica-id", "p1", env=s3env.env()) as p1, \
+            ServerProcess(None, *args, "--replica-id", "p2", env=s3env.env()) as p2:
+        for rnd in range(2):
+            results = race([p1.address, p2.address], "proc", expected=rnd, writers=6,
+                           seed=10 + rnd)
+            assert sorted(r for r in results if isinstance(r, int)) == [rnd + 1]
+            assert sorted((r.expected, r.stored) for r in results
+                          if isinstance(r, GenerationConflict)) == [(rnd, rnd + 1)] * 5
