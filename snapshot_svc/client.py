@@ -31,6 +31,12 @@ Behaviour:
   Calls are retried with exponential backoff on UNAVAILABLE only (`retries` times);
   any other failure raises at once. `put` and `get` also take an overall `deadline`
   (time.monotonic()) that bounds every attempt, retry and pause.
+- Generations (feature "conditional-put", `client.conditional_writes`): every
+  snapshot has one (`stat(name).generation`, `PutResult.generation`, 1 on the first
+  commit, +1 per commit). `put(..., expected_generation=g)` commits only over
+  generation g (0: only a new name), else raises `GenerationConflict` (ABORTED;
+  `.name`, `.expected`, `.stored`) with nothing stored; against a server without
+  the feature it raises FailedPrecondition and sends nothing.
 - Errors are `snapshot_svc.errors` types (`NotFound`, `DataLoss`,
   `FailedPrecondition`, `ResourceExhausted`, `InvalidArgument`, `Unavailable`...),
   each with the gRPC `.code`.

@@ -146,7 +146,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
       "more wait (--stream-wait)")
     f("--stream-wait",
       "seconds a Put/Get beyond --max-streams-per-key waits for a free stream, within its "
-      "deadline (RESOURCE_EXHAUSTED after); at most that many calls wait; 0 = refuse at once",
+      "deadline (RESOURCE_EXHAUSTED after); at most --max-streams-per-key calls of one "
+      "caller wait (fewer if --workers is small); 0 = refuse at once",
       field="stream_wait_s")
     f("--max-unary-per-key",
       "with --api-keys: unary calls (Hello, List, Stat, Delete) one key may have running at "

@@ -40,10 +40,12 @@ Layout under `s3://bucket/prefix/`:
   so of two replicas committing over the same manifest exactly one succeeds. The loser
   (HTTP 412) reads again: a conditional Put (an expected generation) then fails with
   GenerationConflict, an unconditional one commits on top of the winner (at most
-  `_CAS_ATTEMPTS` rounds). Generations therefore grow by exactly one per commit across
-  every replica sharing the bucket, and a conditional Put commits only over the
-  generation it names. A draft added to the current target checks that target under
-  the same condition, so it can no longer replace a newer save.
+  `_CAS_ATTEMPTS` rounds). Within one replica, commits of one name also take turns
+  (`NameLocks`): only replicas race in the store. Generations therefore grow by
+  exactly one per commit across every replica sharing the bucket, and a conditional
+  Put commits only over the generation it names. A draft added to the current
+  target checks that target under the same condition, so it can no longer replace a
+  newer save.
 - At start-up a replica checks that the store honours conditional writes (an object
   written twice with `If-None-Match: *`: the second must fail). A store that ignores
   them leaves `conditional_writes` False: the last manifest written wins again, the
@@ -84,6 +86,7 @@ from snapshot_svc.errors import (
     Unavailable,
 )
 from snapshot_svc.logs import log_event
+from snapshot_svc.namelocks import NameLocks
 from snapshot_svc.names import validate_name
 from snapshot_svc.records import Part, PartInfo, SnapshotInfo
 from snapshot_svc.s3client import S3Location, is_missing, make_client, s3_error
@@ -92,6 +95,7 @@ from snapshot_svc.s3parts import Leftovers, S3Reader, S3Upload
 log = logging.getLogger("snapshot_svc.s3store")
 
 _CAS_ATTEMPTS = 16  # rounds of read-then-conditional-write of one manifest before UNAVAILABLE
+_NAME_LOCK_S = 60.0  # longest wait for another commit of the same name in this server
 # the store's answers to a conditional write that lost (AWS answers 409 to two racing)
 _LOST = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 
@@ -156,6 +160,7 @@ class S3Store(HeaderChecks):
         self._gc_candidates: set[str] = set()
         self._gc_lock = threading.Lock()  # one sweep at a time (timer and callers)
         self._closed = threading.Event()
+        self._names = NameLocks(_NAME_LOCK_S)
         self.conditional_writes = False  # set by the start-up check
         try:
             self._open_bucket(start_timeout_s)
@@ -411,6 +416,12 @@ class S3Store(HeaderChecks):
             raise FailedPrecondition(
                 f"conditional Put of {h.name!r}: the object store at {self.describe()} "
                 "ignores conditional writes")
+        with self._names.hold(h.name):  # one commit of a name at a time in this server
+            return self._commit_manifest_locked(h, make)
+
+    def _commit_manifest_locked(self, h: UploadHeader,
+                                make: Callable[[_Manifest | None, int], _Manifest]
+                                ) -> _Manifest:
         for _ in range(_CAS_ATTEMPTS):
             current, etag = self._manifest_at(h.name)
             generation = check_generation(h, None if current is None else current.snap)

@@ -20,10 +20,11 @@ import pytest
 from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.errors import FailedPrecondition, GenerationConflict, Unavailable
+from snapshot_svc.namelocks import NameLocks
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.server import SnapshotServer
-from snapshot_svc.testing import running_server
+from snapshot_svc.testing import ServerProcess, running_server
 from tests.seaweed import SeaweedFS
 from tests.snapkit import blob, sha
 from tests.test_snapshot_s3 import (  # noqa: F401 - fixtures
@@ -424,5 +425,36 @@ def test_a_retried_put_that_had_committed_is_not_a_conflict(tmp_path: Path,
         assert (res.target.sha256, res.draft.sha256 if res.draft else "") == (
             sha(b"v2"), sha(b"d2") if paired else "")
         assert c.stat("a").generation == 2
-        # different bytes over the same generation: a real conflict
+        # different bytes over the same generation: a real conflict; the same bytes: the
+        # state this Put wanted is the stored one
         assert conflict_of(lambda: c.put("a", b"v3", draft, expected_generation=1)).stored == 2
+        assert c.put("a", b"v2", draft, expected_generation=1).generation == 2
+        assert c.stat("a").generation == 2
+
+
+def test_name_locks_take_turns_per_name_and_are_bounded() -> None:
+    locks = NameLocks(timeout_s=0.2)
+    with locks.hold("a"):
+        with locks.hold("b"):  # another name: its own lock
+            assert (locks.users("a"), locks.users("b")) == (1, 1)
+        with pytest.raises(Unavailable) as err:
+            with locks.hold("a"):
+                pass
+        assert err.value.message == "another commit of 'a' held it for 0.2 s"
+    assert (locks.users("a"), locks.users("b")) == (0, 0)
+    assert locks._locks == {}  # nothing kept for names nobody commits
+
+
+def test_two_service_processes_on_one_bucket_race_conditional_puts(
+        s3env: SeaweedFS) -> None:  # noqa: F811
+    """The same race between two `python -m snapshot_svc` processes: one winner a round."""
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    args = ("--store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", s3env.endpoint)
+    with ServerProcess(None, *args, "--replica-id", "p1", env=s3env.env()) as p1, \
+            ServerProcess(None, *args, "--replica-id", "p2", env=s3env.env()) as p2:
+        for rnd in range(2):
+            results = race([p1.address, p2.address], "proc", expected=rnd, writers=6,
+                           seed=10 + rnd)
+            assert sorted(r for r in results if isinstance(r, int)) == [rnd + 1]
+            assert sorted((r.expected, r.stored) for r in results
+                          if isinstance(r, GenerationConflict)) == [(rnd, rnd + 1)] * 5

@@ -17,7 +17,7 @@ import pytest
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.clientlib.auth import Principal
 from snapshot_svc.clientlib.streams import StreamLimit, caller_of, peer_host
-from snapshot_svc.config import SnapshotConfig
+from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import ResourceExhausted
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import running_server
@@ -278,3 +278,13 @@ def test_a_wait_ends_with_the_calls_deadline(tmp_path: Path) -> None:
         assert 0.8 < elapsed < 1.5  # the deadline (1.5 s) less the margin (0.5 s)
         assert srv.store.stat("one").generation == 1
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_stream_wait_flag_and_variable(tmp_path: Path) -> None:
+    d = str(tmp_path)
+    assert parse_config(["--data-dir", d]).stream_wait_s == 30.0
+    assert parse_config(["--data-dir", d, "--stream-wait", "2.5"]).stream_wait_s == 2.5
+    assert parse_config(["--data-dir", d], env={"WARMSLOT_SNAPSHOT_STREAM_WAIT": "0"}
+                        ).stream_wait_s == 0.0
+    with pytest.raises(ValueError, match="--stream-wait must be >= 0"):
+        SnapshotConfig(data_dir=tmp_path, stream_wait_s=-1)
