@@ -28,23 +28,20 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# run as a script, this file's directory comes first on the path, where this file would
-# stand for the standard library's `http`
-sys.path[:] = [str(ROOT)] + [p for p in sys.path
-                             if Path(p or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import http.client  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 from typing import Any  # noqa: E402
 
 import openai  # noqa: E402
+from service import Service  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.core import Model  # noqa: E402
@@ -52,40 +49,16 @@ from inference_svc.core import Model  # noqa: E402
 SLOTS = 4
 
 
-class Service:
-    """`python -m inference_svc` with its HTTP door, on free ports."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, "-m", "inference_svc", "--model", str(args.model),
-               "--draft", args.draft, "--slots", str(SLOTS), "--ctx", str(args.ctx),
-               "--threads", str(args.threads), "--port", "0", "--http-port", "0",
-               "--log-format", "json", "--no-auto-save"]
-        self.model = args.model.name.removesuffix(".gguf")  # the HTTP door's model id
-        self.p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                                  stdout=subprocess.DEVNULL)
-        self.port = self.http_port = 0
-        ready = threading.Event()
-
-        def drain() -> None:
-            assert self.p.stderr is not None
-            for line in self.p.stderr:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("msg") == "listening":
-                    self.port, self.http_port = int(rec["port"]), int(rec["http_port"])
-                if rec.get("msg") in ("serving", "cannot start"):
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(300) or not self.http_port or self.p.poll() is not None:
-            raise SystemExit("the service did not start")
-
-    def stop(self) -> None:
-        self.p.terminate()
-        self.p.wait(60)
+def start_service(args: argparse.Namespace) -> Service:
+    """The service with its HTTP door on a free port; `.model`: the door's model id."""
+    draft = None if args.draft == "none" else Path(args.draft)
+    svc = Service(argparse.Namespace(ctx=args.ctx, threads=args.threads, n_max=8),
+                  args.model, draft, extra=("--http-port", "0", "--no-auto-save"))
+    if not svc.http_port:
+        svc.stop()
+        raise SystemExit("the service did not open its HTTP door")
+    svc.model = args.model.name.removesuffix(".gguf")  # type: ignore[attr-defined]
+    return svc
 
 
 def body(prompt: list[int], n: int, slot: int) -> dict[str, Any]:
@@ -300,7 +273,7 @@ def main() -> int:
                          for i in range(200))
         toks = m.tokenizer.encode(text)
     ps = [toks[i * 97:i * 97 + args.prompt_tokens] for i in range(SLOTS)]
-    svc = Service(args)
+    svc = start_service(args)
     try:
         result = {
             "bench": "http", "cpu": platform.processor() or platform.machine(),

@@ -89,6 +89,7 @@ class Service:
         self.p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
                                   stdout=subprocess.DEVNULL)
         self.port = 0
+        self.http_port = 0  # with --http-port among the extra flags
         ready = threading.Event()
 
         def drain() -> None:
@@ -100,6 +101,7 @@ class Service:
                     continue
                 if rec.get("msg") == "listening":
                     self.port = int(rec["port"])
+                    self.http_port = int(rec.get("http_port") or 0)
                 if rec.get("msg") in ("serving", "cannot start"):
                     ready.set()
             ready.set()

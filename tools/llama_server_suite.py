@@ -20,7 +20,6 @@ docs/http-api.md.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import socket
@@ -29,6 +28,8 @@ import sys
 import tarfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from fetch_model import sha256_file  # run as a script: tools/ is first on the path
 
 ROOT = Path(__file__).resolve().parent.parent
 SDIST = "llama_cpp_python-0.3.36.tar.gz"
@@ -41,21 +42,13 @@ DEFAULT_SELECTION = ("unit/test_chat_completion.py", "unit/test_security.py",
                      "unit/test_basic.py", "unit/test_completion.py")
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch_suite(work: Path) -> Path:
     """The suite's directory under `work`, downloaded, checked and unpacked once."""
     sdist = work / SDIST
     if not sdist.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
                         ":all:", "llama-cpp-python==0.3.36", "-d", str(work)], check=True)
-    got = sha256(sdist)
+    got = sha256_file(sdist)
     if got != SDIST_SHA256:
         raise SystemExit(f"{sdist}: SHA-256 {got}, expected {SDIST_SHA256}")
     tests = work / TESTS
