@@ -2,6 +2,7 @@
 survive (bench/replicas_random.py).
 
     .venv/bin/python bench/replicas_random.py [--sessions 16] [--turns 200] [--smollm2]
+                                              [--ack-stored]
 
 One snapshot service and two inference replicas (`python -m inference_svc`, one slot
 each, write-through on) as processes on 127.0.0.1; the bundled toy models by default
@@ -67,6 +68,7 @@ class Replica:
         self.svc = Service(ns, args.target, args.draft, extra=(
             "--slots", "1", "--snapshot-addr", snap_addr, "--instance-id", name,
             "--session-write-through",
+            *(("--session-ack-stored",) if args.ack_stored else ()),
             # its own stop fallback, in the run's scratch directory
             "--fallback-save-path", str(scratch / f"fallback-{name}")))
         self.c = InferenceClient(f"127.0.0.1:{self.svc.port}", timeout=60)
@@ -83,6 +85,8 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=int, default=200, help="turns per session")
     ap.add_argument("--smollm2", action="store_true")
+    ap.add_argument("--ack-stored", action="store_true",
+                    help="--session-ack-stored: a turn is answered once its state is stored")
     ap.add_argument("--seed", type=int, default=20261203)
     ap.add_argument("--wait", type=float, default=10.0,
                     help="seconds a move waits for the last turn to be stored")
@@ -154,6 +158,7 @@ def main() -> int:
             snap.close()
             snap_proc.terminate()
     out = {"sessions": args.sessions, "turns": total, "seed": args.seed,
+           "ack_stored": args.ack_stored,
            "models": [args.target.name, args.draft.name], "events": events,
            "outcomes": dict(counts), "sessions_equal_at_the_end": f"{end_ok}/{args.sessions}",
            "seconds": round(time.perf_counter() - t0, 1)}

@@ -132,6 +132,8 @@ class Config:
     session_ram_mb: int = 1024
     # each session turn's end state written to the store in the background (with a store)
     session_write_through: bool = True
+    # a session turn's last message waits until its end state is stored (write-through)
+    session_ack_stored: bool = False
 
     @property
     def grpc_workers(self) -> int:
@@ -365,6 +367,10 @@ def parser() -> argparse.ArgumentParser:
       "with a store, write each session turn's end state to it in the background right after "
       "the turn, so other replicas continue from it and a killed replica loses only the turns "
       "still being written (--no-session-write-through: only on eviction and at stop)")
+    f("--session-ack-stored",
+      "with write-through, a session turn's last message (done, with its timings) waits until "
+      "the turn's state is stored (or its write failed): a replica killed after answering "
+      "loses no answered turn, for the write's time on every turn's end")
     f("--api-keys",
       "file of API keys, one '<key> user|admin' per line (reloaded on SIGHUP); calls other than "
       "health then need 'authorization: Bearer <key>'")

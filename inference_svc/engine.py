@@ -710,14 +710,27 @@ class Engine:
                 self.log.exception("recording the reply failed",
                                    extra=log.fields(slot=job.slot))
         last = Chunk(tokens or [], text, lps) if tokens or text else None
-        job.out.put(Finished(reason, tm, stop, job.params.seed, last))
-        job.ended.set()
-        if job.session is not None and self.sessions is not None:
+        fin = Finished(reason, tm, stop, job.params.seed, last)
+
+        def answer() -> None:
+            job.out.put(fin)
+            job.ended.set()
+
+        sessions = self.sessions if job.session is not None else None
+        # write-through: the session's end state goes to the store after the answer, or
+        # (--session-ack-stored) the answer's last message waits for it
+        if sessions is None or not sessions.ack_stored:
+            answer()
+        held_back = False
+        if sessions is not None and job.session is not None:
             try:
-                self.sessions.after_turn(job.slot, job.session)
+                held_back = sessions.after_turn(
+                    job.slot, job.session, answer if sessions.ack_stored else None)
             except Exception:  # noqa: BLE001 - the turn itself succeeded
                 self.log.exception("capturing a session for write-through failed",
                                    extra=log.fields(slot=job.slot))
+            if sessions.ack_stored and not held_back:
+                answer()
         self.log.info("generate", extra=log.fields(
             slot=job.slot, stop_reason=reason.name.lower(), prompt_n=tm.prompt_n,
             cache_n=tm.cache_n, predicted_n=tm.predicted_n, prompt_ms=round(tm.prompt_ms, 2),

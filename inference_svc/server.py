@@ -400,7 +400,7 @@ class Server:
         fallback = self._open_fallback()  # the auto-save's and the sessions'
         engine.sessions = self._sessions = SessionHost(
             engine, slots, cfg.session_ram_mb << 20, self.metrics, fallback,
-            write_through=cfg.session_write_through)
+            write_through=cfg.session_write_through, ack_stored=cfg.session_ack_stored)
         if store is not None and cfg.auto_save:
             rep = autosave.restore_all(slots, cfg.instance_id, cfg.restore_timeout, fallback)
             self.log.info("auto-restore done", extra=log.fields(

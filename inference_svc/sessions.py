@@ -51,7 +51,8 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from inference_svc import chat_record, log, slotfile
 from inference_svc.chat import Message
@@ -122,6 +123,8 @@ class Held:
     writing: bool = False  # the writer is storing it
     deleted: bool = False  # DeleteSession removed it (a write in flight is undone)
     chat: tuple[Message, ...] | None = None  # its chat conversation, written with it
+    # answers held back until this state is stored (--session-ack-stored)
+    then: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class SessionHost:
 
     def __init__(self, engine: Engine, slots: SlotManager, ram_bytes: int,
                  metrics: Metrics, fallback: Fallback | None = None,
-                 write_through: bool = False) -> None:
+                 write_through: bool = False, ack_stored: bool = False) -> None:
         self.engine = engine
         self.slots = slots
         self.store: SlotStore | None = slots.store
@@ -176,6 +179,8 @@ class SessionHost:
         self._write_failed: float | None = None  # time.monotonic() of the last failed write
         # each turn's end state goes to the store in the background (needs a store)
         self.write_through = write_through and slots.store is not None
+        # a turn's last message waits until its end state is stored (or the write failed)
+        self.ack_stored = ack_stored and self.write_through
         self._through: dict[str, Held] = {}  # a session's newest state waiting to be written
         # the store's generation of the state this replica last read or wrote, per session
         self._gen: dict[str, int] = {}
@@ -340,7 +345,7 @@ class SessionHost:
                 if tier is self._ram:
                     self._ram_used -= held.size
                 held.deleted = held.writing
-        self._through.pop(k, None)
+        self._answer(self._through.pop(k, None))
         for d in (self._ver, self._store_ver, self._gen, self._chats):
             d.pop(k, None)  # type: ignore[attr-defined]
         self._lock.notify_all()
@@ -562,21 +567,39 @@ class SessionHost:
             self.metrics.session_restore_seconds.labels(label).observe(ms / 1e3)
         self._gauges()
 
-    def after_turn(self, slot: int, key: str) -> None:
-        """At the end of a session's successful turn (engine thread, after its last
-        response went out): with write-through, its state is captured for the writer,
-        which stores it in the background (a newer turn's state replaces one still
-        waiting)."""
+    def after_turn(self, slot: int, key: str,
+                   then: Callable[[], None] | None = None) -> bool:
+        """At the end of a session's successful turn (engine thread): with write-through,
+        its state is captured for the writer, which stores it in the background (a newer
+        turn's state replaces one still waiting, and takes over its held answers).
+        `then` (--session-ack-stored): called once that state's write has ended (stored,
+        or failed); True when it will be, False when the caller answers at once."""
         if not self.write_through:
-            return
+            return False
         held = self._capture(slot, key)
         if held is None or held.in_store:
-            return
+            return False
         with self._lock:
             if self._closed:
-                return
+                return False
+            old = self._through.get(key)
+            if old is not None and not old.writing:
+                held.then.extend(old.then)  # the newer state holds theirs too
+                old.then.clear()
+            if then is not None:
+                held.then.append(then)
             self._through[key] = held
             self._lock.notify_all()
+        return then is not None
+
+    @staticmethod
+    def _answer(held: Held | None) -> None:
+        """Sends the answers held back for a state (its write ended, or it was dropped)."""
+        if held is None:
+            return
+        thens, held.then = held.then, []
+        for fn in thens:
+            fn()
 
     def evict(self, slot: int, key: str) -> None:
         """Captures the slot's state as session `key` into the RAM tier (engine thread).
@@ -771,6 +794,7 @@ class SessionHost:
             if ok and self._through.get(held.key) is held:
                 del self._through[held.key]
             self._lock.notify_all()
+        self._answer(held)  # stored, or not this time: the turn's answer goes out
         if ok:
             self.metrics.session_store_writes.labels("write_through").inc()
         return ok
@@ -995,6 +1019,7 @@ class SessionHost:
                 through = self._through.pop(k, None)
                 if through is not None:
                     through.deleted = True  # a write in flight is undone
+                    self._answer(through)
                 self._conflicts.pop(k, None)
                 was_lost = self._lost.pop(k, None) is not None
                 self._stale.discard(k)
@@ -1030,8 +1055,11 @@ class SessionHost:
         (0, 0): sessions end with the process."""
         with self._lock:
             self._closed = True
+            through = list(self._through.values())
             self._through.clear()  # the slots and the RAM tier hold these states, or newer
             self._lock.notify_all()
+        for held in through:
+            self._answer(held)
         self._writer.join(timeout=30)
         if self.store is None:
             return 0, 0
@@ -1101,7 +1129,11 @@ class SessionHost:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            through = list(self._through.values())
+            self._through.clear()
             self._lock.notify_all()
+        for held in through:
+            self._answer(held)
 
     # ------------------------------------------------------------ metrics
 

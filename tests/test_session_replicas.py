@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -260,3 +261,33 @@ def test_the_client_names_the_session_for_a_router() -> None:
     finally:
         server.stop(0)
     assert [d.get("x-session-id") for d in seen] == ["s-1", "s-2", None]
+
+
+def test_with_ack_stored_a_turn_ends_only_once_its_state_is_stored(
+        snap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--session-ack-stored: while the store holds the turn's write back, the turn's
+    stream does not end; once the write is through, it ends and the store has the
+    turn (so a replica killed after answering has lost nothing answered)."""
+    from inference_svc.snapshot_store import SnapshotStore
+
+    entered, release = threading.Event(), threading.Event()
+    save_if = SnapshotStore.save_if
+
+    def held_back(self: SnapshotStore, *a: object, **kw: object) -> int:
+        entered.set()
+        assert release.wait(30)
+        return save_if(self, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SnapshotStore, "save_if", held_back)
+    with replica(snap, "a", session_ack_stored=True) as ra, client(ra) as ca:
+        p = prompts(ca)
+        done: list[tuple[list[int], object]] = []
+        t = threading.Thread(target=lambda: done.append(turn(ca, "s", p[0])))
+        t.start()
+        assert entered.wait(30)
+        t.join(0.5)
+        assert t.is_alive() and not done  # the answer waits for the write
+        release.set()
+        t.join(30)
+        toks, _ = done[0]
+        assert stored_tokens(snap, "s") == len(p[0]) + len(toks)  # no waiting here
