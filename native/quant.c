@@ -1574,3 +1574,15 @@ ws_status ws_tensor_matmul(const ws_tensor *t, const float *x, int32_t nt, float
     free(scratch);
     return WS_OK;
 }
+
+const char *ws_kernel_path(void) {
+#if WS_AVX512 && defined(__AVX512VNNI__)
+    return "avx512-vnni: 16-row vpdpwssd tiles, 16-bit activations";
+#elif WS_AVX512
+    return "avx512: 16-row vpmaddwd tiles, 16-bit activations";
+#elif WS_SIMD
+    return "avx2+fma: 8-row vpmaddwd tiles, 16-bit activations";
+#else
+    return "portable: scalar, 16-bit activations";
+#endif
+}
