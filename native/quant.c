@@ -705,6 +705,11 @@ static void matmul_small_typed(float *out, int ldo, const ws_tensor *W, const fl
  * 8 rows (AVX2) or 16 rows (AVX-512) are the float lanes, each lane performing its
  * row's sequence.
  */
+/* how many 8-row tiles ahead the AVX2 tiles prefetch */
+#ifndef WS_PF_TILES
+#define WS_PF_TILES 2
+#endif
+
 static inline int is_int_type(int32_t type) {
     return type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
            type == WS_TYPE_Q5_0 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K ||
@@ -1090,6 +1095,20 @@ iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
         for (int i_ = 0; i_ < (nrows); i_++) o_[i_] = (add) ? o_[i_] + v_[i_] : v_[i_];        \
     }
 
+/* The 8 or 16 rows of a tile are read as as many short interleaved streams, which the hardware
+   prefetcher follows poorly: block b of a tile prefetches bytes [b * step, (b + 1) * step)
+   of the next tile's next_len (contiguous), step = pf_step(next_len, blocks per row). */
+static inline size_t pf_step(size_t next_len, int nb) {
+    return (next_len / (size_t)nb + 63) & ~(size_t)63;
+}
+
+static inline __attribute__((always_inline)) void prefetch_share(const uint8_t *next,
+                                                                 size_t next_len, size_t step,
+                                                                 int b) {
+    for (size_t o = (size_t)b * step; o < (size_t)(b + 1) * step && o < next_len; o += 64)
+        _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+}
+
 static inline __m256i load_x8(const int16_t *q) {
     return _mm256_loadu_si256((const __m256i *)(const void *)q);
 }
@@ -1097,7 +1116,7 @@ static inline __m256i load_x8(const int16_t *q) {
 /* 8 rows (w[i]; a repeated row for a short tile) x NT tokens */
 static inline __attribute__((always_inline)) void
 itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_block *xb, int r,
-          int add, const int NT, const int32_t type) {
+          int add, const uint8_t *next, size_t next_len, const int NT, const int32_t type) {
     __m256 acc[WS_XQ_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     int32_t idx[8]; /* the rows' offsets from w[0], for the gathers of the scales */
@@ -1105,7 +1124,9 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
     const __m256i vidx = _mm256_loadu_si256((const __m256i *)(const void *)idx);
     const int is_k = type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K || type == WS_TYPE_Q6_K;
     float ks[3][8][16];
+    const size_t step = pf_step(next_len, xb->nb);
     for (int b = 0; b < xb->nb; b++) {
+        prefetch_share(next, next_len, step, b);
         __m256i wv[8][2];
         for (int i = 0; i < 8; i++) iweights16(type, w[i], b, wv[i]);
         if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
@@ -1116,10 +1137,64 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
     }
     ITILE_STORE(_mm256, acc, NT, out, ldo, r, nrows, add)
 }
+
+/* 8 consecutive rows (w0 + i * rb) x 1 token, a decode step: each row's block is unpacked
+   and multiplied at once (its two vpmaddwd summed into one register), so the 8 rows'
+   partial sums, the activations and the accumulator stay in registers (itile_8xt unpacks
+   all 8 rows' weights first, 16 registers, and spills). The same exact integer sums and
+   the same float steps per lane as ITILE_TOKENS: the bits of itile_8xt. */
+static inline __attribute__((always_inline)) void
+itile_8x1(float *out, const uint8_t *w0, size_t rb, const xq_block *xb, int r, int add,
+          const int32_t type) {
+    /* the tile WS_PF_TILES ahead (8 contiguous rows), read at the pace of this one: block b
+       prefetches its share, pf_bytes (8 rows' bytes per 32 elements, rounded up), with
+       unconditional prefetches (they never fault, past the end they do nothing useful) */
+    const int pf_bytes = 8 * (is_block32_type(type) ? (int)row_bytes_of(type, 32)
+                                                    : ((int)row_bytes_of(type, 256) + 7) / 8);
+    const uint8_t *pf = w0 + (size_t)WS_PF_TILES * 8 * rb;
+    const uint8_t *w[8];
+    for (int i = 0; i < 8; i++) w[i] = w0 + (size_t)i * rb;
+    const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32((int)rb));
+    const int is_k = type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K || type == WS_TYPE_Q6_K;
+    float ks[3][8][16];
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < xb->nb; b++) {
+        for (int l = 0; l < (pf_bytes + 63) / 64; l++)
+            _mm_prefetch((const char *)pf + (size_t)b * pf_bytes + 64 * l, _MM_HINT_T0);
+        if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
+        const int16_t *xq = xb->q + 32 * b;
+        const __m256i x0 = load_x8(xq), x1 = load_x8(xq + 16);
+        __m256i p[8], p2[8];
+        for (int i = 0; i < 8; i++) {
+            __m256i wv[2];
+            iweights16(type, w[i], b, wv);
+            if (type == WS_TYPE_Q6_K) {
+                p[i] = _mm256_madd_epi16(wv[0], x0);
+                p2[i] = _mm256_madd_epi16(wv[1], x1);
+            } else {
+                p[i] = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
+            }
+        }
+        __m256 vdw, vdw2, vmw;
+        iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
+        const __m256 dx = _mm256_set1_ps(xb->d[b]);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(hsum8x8(p)), acc);
+        if (type == WS_TYPE_Q6_K)
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx), _mm256_cvtepi32_ps(hsum8x8(p2)), acc);
+        if (type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K)
+            acc = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[b]), acc);
+    }
+    float *o = out + r;
+    if (add) acc = _mm256_add_ps(_mm256_loadu_ps(o), acc);
+    _mm256_storeu_ps(o, acc);
+}
 #else
 static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows,
-                             const xq_block *xb, int r, int add, const int NT,
-                             const int32_t type) {
+                             const xq_block *xb, int r, int add, const uint8_t *next,
+                             size_t next_len, const int NT, const int32_t type) {
+    (void)next;
+    (void)next_len;
     for (int i = 0; i < nrows; i++) {
         for (int t = 0; t < NT; t++) {
             float acc = 0.0f;
@@ -1287,20 +1362,6 @@ iweights_pair(const int32_t type, const uint8_t *ra, const uint8_t *rb, int c, _
     }
 }
 
-/* The 16 rows of a tile are read as 16 short interleaved streams, which the hardware
-   prefetcher follows poorly: block b of a tile prefetches bytes [b * step, (b + 1) * step)
-   of the next tile's next_len (contiguous), step = pf_step(next_len, blocks per row). */
-static inline size_t pf_step(size_t next_len, int nb) {
-    return (next_len / (size_t)nb + 63) & ~(size_t)63;
-}
-
-static inline __attribute__((always_inline)) void prefetch_share(const uint8_t *next,
-                                                                 size_t next_len, size_t step,
-                                                                 int b) {
-    for (size_t o = (size_t)b * step; o < (size_t)(b + 1) * step && o < next_len; o += 64)
-        _mm_prefetch((const char *)next + o, _MM_HINT_T0);
-}
-
 /* the f16 scales (and Q4_1's minimums) of block b of 16 rows of a 32-element type */
 static inline __attribute__((always_inline)) void
 gathered_scales(const int32_t type, const uint8_t *w0, __m512i vidx, int b, __m512 *dw,
@@ -1432,6 +1493,7 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
 }
 #endif
 
+
 static inline __attribute__((always_inline)) void
 imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, int r1, int add,
            const int NT, const int32_t type) {
@@ -1451,12 +1513,21 @@ imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, 
             itile_16xt(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, NT, type);
     }
 #endif
+#if WS_SIMD
+    if (NT == 1)
+        for (; r + 8 <= r1; r += 8)
+            itile_8x1(out, (const uint8_t *)W->data + (size_t)r * rb, rb, xb, r, add, type);
+#endif
     for (; r < r1; r += 8) {
         const int nrows = r1 - r < 8 ? r1 - r : 8;
         const uint8_t *w[8];
         for (int i = 0; i < 8; i++)
             w[i] = (const uint8_t *)W->data + (size_t)(r + (i < nrows ? i : nrows - 1)) * rb;
-        itile_8xt(out, ldo, w, nrows, xb, r, add, NT, type);
+        /* the tile WS_PF_TILES ahead, while it lies in [r0, r1) */
+        const int ahead = r + 8 * WS_PF_TILES;
+        const int next_rows = ahead < r1 ? (r1 - ahead < 8 ? r1 - ahead : 8) : 0;
+        const uint8_t *next = (const uint8_t *)W->data + (size_t)ahead * rb;
+        itile_8xt(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, NT, type);
     }
 }
 
