@@ -945,21 +945,25 @@ static inline __attribute__((always_inline)) void iweights16(const int32_t type,
             w[0] = _mm256_sub_epi16(w[0], _mm256_set1_epi16(8));
             w[1] = _mm256_sub_epi16(w[1], _mm256_set1_epi16(8));
         } else if (type == WS_TYPE_Q5_0) { /* bit j of qh -> 16 in element j */
-            const uint32_t qh = get_le32(b + 2);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
+            const uint32_t qh = get_le32(b + 2);
             /* nibble - 16 where the bit is clear: the same values in one masked step */
             for (int h = 0; h < 2; h++)
                 w[h] = _mm256_mask_sub_epi16(w[h], (__mmask16)~(qh >> (16 * h)), w[h],
                                              _mm256_set1_epi16(16));
 #else
+            /* qh in every dword, each 16-bit lane given half h of it by a byte shuffle,
+               then lane j tests its bit j: nibble - 16 where the bit is clear */
+            const __m256i all = _mm256_castps_si256(
+                _mm256_broadcast_ss((const float *)(const void *)(b + 2)));
             const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024,
                                                   2048, 4096, 8192, 16384, (short)0x8000);
             const __m256i sixteen = _mm256_set1_epi16(16);
             for (int h = 0; h < 2; h++) {
-                const __m256i hb = _mm256_set1_epi16((short)(qh >> (16 * h)));
-                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(hb, bit), bit);
-                w[h] = _mm256_sub_epi16(_mm256_or_si256(w[h], _mm256_and_si256(set, sixteen)),
-                                        sixteen);
+                const __m256i half = _mm256_shuffle_epi8(
+                    all, _mm256_set1_epi16((short)((2 * h) | (2 * h + 1) << 8)));
+                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(half, bit), bit);
+                w[h] = _mm256_sub_epi16(w[h], _mm256_andnot_si256(set, sixteen));
             }
 #endif
         }
@@ -1054,6 +1058,60 @@ iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
     *mw = _mm256_loadu_ps(ks[2][b % 8]);
 }
 
+/* kscales for 8 rows (vidx: their offsets from w0), lane i for row i: the packed scales
+   gathered and decoded in vectors, the same integers and the same (exact) float products
+   as the scalar kscales */
+static inline __attribute__((always_inline)) void
+kscales8(const int32_t type, const uint8_t *w0, __m256i vidx, int kb, float ks[3][8][16]) {
+    const __m256i b6 = _mm256_set1_epi32(63), b4 = _mm256_set1_epi32(0xF);
+    const uint8_t *blk = w0 + (size_t)kb * row_bytes_of(type, 256);
+    if (type == WS_TYPE_Q6_K) {
+        __m256i sc[4]; /* the 16 int8 scales, 4 per lane each */
+        for (int k = 0; k < 4; k++)
+            sc[k] = _mm256_i32gather_epi32((const int *)(const void *)(blk + 192 + 4 * k), vidx, 1);
+        /* d: the f16 at 208, as the high half of the dword at 206 (inside the block) */
+        const __m256 d =
+            halves_ps(_mm256_i32gather_epi32((const int *)(const void *)(blk + 206), vidx, 1), 1);
+        for (int j = 0; j < 8; j++) {
+            for (int h = 0; h < 2; h++) {
+                const int e = 2 * j + h; /* scale e: byte e % 4 of sc[e / 4], sign-extended */
+                const __m256i v =
+                    _mm256_srai_epi32(_mm256_slli_epi32(sc[e / 4], 24 - 8 * (e % 4)), 24);
+                _mm256_storeu_ps(ks[h][j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+            }
+            _mm256_storeu_ps(ks[2][j], _mm256_setzero_ps());
+        }
+        return;
+    }
+    const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)blk, vidx, 1); /* d | dmin */
+    const __m256 d = halves_ps(g, 0);
+    /* -dmin: -(dmin * m) is (-dmin) * m exactly (rounding is symmetric in sign) */
+    const __m256 ndmin = _mm256_xor_ps(halves_ps(g, 1), _mm256_set1_ps(-0.0f));
+    __m256i q[3]; /* the 12 scale bytes, 4 per lane each (scale_min_k4's q) */
+    for (int k = 0; k < 3; k++)
+        q[k] = _mm256_i32gather_epi32((const int *)(const void *)(blk + 4 + 4 * k), vidx, 1);
+    for (int j = 0; j < 8; j++) {
+        const int sh = 8 * (j % 4);
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(_mm256_srli_epi32(q[0], sh), b6);
+            mn = _mm256_and_si256(_mm256_srli_epi32(q[1], sh), b6);
+        } else {
+            const __m256i hi2 = _mm256_set1_epi32(3);
+            const __m256i t = _mm256_srli_epi32(q[2], sh);
+            sc = _mm256_or_si256(
+                _mm256_and_si256(t, b4),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q[0], sh + 6), hi2), 4));
+            mn = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(t, 4), b4),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q[1], sh + 6), hi2), 4));
+        }
+        _mm256_storeu_ps(ks[0][j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+        _mm256_storeu_ps(ks[1][j], _mm256_setzero_ps());
+        _mm256_storeu_ps(ks[2][j], _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mn)));
+    }
+}
+
 /*
  * The tokens' steps over block b of a tile, one text for both widths so that their float
  * steps, hence their bits, are the same (P: the intrinsics' prefix, _mm256 or _mm512; S:
@@ -1129,7 +1187,7 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
         prefetch_share(next, next_len, step, b);
         __m256i wv[8][2];
         for (int i = 0; i < 8; i++) iweights16(type, w[i], b, wv[i]);
-        if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
+        if (is_k && b % 8 == 0) kscales8(type, w[0], vidx, b / 8, ks);
         __m256 vdw, vdw2, vmw;
         iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
         ITILE_TOKENS(_mm256, si256, load_x8, dot_i16, hsum8x8, acc, NT, xb, b, wv, vdw, vdw2,
@@ -1162,26 +1220,47 @@ itile_8x1(float *out, const uint8_t *w0, size_t rb, const xq_block *xb, int r, i
     for (int b = 0; b < xb->nb; b++) {
         for (int l = 0; l < (pf_bytes + 63) / 64; l++)
             _mm_prefetch((const char *)pf + (size_t)b * pf_bytes + 64 * l, _MM_HINT_T0);
-        if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
+        if (is_k && b % 8 == 0) kscales8(type, w[0], vidx, b / 8, ks);
         const int16_t *xq = xb->q + 32 * b;
         const __m256i x0 = load_x8(xq), x1 = load_x8(xq + 16);
-        __m256i p[8], p2[8];
-        for (int i = 0; i < 8; i++) {
+        /* hsum8x8's tree, taken as the rows come (a pair's vphaddd as soon as both rows
+           are done), so that at most a few partial sums are live */
+        __m256i h[4], h2[4], q[2], q2[2];
+        for (int i = 0; i < 8; i += 2) {
+            __m256i pa, pb, pa2 = _mm256_setzero_si256(), pb2 = _mm256_setzero_si256();
             __m256i wv[2];
             iweights16(type, w[i], b, wv);
             if (type == WS_TYPE_Q6_K) {
-                p[i] = _mm256_madd_epi16(wv[0], x0);
-                p2[i] = _mm256_madd_epi16(wv[1], x1);
+                pa = _mm256_madd_epi16(wv[0], x0);
+                pa2 = _mm256_madd_epi16(wv[1], x1);
             } else {
-                p[i] = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
+                pa = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
+            }
+            iweights16(type, w[i + 1], b, wv);
+            if (type == WS_TYPE_Q6_K) {
+                pb = _mm256_madd_epi16(wv[0], x0);
+                pb2 = _mm256_madd_epi16(wv[1], x1);
+            } else {
+                pb = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
+            }
+            h[i / 2] = _mm256_hadd_epi32(pa, pb);
+            if (type == WS_TYPE_Q6_K) h2[i / 2] = _mm256_hadd_epi32(pa2, pb2);
+            if (i % 4 == 2) {
+                q[i / 4] = _mm256_hadd_epi32(h[i / 2 - 1], h[i / 2]);
+                if (type == WS_TYPE_Q6_K) q2[i / 4] = _mm256_hadd_epi32(h2[i / 2 - 1], h2[i / 2]);
             }
         }
+        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20),
+                                             _mm256_permute2x128_si256(q[0], q[1], 0x31));
         __m256 vdw, vdw2, vmw;
         iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
         const __m256 dx = _mm256_set1_ps(xb->d[b]);
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(hsum8x8(p)), acc);
-        if (type == WS_TYPE_Q6_K)
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx), _mm256_cvtepi32_ps(hsum8x8(p2)), acc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(sum), acc);
+        if (type == WS_TYPE_Q6_K) {
+            const __m256i sum2 = _mm256_add_epi32(_mm256_permute2x128_si256(q2[0], q2[1], 0x20),
+                                                  _mm256_permute2x128_si256(q2[0], q2[1], 0x31));
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx), _mm256_cvtepi32_ps(sum2), acc);
+        }
         if (type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K)
             acc = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[b]), acc);
     }
