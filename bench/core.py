@@ -16,7 +16,10 @@ Also reported: the weight bytes read per decoded token, the machine's memory ban
 verification batch against a single-token decode (ours, 1 thread, after the prompt);
 the time of a second load of the model (the first one warmed the page cache and the
 fingerprint cache); the resident memory after load and one decode, each engine alone
-in a fresh process. The last line printed is one JSON object.
+in a fresh process. The CPU's model and vector class, the kernels our build compiled
+(ws_kernel_path; WARMSLOT_NATIVE picks the build) and llama.cpp's version and system info
+(its instruction sets) are recorded beside the figures. The last line printed is one JSON
+object.
 
 llama-cpp-python is never a dependency: --llama-cpp-path names the site-packages of a
 venv where it is installed (appended to sys.path, so this venv's packages come first).
