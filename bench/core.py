@@ -16,7 +16,10 @@ Also reported: the weight bytes read per decoded token, the machine's memory ban
 verification batch against a single-token decode (ours, 1 thread, after the prompt);
 the time of a second load of the model (the first one warmed the page cache and the
 fingerprint cache); the resident memory after load and one decode, each engine alone
-in a fresh process. The last line printed is one JSON object.
+in a fresh process. The CPU's model and vector class, the kernels our build compiled
+(ws_kernel_path; WARMSLOT_NATIVE picks the build) and llama.cpp's version and system info
+(its instruction sets) are recorded beside the figures. The last line printed is one JSON
+object.
 
 llama-cpp-python is never a dependency: --llama-cpp-path names the site-packages of a
 venv where it is installed (appended to sys.path, so this venv's packages come first).
@@ -42,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from inference_svc.core import Context, CoreError, Model  # noqa: E402
+from inference_svc.core.binding import NATIVE_VARIANT, kernel_path  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "target.gguf"
 
@@ -56,6 +60,31 @@ def memory_bandwidth(n_bytes: int = 1 << 29, reps: int = 5) -> float:
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
     return 2 * n_bytes / statistics.median(times)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_class() -> str:
+    """The widest vector class the CPU offers (what a release build targets on it)."""
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "AVX-512" + (" VNNI" if "avx512_vnni" in flags else "")
+    if {"avx2", "fma"} <= flags:
+        return "AVX2+FMA"
+    return "no AVX2"
 
 
 def weight_bytes_per_token(model: Model) -> int:
@@ -145,6 +174,8 @@ class LlamaCpp:
         import llama_cpp  # type: ignore[import-not-found]
 
         self.lib = llama_cpp
+        self.version = str(getattr(llama_cpp, "__version__", "?"))
+        self.system_info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads[0],
                                    n_threads_batch=threads[0], n_batch=n_batch, verbose=False)
 
@@ -195,11 +226,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     first_load = time.perf_counter() - t0
     engines: list[Any] = [ours]
     llama_note = None
+    llama_build: dict[str, str] = {}
     if args.llama_cpp:
         if args.llama_cpp_path:
             sys.path.append(args.llama_cpp_path)
         try:
-            engines.append(LlamaCpp(args.model, n_ctx, args.prefill_tokens, threads))
+            llama = LlamaCpp(args.model, n_ctx, args.prefill_tokens, threads)
+            engines.append(llama)
+            llama_build = {"version": llama.version, "system_info": llama.system_info,
+                           "path": args.llama_cpp_path}
         except ImportError:
             llama_note = "llama-cpp-python is not importable (see --llama-cpp-path)"
     rng = np.random.default_rng(0)
@@ -240,8 +275,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "fingerprint": fingerprint[:16],
         "params": params,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": threads,
+        "machine": {"cpu": cpu_model(), "cpu_class": cpu_class(), "threads": threads,
                     "loadavg_1m": round(os.getloadavg()[0], 2)},
+        "ours_kernels": {"build": NATIVE_VARIANT, "path": kernel_path()},
         "reps": args.reps,
         "prefill_tokens": args.prefill_tokens,
         "decode_tokens": args.decode_tokens,
@@ -267,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["llama_cpp"] = llama_note
     elif args.llama_cpp:
         result["llama_cpp"] = {"prefill_tps": rates("llama_cpp", "prefill"),
-                               "decode_tps": rates("llama_cpp", "decode")}
+                               "decode_tps": rates("llama_cpp", "decode"), "build": llama_build}
         result["vs_llama_cpp"] = {
             f"{kind}_{t}t": round(med[f"ours_{kind}_{t}t"] / med[f"llama_cpp_{kind}_{t}t"], 3)
             for kind in ("prefill", "decode") for t in threads}
@@ -297,7 +333,8 @@ def main() -> int:
     except CoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for k in ("prefill_tps", "decode_tps", "llama_cpp", "vs_llama_cpp"):
+    for k in ("machine", "ours_kernels", "prefill_tps", "decode_tps", "verify_vs_decode_1t",
+              "llama_cpp", "vs_llama_cpp"):
         if k in result:
             print(f"{k}: {result[k]}", file=sys.stderr)
     print(json.dumps(result))

@@ -19,6 +19,9 @@ goes first: a decode step and a 5-token verification (every token's logits) afte
 512-token prompt, each rolled back, and a 512-token prefill (times, ms). A process's
 memory layout moves its speed by several per cent, a neighbour's load moves it from
 minute to minute; lockstep calls in two long-lived processes cancel the second.
+
+Both trees run the build WARMSLOT_NATIVE names (release by default; avx2 measures the
+AVX2 kernels on an AVX-512 machine).
 """
 
 from __future__ import annotations
@@ -146,8 +149,10 @@ def main() -> int:
     subprocess.run(["git", "worktree", "add", "--detach", str(before), rev], cwd=ROOT,
                    check=True, capture_output=True)
     try:
-        # the tree's own build script and sources, this venv's compiler toolchain
-        subprocess.run([sys.executable, "native/build_ffi.py", "--variant", "release"],
+        # the tree's own build script and sources, this venv's compiler toolchain; the
+        # build WARMSLOT_NATIVE selects (both workers inherit it), release by default
+        variant = os.environ.get("WARMSLOT_NATIVE", "release")
+        subprocess.run([sys.executable, "native/build_ffi.py", "--variant", variant],
                        cwd=before, check=True, capture_output=True,
                        env={**os.environ, "PYTHONPATH": str(before)})
         trees = {"before": before, "after": ROOT}
@@ -168,6 +173,8 @@ def main() -> int:
         print(f"{m:18s} before {med['before'][m]:9.1f}  after {med['after'][m]:9.1f}  "
               f"{ratio[m]:.3f}x")
     print(json.dumps({"bench": "core_ab", "before": rev, "model": str(a.model or "target.gguf"),
+                      "build": os.environ.get("WARMSLOT_NATIVE", "release"),
+                      "loadavg_1m": round(os.getloadavg()[0], 2),
                       "reps": reps, "threads": threads,
                       "median": {k: {m: round(x, 2) for m, x in v.items()}
                                  for k, v in med.items()},

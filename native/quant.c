@@ -705,6 +705,11 @@ static void matmul_small_typed(float *out, int ldo, const ws_tensor *W, const fl
  * 8 rows (AVX2) or 16 rows (AVX-512) are the float lanes, each lane performing its
  * row's sequence.
  */
+/* how many 8-row tiles ahead the AVX2 tiles prefetch */
+#ifndef WS_PF_TILES
+#define WS_PF_TILES 2
+#endif
+
 static inline int is_int_type(int32_t type) {
     return type == WS_TYPE_Q8_0 || type == WS_TYPE_Q4_0 || type == WS_TYPE_Q4_1 ||
            type == WS_TYPE_Q5_0 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K ||
@@ -940,21 +945,25 @@ static inline __attribute__((always_inline)) void iweights16(const int32_t type,
             w[0] = _mm256_sub_epi16(w[0], _mm256_set1_epi16(8));
             w[1] = _mm256_sub_epi16(w[1], _mm256_set1_epi16(8));
         } else if (type == WS_TYPE_Q5_0) { /* bit j of qh -> 16 in element j */
-            const uint32_t qh = get_le32(b + 2);
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
+            const uint32_t qh = get_le32(b + 2);
             /* nibble - 16 where the bit is clear: the same values in one masked step */
             for (int h = 0; h < 2; h++)
                 w[h] = _mm256_mask_sub_epi16(w[h], (__mmask16)~(qh >> (16 * h)), w[h],
                                              _mm256_set1_epi16(16));
 #else
+            /* qh in every dword, each 16-bit lane given half h of it by a byte shuffle,
+               then lane j tests its bit j: nibble - 16 where the bit is clear */
+            const __m256i all = _mm256_castps_si256(
+                _mm256_broadcast_ss((const float *)(const void *)(b + 2)));
             const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024,
                                                   2048, 4096, 8192, 16384, (short)0x8000);
             const __m256i sixteen = _mm256_set1_epi16(16);
             for (int h = 0; h < 2; h++) {
-                const __m256i hb = _mm256_set1_epi16((short)(qh >> (16 * h)));
-                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(hb, bit), bit);
-                w[h] = _mm256_sub_epi16(_mm256_or_si256(w[h], _mm256_and_si256(set, sixteen)),
-                                        sixteen);
+                const __m256i half = _mm256_shuffle_epi8(
+                    all, _mm256_set1_epi16((short)((2 * h) | (2 * h + 1) << 8)));
+                const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(half, bit), bit);
+                w[h] = _mm256_sub_epi16(w[h], _mm256_andnot_si256(set, sixteen));
             }
 #endif
         }
@@ -1049,6 +1058,60 @@ iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
     *mw = _mm256_loadu_ps(ks[2][b % 8]);
 }
 
+/* kscales for 8 rows (vidx: their offsets from w0), lane i for row i: the packed scales
+   gathered and decoded in vectors, the same integers and the same (exact) float products
+   as the scalar kscales */
+static inline __attribute__((always_inline)) void
+kscales8(const int32_t type, const uint8_t *w0, __m256i vidx, int kb, float ks[3][8][16]) {
+    const __m256i b6 = _mm256_set1_epi32(63), b4 = _mm256_set1_epi32(0xF);
+    const uint8_t *blk = w0 + (size_t)kb * row_bytes_of(type, 256);
+    if (type == WS_TYPE_Q6_K) {
+        __m256i sc[4]; /* the 16 int8 scales, 4 per lane each */
+        for (int k = 0; k < 4; k++)
+            sc[k] = _mm256_i32gather_epi32((const int *)(const void *)(blk + 192 + 4 * k), vidx, 1);
+        /* d: the f16 at 208, as the high half of the dword at 206 (inside the block) */
+        const __m256 d =
+            halves_ps(_mm256_i32gather_epi32((const int *)(const void *)(blk + 206), vidx, 1), 1);
+        for (int j = 0; j < 8; j++) {
+            for (int h = 0; h < 2; h++) {
+                const int e = 2 * j + h; /* scale e: byte e % 4 of sc[e / 4], sign-extended */
+                const __m256i v =
+                    _mm256_srai_epi32(_mm256_slli_epi32(sc[e / 4], 24 - 8 * (e % 4)), 24);
+                _mm256_storeu_ps(ks[h][j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(v)));
+            }
+            _mm256_storeu_ps(ks[2][j], _mm256_setzero_ps());
+        }
+        return;
+    }
+    const __m256i g = _mm256_i32gather_epi32((const int *)(const void *)blk, vidx, 1); /* d | dmin */
+    const __m256 d = halves_ps(g, 0);
+    /* -dmin: -(dmin * m) is (-dmin) * m exactly (rounding is symmetric in sign) */
+    const __m256 ndmin = _mm256_xor_ps(halves_ps(g, 1), _mm256_set1_ps(-0.0f));
+    __m256i q[3]; /* the 12 scale bytes, 4 per lane each (scale_min_k4's q) */
+    for (int k = 0; k < 3; k++)
+        q[k] = _mm256_i32gather_epi32((const int *)(const void *)(blk + 4 + 4 * k), vidx, 1);
+    for (int j = 0; j < 8; j++) {
+        const int sh = 8 * (j % 4);
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(_mm256_srli_epi32(q[0], sh), b6);
+            mn = _mm256_and_si256(_mm256_srli_epi32(q[1], sh), b6);
+        } else {
+            const __m256i hi2 = _mm256_set1_epi32(3);
+            const __m256i t = _mm256_srli_epi32(q[2], sh);
+            sc = _mm256_or_si256(
+                _mm256_and_si256(t, b4),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q[0], sh + 6), hi2), 4));
+            mn = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32(t, 4), b4),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q[1], sh + 6), hi2), 4));
+        }
+        _mm256_storeu_ps(ks[0][j], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+        _mm256_storeu_ps(ks[1][j], _mm256_setzero_ps());
+        _mm256_storeu_ps(ks[2][j], _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(mn)));
+    }
+}
+
 /*
  * The tokens' steps over block b of a tile, one text for both widths so that their float
  * steps, hence their bits, are the same (P: the intrinsics' prefix, _mm256 or _mm512; S:
@@ -1090,6 +1153,20 @@ iscales8(const int32_t type, const uint8_t *const w[8], __m256i vidx, int b,
         for (int i_ = 0; i_ < (nrows); i_++) o_[i_] = (add) ? o_[i_] + v_[i_] : v_[i_];        \
     }
 
+/* The 8 or 16 rows of a tile are read as as many short interleaved streams, which the hardware
+   prefetcher follows poorly: block b of a tile prefetches bytes [b * step, (b + 1) * step)
+   of the next tile's next_len (contiguous), step = pf_step(next_len, blocks per row). */
+static inline size_t pf_step(size_t next_len, int nb) {
+    return (next_len / (size_t)nb + 63) & ~(size_t)63;
+}
+
+static inline __attribute__((always_inline)) void prefetch_share(const uint8_t *next,
+                                                                 size_t next_len, size_t step,
+                                                                 int b) {
+    for (size_t o = (size_t)b * step; o < (size_t)(b + 1) * step && o < next_len; o += 64)
+        _mm_prefetch((const char *)next + o, _MM_HINT_T0);
+}
+
 static inline __m256i load_x8(const int16_t *q) {
     return _mm256_loadu_si256((const __m256i *)(const void *)q);
 }
@@ -1097,7 +1174,7 @@ static inline __m256i load_x8(const int16_t *q) {
 /* 8 rows (w[i]; a repeated row for a short tile) x NT tokens */
 static inline __attribute__((always_inline)) void
 itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_block *xb, int r,
-          int add, const int NT, const int32_t type) {
+          int add, const uint8_t *next, size_t next_len, const int NT, const int32_t type) {
     __m256 acc[WS_XQ_TOKENS];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     int32_t idx[8]; /* the rows' offsets from w[0], for the gathers of the scales */
@@ -1105,10 +1182,12 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
     const __m256i vidx = _mm256_loadu_si256((const __m256i *)(const void *)idx);
     const int is_k = type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K || type == WS_TYPE_Q6_K;
     float ks[3][8][16];
+    const size_t step = pf_step(next_len, xb->nb);
     for (int b = 0; b < xb->nb; b++) {
+        prefetch_share(next, next_len, step, b);
         __m256i wv[8][2];
         for (int i = 0; i < 8; i++) iweights16(type, w[i], b, wv[i]);
-        if (is_k && b % 8 == 0) kscales(type, w, 8, b / 8, ks);
+        if (is_k && b % 8 == 0) kscales8(type, w[0], vidx, b / 8, ks);
         __m256 vdw, vdw2, vmw;
         iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
         ITILE_TOKENS(_mm256, si256, load_x8, dot_i16, hsum8x8, acc, NT, xb, b, wv, vdw, vdw2,
@@ -1116,10 +1195,85 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
     }
     ITILE_STORE(_mm256, acc, NT, out, ldo, r, nrows, add)
 }
+
+/* 8 consecutive rows (w0 + i * rb) x 1 token, a decode step: each row's block is unpacked
+   and multiplied at once (its two vpmaddwd summed into one register), so the 8 rows'
+   partial sums, the activations and the accumulator stay in registers (itile_8xt unpacks
+   all 8 rows' weights first, 16 registers, and spills). The same exact integer sums and
+   the same float steps per lane as ITILE_TOKENS: the bits of itile_8xt. */
+static inline __attribute__((always_inline)) void
+itile_8x1(float *out, const uint8_t *w0, size_t rb, const xq_block *xb, int r, int add,
+          const int32_t type) {
+    /* the tile WS_PF_TILES ahead (8 contiguous rows), read at the pace of this one: block b
+       prefetches its share, pf_bytes (8 rows' bytes per 32 elements, rounded up), with
+       unconditional prefetches (they never fault, past the end they do nothing useful) */
+    const int pf_bytes = 8 * (is_block32_type(type) ? (int)row_bytes_of(type, 32)
+                                                    : ((int)row_bytes_of(type, 256) + 7) / 8);
+    const uint8_t *pf = w0 + (size_t)WS_PF_TILES * 8 * rb;
+    const uint8_t *w[8];
+    for (int i = 0; i < 8; i++) w[i] = w0 + (size_t)i * rb;
+    const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                            _mm256_set1_epi32((int)rb));
+    const int is_k = type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K || type == WS_TYPE_Q6_K;
+    float ks[3][8][16];
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < xb->nb; b++) {
+        for (int l = 0; l < (pf_bytes + 63) / 64; l++)
+            _mm_prefetch((const char *)pf + (size_t)b * pf_bytes + 64 * l, _MM_HINT_T0);
+        if (is_k && b % 8 == 0) kscales8(type, w[0], vidx, b / 8, ks);
+        const int16_t *xq = xb->q + 32 * b;
+        const __m256i x0 = load_x8(xq), x1 = load_x8(xq + 16);
+        /* hsum8x8's tree, taken as the rows come (a pair's vphaddd as soon as both rows
+           are done), so that at most a few partial sums are live */
+        __m256i h[4], h2[4], q[2], q2[2];
+        for (int i = 0; i < 8; i += 2) {
+            __m256i pa, pb, pa2 = _mm256_setzero_si256(), pb2 = _mm256_setzero_si256();
+            __m256i wv[2];
+            iweights16(type, w[i], b, wv);
+            if (type == WS_TYPE_Q6_K) {
+                pa = _mm256_madd_epi16(wv[0], x0);
+                pa2 = _mm256_madd_epi16(wv[1], x1);
+            } else {
+                pa = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
+            }
+            iweights16(type, w[i + 1], b, wv);
+            if (type == WS_TYPE_Q6_K) {
+                pb = _mm256_madd_epi16(wv[0], x0);
+                pb2 = _mm256_madd_epi16(wv[1], x1);
+            } else {
+                pb = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
+            }
+            h[i / 2] = _mm256_hadd_epi32(pa, pb);
+            if (type == WS_TYPE_Q6_K) h2[i / 2] = _mm256_hadd_epi32(pa2, pb2);
+            if (i % 4 == 2) {
+                q[i / 4] = _mm256_hadd_epi32(h[i / 2 - 1], h[i / 2]);
+                if (type == WS_TYPE_Q6_K) q2[i / 4] = _mm256_hadd_epi32(h2[i / 2 - 1], h2[i / 2]);
+            }
+        }
+        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20),
+                                             _mm256_permute2x128_si256(q[0], q[1], 0x31));
+        __m256 vdw, vdw2, vmw;
+        iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
+        const __m256 dx = _mm256_set1_ps(xb->d[b]);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(sum), acc);
+        if (type == WS_TYPE_Q6_K) {
+            const __m256i sum2 = _mm256_add_epi32(_mm256_permute2x128_si256(q2[0], q2[1], 0x20),
+                                                  _mm256_permute2x128_si256(q2[0], q2[1], 0x31));
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx), _mm256_cvtepi32_ps(sum2), acc);
+        }
+        if (type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K)
+            acc = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[b]), acc);
+    }
+    float *o = out + r;
+    if (add) acc = _mm256_add_ps(_mm256_loadu_ps(o), acc);
+    _mm256_storeu_ps(o, acc);
+}
 #else
 static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows,
-                             const xq_block *xb, int r, int add, const int NT,
-                             const int32_t type) {
+                             const xq_block *xb, int r, int add, const uint8_t *next,
+                             size_t next_len, const int NT, const int32_t type) {
+    (void)next;
+    (void)next_len;
     for (int i = 0; i < nrows; i++) {
         for (int t = 0; t < NT; t++) {
             float acc = 0.0f;
@@ -1287,20 +1441,6 @@ iweights_pair(const int32_t type, const uint8_t *ra, const uint8_t *rb, int c, _
     }
 }
 
-/* The 16 rows of a tile are read as 16 short interleaved streams, which the hardware
-   prefetcher follows poorly: block b of a tile prefetches bytes [b * step, (b + 1) * step)
-   of the next tile's next_len (contiguous), step = pf_step(next_len, blocks per row). */
-static inline size_t pf_step(size_t next_len, int nb) {
-    return (next_len / (size_t)nb + 63) & ~(size_t)63;
-}
-
-static inline __attribute__((always_inline)) void prefetch_share(const uint8_t *next,
-                                                                 size_t next_len, size_t step,
-                                                                 int b) {
-    for (size_t o = (size_t)b * step; o < (size_t)(b + 1) * step && o < next_len; o += 64)
-        _mm_prefetch((const char *)next + o, _MM_HINT_T0);
-}
-
 /* the f16 scales (and Q4_1's minimums) of block b of 16 rows of a 32-element type */
 static inline __attribute__((always_inline)) void
 gathered_scales(const int32_t type, const uint8_t *w0, __m512i vidx, int b, __m512 *dw,
@@ -1432,6 +1572,7 @@ itile_16xt(float *out, int ldo, const uint8_t *const w[16], int nrows, const xq_
 }
 #endif
 
+
 static inline __attribute__((always_inline)) void
 imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, int r1, int add,
            const int NT, const int32_t type) {
@@ -1451,12 +1592,21 @@ imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, 
             itile_16xt(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, NT, type);
     }
 #endif
+#if WS_SIMD
+    if (NT == 1)
+        for (; r + 8 <= r1; r += 8)
+            itile_8x1(out, (const uint8_t *)W->data + (size_t)r * rb, rb, xb, r, add, type);
+#endif
     for (; r < r1; r += 8) {
         const int nrows = r1 - r < 8 ? r1 - r : 8;
         const uint8_t *w[8];
         for (int i = 0; i < 8; i++)
             w[i] = (const uint8_t *)W->data + (size_t)(r + (i < nrows ? i : nrows - 1)) * rb;
-        itile_8xt(out, ldo, w, nrows, xb, r, add, NT, type);
+        /* the tile WS_PF_TILES ahead, while it lies in [r0, r1) */
+        const int ahead = r + 8 * WS_PF_TILES;
+        const int next_rows = ahead < r1 ? (r1 - ahead < 8 ? r1 - ahead : 8) : 0;
+        const uint8_t *next = (const uint8_t *)W->data + (size_t)ahead * rb;
+        itile_8xt(out, ldo, w, nrows, xb, r, add, next, (size_t)next_rows * rb, NT, type);
     }
 }
 
@@ -1573,4 +1723,16 @@ ws_status ws_tensor_matmul(const ws_tensor *t, const float *x, int32_t nt, float
     ws_matmul(out, t->rows, t, x, t->cols, 0, t->rows, nt, 0, scratch);
     free(scratch);
     return WS_OK;
+}
+
+const char *ws_kernel_path(void) {
+#if WS_AVX512 && defined(__AVX512VNNI__)
+    return "avx512-vnni: 16-row vpdpwssd tiles, 16-bit activations";
+#elif WS_AVX512
+    return "avx512: 16-row vpmaddwd tiles, 16-bit activations";
+#elif WS_SIMD
+    return "avx2+fma: 8-row vpmaddwd tiles, 16-bit activations";
+#else
+    return "portable: scalar, 16-bit activations";
+#endif
 }

@@ -99,6 +99,9 @@ typedef struct {
 size_t ws_type_row_bytes(int32_t type, int64_t n);
 /* The name of a type ("Q4_K"), or NULL when the core does not support it. */
 const char *ws_type_name(int32_t type);
+/* The matrix-product kernels this build compiled (its instruction set and tile shape),
+ * e.g. "avx2+fma: 8-row vpmaddwd tiles", for benchmarks to name what they measured. */
+const char *ws_kernel_path(void);
 
 /* Row `row` of a tensor as floats (out: cols floats): the values every product uses.
  * reference: 1 unpacks with the scalar code, 0 with the build's kernels (the same bits). */

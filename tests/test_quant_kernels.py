@@ -171,29 +171,34 @@ def native_variants() -> list[tuple[str, object]]:
 @pytest.mark.parametrize("dtype", INT_TYPES)
 def test_integer_products_have_the_same_bits_in_every_build(dtype: str) -> None:
     """AVX-512 VNNI (vpdpwssd), AVX2 (vpmaddwd) and the scalar build sum the same
-    integers and combine the blocks in the same float order."""
+    integers and combine the blocks in the same float order. 19 rows: AVX-512 16-row
+    tiles and a short tail, AVX2 8-row decode tiles and a short tail; 24 rows: an
+    AVX-512 16-row tile then a whole 8-row tile; tokens 1 (decode), 4 and 5
+    (verification), 11 (8 + 3)."""
     variants = native_variants()
     if len(variants) < 2:
         pytest.skip("only one native build is present (make native-portable native-avx2)")
     rng = np.random.default_rng(5)
-    rows, cols = 19, 512
-    raw = np.ascontiguousarray(encode(rng.standard_normal((rows, cols)).astype(np.float32),
-                                      dtype, rng))
-    x = rng.standard_normal((11, cols)).astype(np.float32)
-    x[0] = tie_blocks(cols, rng)
-    digests = {}
-    for name, mod in variants:
-        t = mod.ffi.new("ws_tensor *")
-        buf = mod.ffi.from_buffer("uint8_t[]", raw)
-        t.data, t.type, t.rows, t.cols = buf, TYPE_IDS[dtype], rows, cols
-        for nt in (1, 4, 11):
-            out = np.empty((nt, rows), np.float32)
-            assert mod.lib.ws_tensor_matmul(t, mod.ffi.from_buffer("float[]", x[:nt]), nt,
-                                            mod.ffi.from_buffer("float[]", out),
-                                            out.size) == 0
-            digests.setdefault(nt, {})[name] = out.tobytes()
-    for nt, by_build in digests.items():
-        assert len(set(by_build.values())) == 1, (dtype, nt, sorted(by_build))
+    cols = 512
+    for rows in (19, 24):
+        raw = np.ascontiguousarray(encode(rng.standard_normal((rows, cols)).astype(np.float32),
+                                          dtype, rng))
+        x = rng.standard_normal((11, cols)).astype(np.float32)
+        x[0] = tie_blocks(cols, rng)
+        digests: dict[int, dict[str, bytes]] = {}
+        for name, mod in variants:
+            t = mod.ffi.new("ws_tensor *")
+            buf = mod.ffi.from_buffer("uint8_t[]", raw)
+            t.data, t.type, t.rows, t.cols = buf, TYPE_IDS[dtype], rows, cols
+            for nt in (1, 4, 5, 11):
+                out = np.empty((nt, rows), np.float32)
+                assert mod.lib.ws_tensor_matmul(t, mod.ffi.from_buffer("float[]", x[:nt]), nt,
+                                                mod.ffi.from_buffer("float[]", out),
+                                                out.size) == 0
+                digests.setdefault(nt, {})[name] = out.tobytes()
+        assert len(digests[1]) == len(variants)
+        for nt, by_build in digests.items():
+            assert len(set(by_build.values())) == 1, (dtype, rows, nt, sorted(by_build))
 
 
 def test_activation_quantization_rounds_to_nearest_even() -> None:

@@ -126,6 +126,11 @@ def _kv_types() -> dict[str, int]:
 KV_TYPES: dict[str, int] = _kv_types()
 
 
+def kernel_path() -> str:
+    """The matrix-product kernels the loaded build compiled (instruction set, tile shape)."""
+    return ffi.string(lib.ws_kernel_path()).decode("ascii")
+
+
 def kv_type_bytes(kv_type: int, n: int) -> int:
     """Bytes n values of a KV type take (0: not a whole number of its blocks)."""
     return int(lib.ws_kv_type_bytes(kv_type, n))
