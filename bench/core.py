@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from machine import cpu_class, cpu_model  # noqa: E402
 
 from inference_svc.core import Context, CoreError, Model  # noqa: E402
 from inference_svc.core.binding import NATIVE_VARIANT, kernel_path  # noqa: E402
@@ -60,31 +61,6 @@ def memory_bandwidth(n_bytes: int = 1 << 29, reps: int = 5) -> float:
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
     return 2 * n_bytes / statistics.median(times)
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_class() -> str:
-    """The widest vector class the CPU offers (what a release build targets on it)."""
-    try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return "unknown"
-    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        return "AVX-512" + (" VNNI" if "avx512_vnni" in flags else "")
-    if {"avx2", "fma"} <= flags:
-        return "AVX2+FMA"
-    return "no AVX2"
 
 
 def weight_bytes_per_token(model: Model) -> int:

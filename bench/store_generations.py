@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -40,13 +39,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-# the repository on the path, this directory off it (its http.py would shadow the module)
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import boto3  # noqa: E402
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ClientError  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.s3client import make_client  # noqa: E402
@@ -55,16 +53,6 @@ from tests.seaweed import SeaweedFS  # noqa: E402
 from tests.snapkit import blob  # noqa: E402
 
 BUCKET = "warmslot-bench"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def commit_of_repo() -> str:

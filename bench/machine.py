@@ -1,0 +1,33 @@
+"""What machine a benchmark ran on, for its JSON: the CPU's model and vector class."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_class() -> str:
+    """The widest vector class the CPU offers (what a release build targets on it)."""
+    try:
+        flags = set(next(line for line in CPUINFO.read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "AVX-512" + (" VNNI" if "avx512_vnni" in flags else "")
+    if {"avx2", "fma"} <= flags:
+        return "AVX2+FMA"
+    return "no AVX2"
