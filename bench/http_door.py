@@ -41,7 +41,7 @@ from collections import Counter  # noqa: E402
 from typing import Any  # noqa: E402
 
 import openai  # noqa: E402
-from service import Service  # noqa: E402
+from service import Service, together  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.core import Model  # noqa: E402
@@ -155,23 +155,11 @@ def run_streams(side: str, svc: Service, ps: list[list[int]], n: int) -> dict[st
     """len(ps) requests at once, one per slot: total tokens / wall time, each one's
     result."""
     out: list[dict[str, Any]] = [{} for _ in ps]
-    errors: list[BaseException] = []
 
     def one(i: int) -> None:
-        try:
-            out[i] = SIDES[side](svc, ps[i], n, i)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+        out[i] = SIDES[side](svc, ps[i], n, i)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ps))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
+    wall = together(len(ps), one)
     return {"rate": sum(r["n"] for r in out) / wall,
             "ttft": statistics.median(r["ttft"] for r in out),
             "overhead": statistics.median(r["overhead"] for r in out),

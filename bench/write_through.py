@@ -23,7 +23,6 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))  # corpus, for the prompts
 
 from prompts import code_prompts  # noqa: E402
-from service import Service  # noqa: E402
+from service import Service, together  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.core import Model  # noqa: E402
@@ -58,16 +57,8 @@ def one_turn(c: InferenceClient, session: str, prompt: list[int], gen: int,
 
 def run_round(c: InferenceClient, side: str, turns: list[list[int]], gen: int) -> dict[str, Any]:
     outs: list[dict[str, float]] = [{} for _ in turns]
-    threads = [threading.Thread(target=one_turn, args=(c, f"{side}-{i}", p, gen, outs[i]))
-               for i, p in enumerate(turns)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if not all(outs):
-        raise SystemExit(f"a turn on the {side!r} service failed (see its log)")
+    wall = together(len(turns),
+                    lambda i: one_turn(c, f"{side}-{i}", turns[i], gen, outs[i]))
     return {"tok_s": sum(o["n"] for o in outs) / wall,
             "ttft_ms": 1e3 * statistics.median(o["ttft"] for o in outs),
             "turn_ms": 1e3 * statistics.median(o["total"] for o in outs)}
