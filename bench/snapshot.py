@@ -50,8 +50,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference_svc.snapshot_store import SnapshotStore  # noqa: E402
-from snapshot_svc import buffers  # noqa: E402
-from snapshot_svc.client import SnapshotClient  # noqa: E402
+from snapshot_svc.client import (
+    SnapshotClient,  # noqa: E402
+    buffers,  # noqa: E402
+)
 from snapshot_svc.memory import tune_malloc  # noqa: E402
 from snapshot_svc.testing import ServerProcess  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Slot file name rules: the snapshot service's name rules (one definition, in
-snapshot_svc.names), raised as this service's InvalidArgument.
+snapshot_svc.client.names), raised as this service's InvalidArgument.
 
 A name is 1-255 bytes of valid UTF-8 with no `/`, no `\\`, no control
 character (Unicode category Cc: C0, DEL, C1), no `..` anywhere, no leading or
@@ -9,7 +9,7 @@ trailing space and no trailing dot.
 from __future__ import annotations
 
 from inference_svc.errors import InvalidArgument
-from snapshot_svc.names import MAX_NAME_BYTES, name_problem
+from snapshot_svc.client.names import MAX_NAME_BYTES, name_problem
 
 __all__ = ["DRAFT_SUFFIX", "MAX_NAME_BYTES", "name_problem", "validate_name"]
 

@@ -35,13 +35,13 @@ import grpc
 from inference_svc import errors, log, slotfile
 from inference_svc.names import validate_name
 from inference_svc.store import Buffer, StoredInfo, StoredSlot
-from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
-from snapshot_svc import errors as snap_errors
 from snapshot_svc.client import SnapshotClient
-from snapshot_svc.records import PartMeta
+from snapshot_svc.client.contract import PROTOCOL_MAX, PROTOCOL_MIN
+from snapshot_svc.client.records import PartMeta
+from snapshot_svc.clientlib import errors as snap_errors
 
 # snapshot service error -> the inference service's error for the same situation
-_ERRORS: tuple[tuple[type[snap_errors.SnapshotError], type[errors.ServiceError]], ...] = (
+_ERRORS: tuple[tuple[type[snap_errors.StatusError], type[errors.ServiceError]], ...] = (
     (snap_errors.NotFound, errors.NotFound),
     (snap_errors.InvalidArgument, errors.InvalidArgument),
     (snap_errors.ResourceExhausted, errors.ResourceExhausted),
@@ -136,13 +136,13 @@ class SnapshotStore:
             try:
                 res = client.put(name, target, draft, t_meta, d_meta,
                                  target_sha256=target_sha256, deadline=deadline)
-            except snap_errors.SnapshotError as exc:
+            except snap_errors.StatusError as exc:
                 if draft is None:
                     raise
                 client = self._renegotiated(client, exc, deadline)
                 res = client.put(name, target, draft, t_meta, d_meta,
                                  target_sha256=target_sha256, deadline=deadline)
-        except snap_errors.SnapshotError as exc:
+        except snap_errors.StatusError as exc:
             raise self._error(exc, name, "save") from exc
         self._protocol = res.protocol
         if res.draft_skipped:
@@ -154,7 +154,7 @@ class SnapshotStore:
         names the feature; asked once per connection)."""
         try:
             return self._current().conditional_writes
-        except snap_errors.SnapshotError as exc:
+        except snap_errors.StatusError as exc:
             raise self._error(exc, "*", "ask for the features of") from exc
 
     def generation(self, name: str, *, deadline: float | None = None) -> int:
@@ -165,7 +165,7 @@ class SnapshotStore:
             return self._current().stat(name).generation
         except snap_errors.NotFound:
             return 0
-        except snap_errors.SnapshotError as exc:
+        except snap_errors.StatusError as exc:
             raise self._error(exc, name, "stat") from exc
 
     def save_if(self, name: str, target: Buffer, draft: Buffer | None, expected: int, *,
@@ -180,7 +180,7 @@ class SnapshotStore:
                              expected_generation=expected)
         except snap_errors.GenerationConflict:
             raise
-        except snap_errors.SnapshotError as exc:
+        except snap_errors.StatusError as exc:
             raise self._error(exc, name, "save") from exc
         self._protocol = res.protocol
         return res.generation
@@ -201,7 +201,7 @@ class SnapshotStore:
                 snap = client.get(name, with_draft=False, digest_tail=slotfile.DIGEST_LEN,
                                   deadline=deadline)
                 note = f"cannot read the draft sidecar: {exc.message}"
-        except snap_errors.SnapshotError as exc:
+        except snap_errors.StatusError as exc:
             raise self._error(exc, name, "load") from exc
         self._protocol = snap.protocol
         if snap.protocol < 2:
@@ -221,7 +221,7 @@ class SnapshotStore:
             client.delete(name, deadline)
         except snap_errors.NotFound:
             return False
-        except snap_errors.SnapshotError as exc:
+        except snap_errors.StatusError as exc:
             raise self._error(exc, name, "delete") from exc
         return True
 
@@ -231,7 +231,7 @@ class SnapshotStore:
         client = self._current()
         try:
             infos = client.list(prefix)
-        except snap_errors.SnapshotError as exc:
+        except snap_errors.StatusError as exc:
             raise self._error(exc, prefix + "*", "list") from exc
         return [StoredInfo(i.name, i.target.meta.n_tokens, i.created_unix_ms) for i in infos]
 
@@ -275,7 +275,7 @@ class SnapshotStore:
             c.close()
         return client
 
-    def _renegotiated(self, client: SnapshotClient, refusal: snap_errors.SnapshotError,
+    def _renegotiated(self, client: SnapshotClient, refusal: snap_errors.StatusError,
                       deadline: float | None) -> SnapshotClient:
         """After a paired save was refused: the service behind the address may have been
         replaced by one that no longer speaks the negotiated protocol, and its refusal
@@ -311,7 +311,7 @@ class SnapshotStore:
             "draft by the draft restore policy", extra=log.fields(
                 snapshot_addr=self.addr, snapshot_protocol=1))
 
-    def _error(self, exc: snap_errors.SnapshotError, name: str,
+    def _error(self, exc: snap_errors.StatusError, name: str,
                op: str) -> errors.ServiceError:
         """The inference service's error for a failed snapshot call."""
         if isinstance(exc, snap_errors.NotFound):

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from snapshot_svc.client.names import name_problem, validate_name
+from snapshot_svc.client.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.errors import (
     DataLoss,
     GenerationConflict,
@@ -29,8 +31,6 @@ from snapshot_svc.errors import (
     NotFound,
     ResourceExhausted,
 )
-from snapshot_svc.names import name_problem, validate_name
-from snapshot_svc.records import SHA256_HEX, Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.spares import SparePool
 
 

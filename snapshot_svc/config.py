@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from snapshot_svc import PROTOCOL_MAX, PROTOCOL_MIN
+from snapshot_svc.client.contract import PROTOCOL_MAX, PROTOCOL_MIN
 from snapshot_svc.clientlib import settings, tls
 
 ENV_PREFIX = "WARMSLOT_SNAPSHOT_"

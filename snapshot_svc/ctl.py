@@ -38,11 +38,11 @@ from typing import Any
 import grpc
 
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client.names import validate_name
+from snapshot_svc.client.records import PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.config import DEFAULT_PORT
 from snapshot_svc.errors import SnapshotError
-from snapshot_svc.names import validate_name
-from snapshot_svc.records import PartInfo, PartMeta, SnapshotInfo
 
 DRAFT_SUFFIX = ".drft"
 

@@ -10,17 +10,17 @@ import threading
 from concurrent import futures
 from typing import Any
 
-from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.backend import (
     UploadHeader,
     check_complete,
     check_received,
     check_trailer_sha256,
 )
-from snapshot_svc.digest import StreamDigest
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES
+from snapshot_svc.client.digest import StreamDigest
+from snapshot_svc.client.records import PartInfo
 from snapshot_svc.errors import DataLoss, SnapshotError
 from snapshot_svc.logs import log_event
-from snapshot_svc.records import PartInfo
 from snapshot_svc.s3client import is_missing, s3_error
 
 log = logging.getLogger("snapshot_svc.s3parts")

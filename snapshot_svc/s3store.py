@@ -76,6 +76,8 @@ from snapshot_svc.backend import (
     check_generation,
     readable_part,
 )
+from snapshot_svc.client.names import validate_name
+from snapshot_svc.client.records import Part, PartInfo, SnapshotInfo
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
@@ -87,8 +89,6 @@ from snapshot_svc.errors import (
 )
 from snapshot_svc.logs import log_event
 from snapshot_svc.namelocks import NameLocks
-from snapshot_svc.names import validate_name
-from snapshot_svc.records import Part, PartInfo, SnapshotInfo
 from snapshot_svc.s3client import S3Location, is_missing, make_client, s3_error
 from snapshot_svc.s3parts import Leftovers, S3Reader, S3Upload
 

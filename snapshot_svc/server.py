@@ -25,13 +25,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MIN, __version__, limits, tenants
+from snapshot_svc import limits, tenants
 from snapshot_svc.backend import Backend, UploadHeader, check_generation, claimed_target
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES, PROTOCOL_MIN, VERSION
+from snapshot_svc.client.digest import StreamDigest
+from snapshot_svc.client.records import Part, PartInfo, PartMeta, SnapshotInfo
+from snapshot_svc.client.wire import SERVICE_NAME, add_snapshot_servicer
 from snapshot_svc.clientlib import auth, metrics_http, tls
 from snapshot_svc.clientlib.generations import CONDITIONAL_PUT
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.config import SnapshotConfig, parse_config
-from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     Cancelled,
     DataLoss,
@@ -47,9 +50,7 @@ from snapshot_svc.logs import configure_logging, log_event
 from snapshot_svc.metrics import Metrics
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
-from snapshot_svc.records import Part, PartInfo, PartMeta, SnapshotInfo
 from snapshot_svc.storage import Store
-from snapshot_svc.wire import SERVICE_NAME, add_snapshot_servicer
 
 log = logging.getLogger("snapshot_svc.server")
 
@@ -136,7 +137,7 @@ class SnapshotServicer(pb_grpc.SnapshotServicer):
         log_event(log, logging.INFO, "hello", peer=context.peer(), protocol=protocol,
                   client_min=request.min_protocol, client_max=request.max_protocol,
                   client_version=request.client_version)
-        return pb.HelloResponse(protocol=protocol, features=features, server_version=__version__,
+        return pb.HelloResponse(protocol=protocol, features=features, server_version=VERSION,
                                 max_chunk_bytes=MAX_CHUNK_BYTES,
                                 max_snapshot_bytes=self.config.max_snapshot_bytes,
                                 server_min_protocol=PROTOCOL_MIN,
@@ -448,7 +449,7 @@ class SnapshotServer:
                   max_protocol=self.config.max_protocol,
                   max_snapshot_bytes=self.config.max_snapshot_bytes,
                   store=self.store.describe(), metrics_port=self.metrics_port,
-                  version=__version__, tls=self.config.tls_cert is not None,
+                  version=VERSION, tls=self.config.tls_cert is not None,
                   mtls=self.config.tls_client_ca is not None,
                   api_keys=len(self._keys) if self._keys is not None else None)
         return self.port

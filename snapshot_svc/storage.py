@@ -57,8 +57,10 @@ from snapshot_svc.backend import (
     check_trailer_sha256,
     readable_part,
 )
+from snapshot_svc.client.digest import StreamDigest
+from snapshot_svc.client.names import validate_name
+from snapshot_svc.client.records import SHA256_HEX, Part, PartInfo, SnapshotInfo
 from snapshot_svc.clientlib.files import fsync_dir
-from snapshot_svc.digest import StreamDigest
 from snapshot_svc.errors import (
     DataLoss,
     FailedPrecondition,
@@ -68,8 +70,6 @@ from snapshot_svc.errors import (
     ResourceExhausted,
 )
 from snapshot_svc.logs import log_event
-from snapshot_svc.names import validate_name
-from snapshot_svc.records import SHA256_HEX, Part, PartInfo, SnapshotInfo
 from snapshot_svc.spares import SparePool
 
 log = logging.getLogger("snapshot_svc.storage")

@@ -6,9 +6,9 @@ reach a name outside its namespace (such a name is simply absent, NOT_FOUND). An
 
 from __future__ import annotations
 
+from snapshot_svc.client.names import MAX_NAME_BYTES, name_problem
 from snapshot_svc.clientlib.auth import Principal
 from snapshot_svc.errors import InvalidArgument
-from snapshot_svc.names import MAX_NAME_BYTES, name_problem
 
 SEP = ":"
 

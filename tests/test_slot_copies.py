@@ -21,7 +21,7 @@ from inference_svc.server import Server
 from inference_svc.snapshot_store import SnapshotStore
 from inference_svc.store import LocalStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult
-from snapshot_svc import MAX_CHUNK_BYTES
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES
 from snapshot_svc.testing import ServerProcess
 from tests.factory import Shape, write_model
 from tests.fixtures.servicekit import fresh_client, model_pair, running, service_config

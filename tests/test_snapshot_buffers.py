@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from snapshot_svc.buffers import POOL_MIN_BYTES, BufferPool
-from snapshot_svc.digest import StreamDigest
+from snapshot_svc.client.buffers import POOL_MIN_BYTES, BufferPool
+from snapshot_svc.client.digest import StreamDigest
 from snapshot_svc.memory import tune_malloc
 
 MIB = 1 << 20

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES
 from snapshot_svc.errors import FailedPrecondition, GenerationConflict, Unavailable
 from snapshot_svc.namelocks import NameLocks
 from snapshot_svc.pb import snapshot_pb2 as pb

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client.names import name_problem, validate_name
 from snapshot_svc.errors import InvalidArgument
-from snapshot_svc.names import name_problem, validate_name
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.server import SnapshotServer

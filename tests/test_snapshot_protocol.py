@@ -19,11 +19,11 @@ import grpc
 import pytest
 
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client.records import Part
 from snapshot_svc.config import SnapshotConfig
 from snapshot_svc.errors import FailedPrecondition, NotFound, SnapshotError, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
-from snapshot_svc.records import Part
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import free_port, running_server
 from tests.snapkit import sha

@@ -26,13 +26,13 @@ import grpc
 import pytest
 from botocore.config import Config
 
-from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES
+from snapshot_svc.client.records import Part, PartMeta
 from snapshot_svc.config import SnapshotConfig, parse_config
 from snapshot_svc.errors import DataLoss, InvalidArgument, NotFound, Unavailable
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
-from snapshot_svc.records import Part, PartMeta
 from snapshot_svc.s3client import S3Location
 from snapshot_svc.s3parts import PART_BYTES
 from snapshot_svc.server import SnapshotServer

@@ -21,8 +21,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES
+from snapshot_svc.client.records import Part, PartMeta
 from snapshot_svc.config import SnapshotConfig, parse_config, parse_size
 from snapshot_svc.errors import (
     DataLoss,
@@ -35,7 +36,6 @@ from snapshot_svc.errors import (
 from snapshot_svc.logs import JsonFormatter
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
-from snapshot_svc.records import Part, PartMeta
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import free_port, running_server
 from tests.snapkit import blob, sha
@@ -138,7 +138,7 @@ def test_get_digests_all_but_the_tail_in_the_same_pass(client: SnapshotClient, s
 
 def test_get_without_memory_for_the_part_is_resource_exhausted(
         client: SnapshotClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    from snapshot_svc import buffers
+    from snapshot_svc.client import buffers
 
     client.put("big", blob(3, 2 * MAX_CHUNK_BYTES))
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from snapshot_svc import MAX_CHUNK_BYTES
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES
+from snapshot_svc.client.records import Part
 from snapshot_svc.config import parse_config
 from snapshot_svc.errors import ResourceExhausted
-from snapshot_svc.records import Part
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.spares import SparePool
 from snapshot_svc.testing import running_server

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from snapshot_svc import MAX_CHUNK_BYTES
-from snapshot_svc import client as client_mod
 from snapshot_svc.client import SnapshotClient
+from snapshot_svc.client import snapshot_client as client_mod
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES
 from snapshot_svc.config import SnapshotConfig
 from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc

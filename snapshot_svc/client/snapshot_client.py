@@ -1,7 +1,7 @@
 """Client library of the snapshot service (what the inference service uses).
 
     from snapshot_svc.client import SnapshotClient
-    from snapshot_svc.records import PartMeta
+    from snapshot_svc.client.records import PartMeta
 
     with SnapshotClient("127.0.0.1:50052") as snap:
         res = snap.put("auto-host-slot0", target_bytes, draft_bytes,
@@ -55,28 +55,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from snapshot_svc import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, __version__, buffers
-from snapshot_svc.clientlib.auth import BearerInterceptor
-from snapshot_svc.clientlib.generations import (
-    CONDITIONAL_PUT,
-    conditional_header,
-    is_own_commit,
-)
-from snapshot_svc.digest import StreamDigest
-from snapshot_svc.errors import (
-    DataLoss,
-    DeadlineExceeded,
-    FailedPrecondition,
-    GenerationConflict,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    SnapshotError,
-    from_rpc_error,
-)
-from snapshot_svc.names import validate_name
-from snapshot_svc.pb import snapshot_pb2 as pb
-from snapshot_svc.records import (
+from snapshot_svc.client import buffers
+from snapshot_svc.client.contract import MAX_CHUNK_BYTES, PROTOCOL_MAX, PROTOCOL_MIN, VERSION
+from snapshot_svc.client.digest import StreamDigest
+from snapshot_svc.client.names import validate_name
+from snapshot_svc.client.records import (
     Part,
     PartInfo,
     PartMeta,
@@ -85,7 +68,27 @@ from snapshot_svc.records import (
     Snapshot,
     SnapshotInfo,
 )
-from snapshot_svc.wire import SnapshotStub
+from snapshot_svc.client.wire import SnapshotStub
+from snapshot_svc.clientlib.auth import BearerInterceptor
+from snapshot_svc.clientlib.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    GenerationConflict,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    from_rpc_error,
+)
+from snapshot_svc.clientlib.errors import (
+    StatusError as SnapshotError,
+)
+from snapshot_svc.clientlib.generations import (
+    CONDITIONAL_PUT,
+    conditional_header,
+    is_own_commit,
+)
+from snapshot_svc.pb import snapshot_pb2 as pb
 
 T = TypeVar("T")
 
@@ -296,7 +299,7 @@ class SnapshotClient:
 
     def _hello(self, deadline: float | None) -> ServerInfo | SnapshotError:
         req = pb.HelloRequest(min_protocol=self.min_protocol, max_protocol=self.max_protocol,
-                              features=list(CLIENT_FEATURES), client_version=__version__)
+                              features=list(CLIENT_FEATURES), client_version=VERSION)
         try:
             r = self._call(lambda t: self._stub.Hello(req, timeout=t), deadline=deadline)
         except SnapshotError as exc:

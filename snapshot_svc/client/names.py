@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from snapshot_svc.errors import InvalidArgument
+from snapshot_svc.clientlib.errors import InvalidArgument
 
 MAX_NAME_BYTES = 255
 
