@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import argparse  # noqa: E402
 import http.client  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
+import os  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -41,6 +41,7 @@ from collections import Counter  # noqa: E402
 from typing import Any  # noqa: E402
 
 import openai  # noqa: E402
+from machine import commit_of_repo, cpu_class, cpu_model  # noqa: E402
 from service import Service, together  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
@@ -151,16 +152,27 @@ def via_openai(svc: Service, prompt: list[int], n: int, slot: int) -> dict[str, 
 SIDES = {"grpc": via_grpc, "http": via_http, "openai": via_openai}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (from /proc: Linux only)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_streams(side: str, svc: Service, ps: list[list[int]], n: int) -> dict[str, Any]:
     """len(ps) requests at once, one per slot: total tokens / wall time, each one's
-    result."""
+    result, and the CPU time the server and this client process spent per token (the
+    two share the machine's cores, so a client that parses more takes from the engine)."""
     out: list[dict[str, Any]] = [{} for _ in ps]
 
     def one(i: int) -> None:
         out[i] = SIDES[side](svc, ps[i], n, i)
 
+    server0, client0 = cpu_seconds(svc.p.pid), cpu_seconds(os.getpid())
     wall = together(len(ps), one)
-    return {"rate": sum(r["n"] for r in out) / wall,
+    tokens = sum(r["n"] for r in out)
+    server = cpu_seconds(svc.p.pid) - server0
+    client = cpu_seconds(os.getpid()) - client0
+    return {"rate": tokens / wall, "server_cpu": server / tokens, "client_cpu": client / tokens,
             "ttft": statistics.median(r["ttft"] for r in out),
             "overhead": statistics.median(r["overhead"] for r in out),
             "first_overhead": statistics.median(r["first_overhead"] for r in out),
@@ -185,6 +197,9 @@ def compare(svc: Service, ps: list[list[int]], n: int, reps: int) -> dict[str, A
             r[side]["overhead"] for r in rows), 2)
         out[f"{side}_tokens_per_s"] = round(statistics.median(r[side]["rate"] for r in rows), 1)
         out[f"{side}_ttft_ms"] = round(1e3 * statistics.median(r[side]["ttft"] for r in rows), 2)
+        for who in ("server", "client"):
+            out[f"{side}_{who}_cpu_ms_per_token"] = round(1e3 * statistics.median(
+                r[side][f"{who}_cpu"] for r in rows), 3)
     for side in ("http", "openai"):
         out[f"{side}_over_grpc"] = round(statistics.median(
             r[side]["rate"] / r["grpc"]["rate"] for r in rows), 3)
@@ -264,7 +279,9 @@ def main() -> int:
     svc = start_service(args)
     try:
         result = {
-            "bench": "http", "cpu": platform.processor() or platform.machine(),
+            "bench": "http", "cpu": cpu_model(), "cpu_class": cpu_class(),
+            "kernels": os.environ.get("WARMSLOT_NATIVE", "release"),
+            "load_average": os.getloadavg(), "commit": commit_of_repo(),
             "model": args.model.name, "draft": Path(args.draft).name,
             "prompt_tokens": args.prompt_tokens, "gen": args.gen, "threads": args.threads,
             "one_stream": compare(svc, ps[:1], args.gen, args.reps),

@@ -1,8 +1,10 @@
-"""What machine a benchmark ran on, for its JSON: the CPU's model and vector class."""
+"""What machine and checkout a benchmark ran on, for its JSON: the CPU's model and vector
+class, the commit."""
 
 from __future__ import annotations
 
 import platform
+import subprocess
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
@@ -31,3 +33,15 @@ def cpu_class() -> str:
     if {"avx2", "fma"} <= flags:
         return "AVX2+FMA"
     return "no AVX2"
+
+
+def commit_of_repo() -> str:
+    """The checkout's short commit (with a + when its tracked files differ from it)."""
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent)
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return git("rev-parse", "--short", "HEAD").stdout.strip() + ("+" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

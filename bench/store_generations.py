@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import boto3  # noqa: E402
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ClientError  # noqa: E402
-from machine import cpu_model  # noqa: E402
+from machine import commit_of_repo, cpu_model  # noqa: E402
 
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.s3client import make_client  # noqa: E402
@@ -53,15 +52,6 @@ from tests.seaweed import SeaweedFS  # noqa: E402
 from tests.snapkit import blob  # noqa: E402
 
 BUCKET = "warmslot-bench"
-
-
-def commit_of_repo() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def med_ms(xs: list[float]) -> float:
