@@ -13,7 +13,8 @@ length), logits of the last token each step.
 
 Also reported: the weight bytes read per decoded token, the machine's memory bandwidth
 (a numpy copy) and the fraction of the decode rate that bandwidth allows; a 5-token
-verification batch against a single-token decode (ours, 1 thread, after the prompt);
+verification batch (every token's logits) against a single-token decode (1 thread, after
+the prompt; llama.cpp's too, in a context of its own that keeps every token's logits);
 the time of a second load of the model (the first one warmed the page cache and the
 fingerprint cache); the resident memory after load and one decode, each engine alone
 in a fresh process. The CPU's model and vector class, the kernels our build compiled
@@ -154,9 +155,28 @@ class LlamaCpp:
         self.system_info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads[0],
                                    n_threads_batch=threads[0], n_batch=n_batch, verbose=False)
+        # verification needs every token's logits, which this context computes for every
+        # eval (prefill too): a context of its own, so the prefill figures stay last-token
+        self.vllm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads[0],
+                                    n_threads_batch=threads[0], n_batch=n_batch,
+                                    logits_all=True, verbose=False)
 
     def use_threads(self, t: int) -> None:
-        self.lib.llama_set_n_threads(self.llm._ctx.ctx, t, t)
+        for llm in (self.llm, self.vllm):
+            self.lib.llama_set_n_threads(llm._ctx.ctx, t, t)
+
+    def verify(self, tokens: list[int]) -> None:
+        """A verification batch: every token's logits (copied out by llama-cpp-python, 4
+        bytes x vocabulary per token), then rolled back (the next eval drops the KV past
+        n_tokens)."""
+        n = self.vllm.n_tokens
+        self.vllm.eval(tokens)
+        self.vllm.n_tokens = n
+
+    def prompt(self, tokens: list[int]) -> None:
+        """The prompt into the verification context (after a reset)."""
+        self.vllm.reset()
+        self.vllm.eval(tokens)
 
     def reset(self) -> None:
         self.llm.reset()
@@ -166,6 +186,7 @@ class LlamaCpp:
 
     def close(self) -> None:
         self.llm.close()
+        self.vllm.close()
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -182,11 +203,15 @@ def measure(engine: Any, prompt: list[int], decode_ids: list[int]) -> dict[str, 
     return {"prefill": len(prompt) / pf, "decode": len(decode_ids) / dc}
 
 
-def verify_ratio(engine: Ours, prompt: list[int], ids: list[int], reps: int = 8) -> float:
+def verify_ratio(engine: Any, prompt: list[int], ids: list[int], reps: int = 8) -> float:
     """Time of a VERIFY_TOKENS-token batch over the time of a one-token decode, both
-    at the prompt's length and rolled back, medians over reps interleaved."""
-    engine.reset()
-    engine.eval(prompt)
+    at the prompt's length, with every token's logits, rolled back; medians over reps
+    interleaved."""
+    if isinstance(engine, LlamaCpp):
+        engine.prompt(prompt)
+    else:
+        engine.reset()
+        engine.eval(prompt)
     one, batch = [], []
     for _ in range(reps):
         one.append(timed(lambda: engine.verify(ids[:1])))
@@ -229,8 +254,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for k, v in measure(e, prompt, decode_ids).items():
                     samples.setdefault(f"{e.name}_{k}_{t}t", []).append(v)
     med = {k: statistics.median(v) for k, v in samples.items()}
-    ours.use_threads(1)
-    verify = verify_ratio(ours, prompt, decode_ids)
+    verify = {}
+    for e in engines:
+        e.use_threads(1)
+        verify[e.name] = verify_ratio(e, prompt, decode_ids)
     wbytes = weight_bytes_per_token(ours.model)
     params = ours.model.content.n_params
     fingerprint = ours.model.fingerprint
@@ -261,7 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_tps": rates("ours", "prefill"),
         "decode_tps": rates("ours", "decode"),
         "verify_batch": VERIFY_TOKENS,
-        "verify_vs_decode_1t": round(verify, 3),
+        "verify_vs_decode_1t": round(verify["ours"], 3),
         "first_load_s": round(first_load, 3),
         "second_load_s": round(second_load, 3),
         "weight_bytes_per_token": wbytes,
@@ -279,7 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["llama_cpp"] = llama_note
     elif args.llama_cpp:
         result["llama_cpp"] = {"prefill_tps": rates("llama_cpp", "prefill"),
-                               "decode_tps": rates("llama_cpp", "decode"), "build": llama_build}
+                               "decode_tps": rates("llama_cpp", "decode"), "build": llama_build,
+                               "verify_vs_decode_1t": round(verify["llama_cpp"], 3)}
         result["vs_llama_cpp"] = {
             f"{kind}_{t}t": round(med[f"ours_{kind}_{t}t"] / med[f"llama_cpp_{kind}_{t}t"], 3)
             for kind in ("prefill", "decode") for t in threads}
