@@ -54,10 +54,10 @@ sys.path.insert(0, str(ROOT))
 from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Model  # noqa: E402
 from inference_svc.core.speculative import SamplingParams, SpecParams  # noqa: E402
-from inference_svc.engine import Engine, GenJob  # noqa: E402
+from inference_svc.engine.executor import Engine, GenJob  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
-from inference_svc.slots import SlotManager  # noqa: E402
-from inference_svc.store import LocalStore  # noqa: E402
+from inference_svc.storage.slots import SlotManager  # noqa: E402
+from inference_svc.storage.store import LocalStore  # noqa: E402
 from inference_svc.types import Chunk, Finished, GenerateParams  # noqa: E402
 
 GREEDY = SamplingParams()

@@ -38,9 +38,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from inference_svc.api.server import serve  # noqa: E402
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.config import Config, Speculative  # noqa: E402
-from inference_svc.server import serve  # noqa: E402
 
 TEXT = ("The river bends twice before it reaches the old mill, where the water slows and "
         "the children of the village come to watch the wheel turn. ")

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from inference_svc.core import Context, Model  # noqa: E402
-from inference_svc.snapshots import context_spec, encode_slot  # noqa: E402
+from inference_svc.storage.snapshots import context_spec, encode_slot  # noqa: E402
 
 KV_TYPES = ("f32", "f16", "q8_0")
 

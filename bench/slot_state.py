@@ -38,15 +38,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference_svc import slotfile  # noqa: E402
 from inference_svc.core import Context, Model, binding  # noqa: E402
 from inference_svc.core.speculative import SpecDecoder  # noqa: E402
-from inference_svc.snapshots import (  # noqa: E402
+from inference_svc.storage import slotfile  # noqa: E402
+from inference_svc.storage.snapshots import (  # noqa: E402
     SlotFileBuffers,
     context_spec,
     prepare_restore,
 )
-from inference_svc.store import LocalStore  # noqa: E402
+from inference_svc.storage.store import LocalStore  # noqa: E402
 
 
 def peak_over(fn: Callable[[], object], size: int) -> float:

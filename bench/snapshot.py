@@ -49,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inference_svc.snapshot_store import SnapshotStore  # noqa: E402
+from inference_svc.storage.snapshot_store import SnapshotStore  # noqa: E402
 from snapshot_svc.client import (
     SnapshotClient,  # noqa: E402
     buffers,  # noqa: E402

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from inference_svc import errors
-from inference_svc.snapshot_failover import FailoverStore
-from inference_svc.snapshot_store import SnapshotStore
+from inference_svc.storage.snapshot_failover import FailoverStore
+from inference_svc.storage.snapshot_store import SnapshotStore
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.testing import ServerProcess
 from tests.seaweed import SeaweedFS

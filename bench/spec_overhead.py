@@ -48,7 +48,7 @@ from prompts import chat_prompts  # noqa: E402
 from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Model, Tokenizer  # noqa: E402
 from inference_svc.core.speculative import SamplingParams  # noqa: E402
-from inference_svc.engine import Engine  # noqa: E402
+from inference_svc.engine.executor import Engine  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
 from inference_svc.pb import inference_pb2 as pb  # noqa: E402
 from inference_svc.types import GenerateParams, speculative_from_pb  # noqa: E402

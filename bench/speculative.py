@@ -60,7 +60,7 @@ from inference_svc.core.speculative import (  # noqa: E402
     SpecDecoder,
     SpecParams,
 )
-from inference_svc.engine import Engine  # noqa: E402
+from inference_svc.engine.executor import Engine  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
 from inference_svc.pb import inference_pb2 as pb  # noqa: E402
 from inference_svc.types import GenerateParams, speculative_from_pb  # noqa: E402

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CoreError, OSError) as exc:
         logger.error("cannot start", extra=log.fields(error=str(exc)))
         return 1
-    from inference_svc.server import Server
+    from inference_svc.api.server import Server
 
     stop = threading.Event()
     starting = [True]

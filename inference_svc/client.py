@@ -41,7 +41,7 @@ from google.protobuf import json_format
 
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
-from inference_svc.session_names import SESSION_HEADER
+from inference_svc.sessions.names import SESSION_HEADER
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.auth import BearerInterceptor
 

@@ -45,7 +45,7 @@ class Speculative:
     `lookup_min` tokens) of the slot's own text and needs no model, and the draft
     model when one is loaded, which drafts the steps where lookup finds no repeat.
     n_max caps the tokens drafted per step; with `adaptive` each slot drafts, per
-    drafter, the length its measured acceptance pays for (inference_svc.draft_length),
+    drafter, the length its measured acceptance pays for (inference_svc.engine.draft_length),
     down to none where the drafter is useless; `draft_cost` and `lookup_cost` are one
     drafted token's price in target decode steps (a model-drafted token costs its
     draft decode and its place in the verification, a looked-up one only the
@@ -97,7 +97,7 @@ class Config:
     draft_restore_policy: str = "reprefill"
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
-    # the OpenAI-compatible HTTP door (inference_svc.http_door); None: none, 0: any free port
+    # the OpenAI-compatible HTTP door (inference_svc.api.http_door); None: none, 0: any free port
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     sampling: SamplingParams = DEFAULT_SAMPLING

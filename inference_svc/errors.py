@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from inference_svc import slotfile
 from inference_svc.core import errors as core_errors
+from inference_svc.storage import slotfile
 from snapshot_svc.clientlib import errors as _errors
 from snapshot_svc.clientlib import interceptor
 from snapshot_svc.clientlib.errors import *  # noqa: F403 (this module re-exports them)

@@ -29,7 +29,7 @@ from inference_svc.core.speculative import (
 from inference_svc.errors import InvalidArgument
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.prompts import BoundedTokenizer
-from inference_svc.session_names import check_session_name
+from inference_svc.sessions.names import check_session_name
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
@@ -142,7 +142,7 @@ class GenerateParams:
     spec: SpecParams | None  # None: no speculative decoding
     stop: tuple[str, ...] = ()
     n_truncated: int = 0  # prompt tokens dropped to fit the context
-    # a named conversation the prompt continues (inference_svc.sessions); None: none
+    # a named conversation the prompt continues (inference_svc.sessions.host); None: none
     session: str | None = None
     # the prompt is the session's whole conversation (Chat), not what follows it
     conversation: bool = False

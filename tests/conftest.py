@@ -12,8 +12,8 @@ import pytest
 from tests.factory import Shape, write_model
 
 if TYPE_CHECKING:
+    from inference_svc.api.server import Server
     from inference_svc.client import InferenceClient
-    from inference_svc.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"

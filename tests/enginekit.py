@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from inference_svc.core.speculative import SamplingParams, SpecParams, StepResult
-from inference_svc.engine import Engine
+from inference_svc.engine.executor import Engine
 
 
 def record_step_batches(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:

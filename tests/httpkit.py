@@ -13,9 +13,9 @@ from typing import Any
 
 import openai
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
 from inference_svc.config import Config
-from inference_svc.server import Server
 from tests.fixtures.servicekit import service_config
 
 ROOT = Path(__file__).resolve().parent.parent

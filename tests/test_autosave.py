@@ -211,8 +211,8 @@ def _unreachable_store(monkeypatch: pytest.MonkeyPatch, cost: float
     ends Unavailable."""
     from types import SimpleNamespace
 
-    from inference_svc import autosave
     from inference_svc.errors import Unavailable
+    from inference_svc.storage import autosave
 
     clock = _Clock()
     monkeypatch.setattr(autosave, "time", clock)
@@ -235,7 +235,7 @@ def test_an_unreachable_store_is_retried_until_the_restore_timeout(
     """Each attempt costs 2.75 s (the client's own retries). After the second (5.7 s)
     the next pause (0.4 s) would pass the 6 s deadline: the last attempt runs at once,
     with the 0.3 s left, and the wait ends at 6 s, not a whole attempt later."""
-    from inference_svc import autosave
+    from inference_svc.storage import autosave
 
     clock, attempts, slots = _unreachable_store(monkeypatch, 2.75)
     rep = autosave.restore_all(slots, "t1", 6.0)  # type: ignore[arg-type]
@@ -245,7 +245,7 @@ def test_an_unreachable_store_is_retried_until_the_restore_timeout(
 
 
 def test_restore_timeout_0_does_not_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    from inference_svc import autosave
+    from inference_svc.storage import autosave
 
     clock, attempts, slots = _unreachable_store(monkeypatch, 2.75)
     rep = autosave.restore_all(slots, "t1", 0.0)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference_svc.draft_length import DraftLength, DraftLengths, lookup_band
+from inference_svc.engine.draft_length import DraftLength, DraftLengths, lookup_band
 
 
 def run(ctl: DraftLength, steps: int, accept: bool, declined: bool = False) -> list[int]:

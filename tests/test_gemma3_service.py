@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from inference_svc import slotfile
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
 from inference_svc.config import Speculative
-from inference_svc.server import Server
+from inference_svc.storage import slotfile
 from snapshot_svc.testing import ServerProcess, running_server
 from tests.factory import Shape, write_model
 from tests.fixtures.servicekit import Reference, fresh_client, running, service_config

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from inference_svc.server import Server
+from inference_svc.api.server import Server
 from tests.fixtures.servicekit import running
 from tests.httpkit import MODEL_ID, client, erase_all, grpc_client, http_config, post, raw
 

@@ -12,8 +12,8 @@ import grpc
 import openai
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import make_request
-from inference_svc.server import Server
 from tests.fixtures.servicekit import running
 from tests.httpkit import MODEL_ID, client, error, grpc_client, http_config, post, raw
 
@@ -257,7 +257,9 @@ def test_stalled_body_is_refused(server: Server) -> None:
 def test_status_of_every_code() -> None:
     """Each exception's gRPC code and its HTTP status and OpenAI error type (the one table
     beside the gRPC mapping)."""
-    from inference_svc import errors, openai_api, slotfile
+    from inference_svc import errors
+    from inference_svc.api import openai_api
+    from inference_svc.storage import slotfile
 
     cases = [(errors.InvalidArgument("m"), 400, "invalid_request_error"),
              (errors.Unauthenticated("m"), 401, "authentication_error"),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_svc.server import Server
+from inference_svc.api.server import Server
 from tests.fixtures.servicekit import running
 from tests.httpkit import client, error, http_config, post, raw
 

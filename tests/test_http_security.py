@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from inference_svc import config
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
-from inference_svc.server import Server
 from tests.fixtures.servicekit import running
 from tests.httpkit import MODEL_ID, client, error, http_config, post, raw
 from tests.seckit import make_ca, make_cert, write_keys

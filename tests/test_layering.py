@@ -42,13 +42,20 @@ def imported(path: Path) -> set[str]:
 
 
 def service_modules() -> list[Path]:
-    return sorted(p for p in SERVICE.glob("*.py"))
+    return sorted(p for p in SERVICE.rglob("*.py") if "pb" not in p.relative_to(SERVICE).parts)
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(SERVICE).as_posix()
+
+
+EXECUTOR = SERVICE / "engine" / "executor.py"
 
 
 def test_only_the_engine_touches_a_slots_contexts() -> None:
     found = []
     for path in service_modules():
-        if path.name == "engine.py":
+        if path == EXECUTOR:
             continue
         for node in ast.walk(tree(path)):
             name = (node.attr if isinstance(node, ast.Attribute)
@@ -56,24 +63,25 @@ def test_only_the_engine_touches_a_slots_contexts() -> None:
             call = (node.func.attr if isinstance(node, ast.Call)
                     and isinstance(node.func, ast.Attribute) else None)
             if name in RAW_NAMES or call in RAW_CALLS:
-                found.append(f"{path.name}:{node.lineno} {name or call}")
+                found.append(f"{rel(path)}:{node.lineno} {name or call}")
     assert found == []
 
 
 def test_contexts_are_opened_by_the_engine_and_the_one_shot_completer_only() -> None:
-    opened = {p.name for p in service_modules() for node in ast.walk(tree(p))
+    opened = {rel(p) for p in service_modules() for node in ast.walk(tree(p))
               if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id == "Context"}
-    assert opened == {"engine.py", "complete.py"}
+    assert opened == {"engine/executor.py", "complete.py"}
 
 
 def test_engine_and_slot_manager_keep_to_their_concerns() -> None:
-    engine = imported(SERVICE / "engine.py")
-    assert not {m for m in engine if m.split(".")[1:2] in (["slotfile"], ["snapshots"],
-                                                          ["store"], ["slots"])}
-    core = {m for m in imported(SERVICE / "slots.py") if m.startswith("inference_svc.core")}
+    engine = {m for p in (SERVICE / "engine").glob("*.py") for m in imported(p)}
+    assert engine and not {m for m in engine if m.startswith("inference_svc.storage")}
+    slots = imported(SERVICE / "storage" / "slots.py")
+    core = {m for m in slots if m.startswith("inference_svc.core")}
     assert core == {"inference_svc.core", "inference_svc.core.BadStateError"}
-    from_core = {m for m in imported(SERVICE / "slotfile.py") if m.startswith("inference_svc.core")}
+    slotfile = imported(SERVICE / "storage" / "slotfile.py")
+    from_core = {m for m in slotfile if m.startswith("inference_svc.core")}
     assert "inference_svc.core.binding.lib" in from_core
     assert {m for m in from_core
             if m != "inference_svc.core.binding"
@@ -124,3 +132,11 @@ def test_bench_and_tools_reach_the_snapshot_service_as_a_user_does() -> None:
     for name in SNAPSHOT_BENCHES:  # the exceptions exist and still need to be exceptions
         assert not all(_within(m, CLIENT, CLIENTLIB, HARNESS)
                        for m in _snapshot_imports(ROOT / "bench" / name)), name
+
+
+def test_each_layer_of_the_service_says_what_it_owns_and_may_import() -> None:
+    layers = sorted(p.parent.name for p in SERVICE.glob("*/__init__.py") if p.parent.name != "pb")
+    assert layers == ["api", "core", "engine", "sessions", "storage"]
+    for name in layers:
+        doc = ast.get_docstring(tree(SERVICE / name / "__init__.py")) or ""
+        assert "import" in doc, name  # what it may import, beside what it owns

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from inference_svc.errors import InvalidArgument
-from inference_svc.store import LocalStore, _name_key
+from inference_svc.storage.store import LocalStore, _name_key
 
 ROOT = Path(__file__).resolve().parent.parent
 OLD = (b"T1" * 3000, b"D1" * 300)
@@ -24,7 +24,7 @@ OLD = (b"T1" * 3000, b"D1" * 300)
 CHILD = """
 import os, sys
 from pathlib import Path
-from inference_svc.store import LocalStore, _name_key
+from inference_svc.storage.store import LocalStore, _name_key
 
 directory, crash_at, new_draft = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 store = LocalStore(directory)

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from inference_svc.core.speculative import SamplingParams, SpecParams
-from inference_svc.engine import GenJob
+from inference_svc.engine.executor import GenJob
+from inference_svc.engine.scheduler import Job, Scheduler
 from inference_svc.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -17,7 +18,6 @@ from inference_svc.errors import (
     ServiceError,
     Unavailable,
 )
-from inference_svc.scheduler import Job, Scheduler
 from inference_svc.types import GenerateParams
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
 from inference_svc.errors import InvalidArgument, ResourceExhausted
 from inference_svc.pb import inference_pb2 as ipb
 from inference_svc.prompts import BoundedTokenizer
-from inference_svc.server import Server
 from tests.fixtures.servicekit import model_pair, running, service_config
 from tests.seckit import code_of, methods, raw_call
 

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
 from inference_svc.config import Config
 from inference_svc.pb import inference_pb2 as ipb
-from inference_svc.server import Server
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.clientlib.auth import bearer, key_id, parse_keys
 from snapshot_svc.config import SnapshotConfig, parse_config

@@ -14,10 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, make_request
 from inference_svc.core.speculative import SamplingParams
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.server import Server
 from tests.fixtures.servicekit import Reference, model_pair, running, service_config
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, _parser, chat_loop, make_chat_request
 from inference_svc.core import Model, Tokenizer
-from inference_svc.server import Server
 from tests.fixtures.servicekit import (
     model_pair,
     running,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from inference_svc.server import Server
+from inference_svc.api.server import Server
 from tests.fixtures.servicekit import running
 from tests.httpkit import MODEL_ID, client, grpc_client, http_config
 

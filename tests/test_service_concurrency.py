@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, make_request
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.server import Server
 from tests.enginekit import EngineHold, record_step_batches
 from tests.fixtures.servicekit import (
     SLOW,

@@ -10,9 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_svc import config, slotfile
+from inference_svc import config
 from inference_svc.client import InferenceClient
 from inference_svc.core import Context, Model
+from inference_svc.storage import slotfile
 from tests.fixtures.servicekit import TARGET_SHAPE, Reference, model_pair, running, service_config
 
 PROMPT = [5, 17, 250, 3, 99, 42, 8, 8, 120]

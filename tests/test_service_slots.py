@@ -11,10 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_svc import slotfile
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.server import Server
+from inference_svc.storage import slotfile
 from tests.fixtures.servicekit import Reference, model_pair, running, service_config
 
 TEXT_A = "the quick brown fox jumps over the lazy dog and then"

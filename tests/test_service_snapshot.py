@@ -12,8 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_svc import log, slotfile
+from inference_svc import log
 from inference_svc.client import InferenceClient
+from inference_svc.storage import slotfile
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.testing import running_server
 from tests.fixtures.servicekit import model_pair, running, service_config

@@ -14,17 +14,17 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_svc import chat_record
 from inference_svc import client as cli
+from inference_svc.api.server import Server
 from inference_svc.chat import Message
 from inference_svc.client import InferenceClient, make_chat_request
 from inference_svc.core import Model, Tokenizer
+from inference_svc.engine.scheduler import common_prefix
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.scheduler import common_prefix
-from inference_svc.server import Server
-from inference_svc.slotfile import CorruptSlotFile, Section
-from inference_svc.snapshots import model_spec, prepare_restore
-from inference_svc.store import LocalStore
+from inference_svc.sessions import chat_record
+from inference_svc.storage.slotfile import CorruptSlotFile, Section
+from inference_svc.storage.snapshots import model_spec, prepare_restore
+from inference_svc.storage.store import LocalStore
 from snapshot_svc.testing import running_server
 from tests.enginekit import EngineHold
 from tests.fixtures.servicekit import running, service_config

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_svc import sessions
-from inference_svc.server import Server
+from inference_svc.api.server import Server
+from inference_svc.sessions import host
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.config import SnapshotConfig
 from snapshot_svc.server import SnapshotServer
@@ -74,7 +74,7 @@ SESSION_FILES = ["session~~a", "session~~a.drft", "session~~b", "session~~b.drft
 @pytest.mark.parametrize("auto_save", [True, False])
 def test_sessions_survive_a_stop_with_the_store_down(tmp_path: Path, auto_save: bool,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 0.1)
+    monkeypatch.setattr(host, "SPILL_RETRY_S", 0.1)
     port = free_port()
     addr, fallback = f"127.0.0.1:{port}", tmp_path / "fallback"
     local = fallback / "fb"
@@ -125,7 +125,7 @@ def test_a_session_taken_from_the_fallback_is_never_overwritten_by_its_older_cop
     """A session continued from the fallback while the store was down: when the store
     answers, the upload leaves its older fallback copy alone (another session's is
     uploaded), and its newer state reaches the store, the fallback copy removed."""
-    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 0.1)
+    monkeypatch.setattr(host, "SPILL_RETRY_S", 0.1)
     port = free_port()
     addr, fallback = f"127.0.0.1:{port}", tmp_path / "fallback"
     local = fallback / "fb"

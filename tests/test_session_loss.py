@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
-from inference_svc.server import Server
 from tests.fixtures.servicekit import running
 from tests.resumekit import wait_until
 from tests.test_sessions import (

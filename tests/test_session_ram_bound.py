@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from inference_svc import sessions
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
 from inference_svc.errors import Unavailable
-from inference_svc.server import Server
-from inference_svc.sessions import Held, SessionHost
+from inference_svc.sessions import host as session_host
+from inference_svc.sessions.host import Held, SessionHost
 from tests.fixtures.servicekit import running
 from tests.resumekit import wait_until
 from tests.test_sessions import RAM, SLOT, STORE, N, client, config, listed, store_files, turn
@@ -143,7 +143,7 @@ def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one exception: a full tier and a store that refuses writes keep the session in
     RAM (never lost); once the store takes writes again the tier is back within bound."""
-    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 0.05)
+    monkeypatch.setattr(session_host, "SPILL_RETRY_S", 0.05)
     size = session_size(tmp_path)
     n = PROMPT_LEN + N
     with refused_after_two_sessions(tmp_path, monkeypatch, size) as r:
@@ -160,7 +160,7 @@ def test_the_engine_does_not_wait_on_a_store_that_just_failed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a failed write, evictions within SPILL_RETRY_S try no store write on the
     engine thread: the session is kept beyond the bound at once."""
-    monkeypatch.setattr(sessions, "SPILL_RETRY_S", 600.0)  # the writer does not retry
+    monkeypatch.setattr(session_host, "SPILL_RETRY_S", 600.0)  # the writer does not retry
     size = session_size(tmp_path)
     with refused_after_two_sessions(tmp_path, monkeypatch, size) as r:
         turn(r.c, "c", PROMPT)  # one write tried (a, to make room for b), refused

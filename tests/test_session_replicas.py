@@ -19,8 +19,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, make_chat_request, make_request
-from inference_svc.server import Server
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.clientlib.errors import NotFound
 from snapshot_svc.testing import running_server
@@ -268,7 +268,7 @@ def test_with_ack_stored_a_turn_ends_only_once_its_state_is_stored(
     """--session-ack-stored: while the store holds the turn's write back, the turn's
     stream does not end; once the write is through, it ends and the store has the
     turn (so a replica killed after answering has lost nothing answered)."""
-    from inference_svc.snapshot_store import SnapshotStore
+    from inference_svc.storage.snapshot_store import SnapshotStore
 
     entered, release = threading.Event(), threading.Event()
     save_if = SnapshotStore.save_if

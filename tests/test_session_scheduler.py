@@ -5,8 +5,8 @@ job without a session does to a session's slot. No threads, no sleeps."""
 
 from __future__ import annotations
 
+from inference_svc.engine.scheduler import Scheduler
 from inference_svc.errors import Cancelled, ResourceExhausted
-from inference_svc.scheduler import Scheduler
 from tests.test_scheduler import Clock, FakeExecutor, FakeJob, make, step
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from inference_svc import errors, slotfile
-from inference_svc.fallback import Fallback
-from inference_svc.session_listing import TIER_STORE, list_stored
-from inference_svc.session_names import SessionKey
-from inference_svc.snapshot_failover import FailoverStore
-from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.store import LocalStore, SlotStore, StoredInfo
+from inference_svc import errors
+from inference_svc.sessions.listing import TIER_STORE, list_stored
+from inference_svc.sessions.names import SessionKey
+from inference_svc.storage import slotfile
+from inference_svc.storage.fallback import Fallback
+from inference_svc.storage.snapshot_failover import FailoverStore
+from inference_svc.storage.snapshot_store import SnapshotStore
+from inference_svc.storage.store import LocalStore, SlotStore, StoredInfo
 from snapshot_svc.testing import free_port, running_server
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, make_request
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.server import Server
 from snapshot_svc.clientlib.auth import key_id
 from snapshot_svc.testing import running_server
 from tests.fixtures.servicekit import SLOW, model_pair, running, service_config

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from inference_svc import slotfile
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
 from inference_svc.config import Speculative
-from inference_svc.server import Server
-from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.store import LocalStore
+from inference_svc.storage import slotfile
+from inference_svc.storage.snapshot_store import SnapshotStore
+from inference_svc.storage.store import LocalStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult
 from snapshot_svc.client.contract import MAX_CHUNK_BYTES
 from snapshot_svc.testing import ServerProcess

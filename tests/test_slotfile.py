@@ -1,4 +1,4 @@
-"""The slot file format on its own (inference_svc.slotfile) and the local store:
+"""The slot file format on its own (inference_svc.storage.slotfile) and the local store:
 round trips, every corruption caught, versions, tagged sections, checks against
 a model, atomic writes."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inference_svc import slotfile as sf
 from inference_svc.errors import InvalidArgument, NotFound
-from inference_svc.names import name_problem
-from inference_svc.snapshots import SlotFileBuffers, encode_slot
-from inference_svc.store import LocalStore
+from inference_svc.storage import slotfile as sf
+from inference_svc.storage.names import name_problem
+from inference_svc.storage.snapshots import SlotFileBuffers, encode_slot
+from inference_svc.storage.store import LocalStore
 
 LAYOUT = sf.KVLayout(n_layer=2, n_head_kv=1, head_dim=4)
 FP_T, FP_D = "11" * 32, "22" * 32

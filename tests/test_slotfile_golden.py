@@ -16,14 +16,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_svc import slotfile
 from inference_svc.client import InferenceClient
 from inference_svc.config import Speculative
 from inference_svc.core import Context, Model
 from inference_svc.core.speculative import SpecDecoder
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.snapshots import context_spec, prepare_restore
-from inference_svc.store import LocalStore
+from inference_svc.storage import slotfile
+from inference_svc.storage.snapshots import context_spec, prepare_restore
+from inference_svc.storage.store import LocalStore
 from tests.fixtures import make_golden
 from tests.fixtures.servicekit import running, service_config
 

@@ -11,7 +11,7 @@ import struct
 import numpy as np
 import pytest
 
-from inference_svc import slotfile as sf
+from inference_svc.storage import slotfile as sf
 
 F32 = sf.KVLayout(n_layer=2, n_head_kv=1, head_dim=4)
 F16 = dataclasses.replace(F32, dtype=sf.DTYPE_F16)

@@ -21,7 +21,7 @@ from inference_svc.core.speculative import (
     SpecDecoder,
     SpecParams,
 )
-from inference_svc.engine import Engine, GenJob
+from inference_svc.engine.executor import Engine, GenJob
 from inference_svc.metrics import Metrics
 from inference_svc.types import GenerateParams
 from tests.enginekit import EngineHold, record_step_batches

@@ -12,8 +12,8 @@ import pytest
 
 from inference_svc import errors
 from inference_svc.config import Config
-from inference_svc.snapshot_failover import FailoverStore, parse_addrs
-from inference_svc.snapshot_store import SnapshotStore
+from inference_svc.storage.snapshot_failover import FailoverStore, parse_addrs
+from inference_svc.storage.snapshot_store import SnapshotStore
 from snapshot_svc.testing import free_port, running_server
 from tests.seaweed import SeaweedFS
 from tests.snapkit import blob
@@ -116,7 +116,7 @@ def test_failover_store_takes_what_every_slot_store_takes(method: str) -> None:
     failover store's methods have the SlotStore protocol's signatures."""
     import inspect
 
-    from inference_svc.store import SlotStore
+    from inference_svc.storage.store import SlotStore
 
     assert (inspect.signature(getattr(FailoverStore, method))
             == inspect.signature(getattr(SlotStore, method)))

@@ -23,10 +23,10 @@ import pytest
 from inference_svc import errors
 from inference_svc.core import Context, Model
 from inference_svc.core.speculative import Counters, SamplingParams, SpecDecoder, SpecParams
-from inference_svc.slotfile import DRAFT_VERSION, TARGET_VERSION, CorruptSlotFile, ModelSpec
-from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.snapshots import EncodedSlot, context_spec, encode_slot, prepare_restore
-from inference_svc.store import LocalStore, SlotStore, StoredSlot
+from inference_svc.storage.slotfile import DRAFT_VERSION, TARGET_VERSION, CorruptSlotFile, ModelSpec
+from inference_svc.storage.snapshot_store import SnapshotStore
+from inference_svc.storage.snapshots import EncodedSlot, context_spec, encode_slot, prepare_restore
+from inference_svc.storage.store import LocalStore, SlotStore, StoredSlot
 from snapshot_svc import ctl
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.config import SnapshotConfig

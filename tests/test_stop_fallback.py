@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient
-from inference_svc.fallback import Fallback
-from inference_svc.server import Server
+from inference_svc.storage.fallback import Fallback
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.config import SnapshotConfig
 from snapshot_svc.server import SnapshotServer
@@ -100,7 +100,7 @@ def test_sessions_survive_a_stop_with_the_store_down(pair: tuple[Path, Path],
 
 def test_the_fallback_is_uploaded_once_the_store_answers_again(
         pair: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from inference_svc import server
+    from inference_svc.api import server
 
     monkeypatch.setattr(server, "FALLBACK_RETRY_S", 0.1)
     port = free_port()

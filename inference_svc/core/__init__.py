@@ -1,4 +1,6 @@
-"""The decoding core: cffi binding, GGUF loading, tokenizer."""
+"""The binding of the decoding core: the cffi module (1:1 with native/warmslot.h), models and
+contexts, GGUF loading, tokenizers, fingerprints. May import only the compiled core, numpy and
+the standard library: nothing else of the service."""
 
 from . import fingerprint
 from .errors import (

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.session_names import SESSION_PREFIX, SessionKey, from_store_name
-from inference_svc.store import SlotStore
+from inference_svc.sessions.names import SESSION_PREFIX, SessionKey, from_store_name
+from inference_svc.storage.store import SlotStore
 
 TIER_NEW, TIER_SLOT, TIER_RAM, TIER_STORE = (pb.SESSION_TIER_NEW, pb.SESSION_TIER_SLOT,
                                             pb.SESSION_TIER_RAM, pb.SESSION_TIER_STORE)

@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 
 from inference_svc.chat import Message
-from inference_svc.slotfile import CorruptSlotFile, Section
+from inference_svc.storage.slotfile import CorruptSlotFile, Section
 
 TAG_CHAT = b"CHAT"  # target, optional: UTF-8 JSON [[role, content], ...]
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inference_svc import chat_record, slotfile
 from inference_svc.chat import Message
 from inference_svc.core import Context, Model
-from inference_svc.slotfile import DTYPE_BY_NAME, KVLayout, ModelSpec
-from inference_svc.store import SlotStore
+from inference_svc.sessions import chat_record
+from inference_svc.storage import slotfile
+from inference_svc.storage.slotfile import DTYPE_BY_NAME, KVLayout, ModelSpec
+from inference_svc.storage.store import SlotStore
 
 
 def model_spec(model: Model, n_ctx: int, kv_type: str) -> ModelSpec:

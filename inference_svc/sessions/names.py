@@ -1,6 +1,6 @@
 """Session names and where a session lives in the slot store.
 
-A session name follows the slot file name rules (inference_svc.names). In the store
+A session name follows the slot file name rules (inference_svc.storage.names). In the store
 (local directory or snapshot service) a session is kept under
 `session~<owner>~<name>`: `<owner>` is empty for callers without a key and for admin
 keys, and the key id (first 8 hex digits of the key's SHA-256) for a `user` key, so
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inference_svc.errors import InvalidArgument
-from inference_svc.names import DRAFT_SUFFIX, name_problem
+from inference_svc.storage.names import DRAFT_SUFFIX, name_problem
 
 SESSION_PREFIX = "session~"
 # the header (gRPC metadata) naming a request's session: a router in front of replicas

@@ -12,7 +12,7 @@ last stop, after the store's copy. So at start-up pending files go to the store 
 (or, with the store still down, are restored from here), and a later successful save
 of the name to the store, or a stop that finds the slot empty, removes the file here.
 The stop also writes here the sessions (`session~<owner>~<name>`) the store did not
-take; those are not `pending()` auto-saves: the session host (inference_svc.sessions)
+take; those are not `pending()` auto-saves: the session host (inference_svc.sessions.host)
 reads them, lists them and uploads them itself, so that an older copy never lands in
 the store after a newer state of the same session.
 Files are slot files in a `LocalStore` (the same bytes, atomic writes) in a
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from inference_svc import log
 from inference_svc.errors import ServiceError
-from inference_svc.names import DRAFT_SUFFIX
-from inference_svc.store import LocalStore, SlotStore
+from inference_svc.storage.names import DRAFT_SUFFIX
+from inference_svc.storage.store import LocalStore, SlotStore
 
 
 class Fallback:

@@ -1,7 +1,7 @@
 """Where slot files live: the `SlotStore` interface and the local directory store.
 
 A store keeps, per name, the bytes of a target file and optionally of its draft
-sidecar; it neither parses nor validates them (inference_svc.slotfile does).
+sidecar; it neither parses nor validates them (inference_svc.storage.slotfile does).
 The snapshot service's store (snapshot_store.py) implements the same interface, so the
 bytes of a target file are the same whichever store holds it.
 """
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from inference_svc import slotfile
 from inference_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -24,7 +23,8 @@ from inference_svc.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from inference_svc.names import DRAFT_SUFFIX, validate_name
+from inference_svc.storage import slotfile
+from inference_svc.storage.names import DRAFT_SUFFIX, validate_name
 from snapshot_svc.clientlib.files import fsync_dir
 
 Buffer = bytes | memoryview  # a slot file's bytes, whoever holds them

@@ -1,12 +1,12 @@
 """Sessions: named conversations that outlive their slot, in three tiers.
 
 A session is *resident* while it is bound to a slot (the scheduler binds it,
-inference_svc.scheduler). When another job needs that slot, the engine captures
+inference_svc.engine.scheduler). When another job needs that slot, the engine captures
 the session's whole state (target KV, draft KV, speculative state and RNG) into
 the host-memory tier (`--session-ram-mb`). The tier never holds more bytes than its
 bound: before a session goes in, the least recently used ones are written to the slot
 store (local directory or snapshot service) under `session~<owner>~<name>`
-(inference_svc.session_names) until it fits, or the session goes to the store itself
+(inference_svc.sessions.names) until it fits, or the session goes to the store itself
 when it cannot fit; every session goes to the store at stop.
 A session's next turn restores it from whichever tier holds it, so the turn
 processes only its new tokens. A session found in the store is read and checked
@@ -18,7 +18,7 @@ is dropped (logged, counted as `dropped`).
 
 A session also keeps its chat conversation: the messages of its Chats and their
 replies (`conversation`), which an `append` Chat continues. It goes with the session's
-state to the store (the slot file's CHAT section, inference_svc.chat_record) and comes
+state to the store (the slot file's CHAT section, inference_svc.sessions.chat_record) and comes
 back with it; the tokens stay the truth of what the slot holds (a Chat's prompt keeps
 only the tokens it shares with them).
 
@@ -54,9 +54,10 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inference_svc import chat_record, log, slotfile
+from inference_svc import log
 from inference_svc.chat import Message
-from inference_svc.engine import Engine, GenJob
+from inference_svc.engine.executor import Engine, GenJob
+from inference_svc.engine.scheduler import Job
 from inference_svc.errors import (
     Aborted,
     DataLoss,
@@ -64,10 +65,9 @@ from inference_svc.errors import (
     GenerationConflict,
     NotFound,
 )
-from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
-from inference_svc.scheduler import Job
-from inference_svc.session_listing import (
+from inference_svc.sessions import chat_record
+from inference_svc.sessions.listing import (
     TIER_LABEL,
     TIER_NEW,
     TIER_RAM,
@@ -76,15 +76,22 @@ from inference_svc.session_listing import (
     SessionRow,
     list_stored,
 )
-from inference_svc.session_names import (
+from inference_svc.sessions.names import (
     SESSION_PREFIX,
     SessionKey,
     check_session_name,
     from_store_name,
 )
-from inference_svc.slots import SlotManager
-from inference_svc.snapshots import EncodedSlot, PreparedRestore, encode_slot, prepare_restore
-from inference_svc.store import SlotStore
+from inference_svc.storage import slotfile
+from inference_svc.storage.fallback import Fallback
+from inference_svc.storage.slots import SlotManager
+from inference_svc.storage.snapshots import (
+    EncodedSlot,
+    PreparedRestore,
+    encode_slot,
+    prepare_restore,
+)
+from inference_svc.storage.store import SlotStore
 from snapshot_svc.clientlib import auth
 
 SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt

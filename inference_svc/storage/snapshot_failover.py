@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from inference_svc import errors, log
-from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.store import Buffer, StoredInfo, StoredSlot
+from inference_svc.storage.snapshot_store import SnapshotStore
+from inference_svc.storage.store import Buffer, StoredInfo, StoredSlot
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ Jobs wait in one FIFO queue; an idle slot goes to the first job that can take it
 (a job for slot -1 takes the idle slot whose tokens share the longest prefix with
 its prompt, then the least recently used; slots bound to a session come last).
 
-A job of a *session* (a named conversation, inference_svc.sessions) runs in the slot
+A job of a *session* (a named conversation, inference_svc.sessions.host) runs in the slot
 its session is bound to; when the session is bound to none, it takes an idle slot
 like a job for slot -1, preferring slots bound to no session, then the least
 recently used, and a session that has a job waiting last. The scheduler binds the

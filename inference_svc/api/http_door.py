@@ -4,7 +4,7 @@
 of its own, on the same engine, slots and sessions as gRPC.
 
 A request goes through the gRPC path's own layer: its body becomes the GenerateRequest
-or ChatRequest a gRPC client would send (inference_svc.openai_api), which
+or ChatRequest a gRPC client would send (inference_svc.api.openai_api), which
 `InferenceServicer.generation` checks, completes with the defaults and queues, exactly
 as for Generate and Chat; a failure is the same exception, whose gRPC code
 (inference_svc.errors.status_of) gives the HTTP status and OpenAI's error object. Keys
@@ -37,7 +37,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from inference_svc import access, log, openai_api
+from inference_svc import log
+from inference_svc.api import access, openai_api
+from inference_svc.api.openai_api import JSON
 from inference_svc.errors import (
     InvalidArgument,
     NotFound,
@@ -45,16 +47,15 @@ from inference_svc.errors import (
     Unavailable,
     status_of,
 )
-from inference_svc.openai_api import JSON
 from inference_svc.pb import inference_pb2 as pb
-from inference_svc.session_names import SESSION_HEADER
+from inference_svc.sessions.names import SESSION_HEADER
 from inference_svc.types import GenerateParams, RequestContext
 from snapshot_svc.clientlib import auth
 from snapshot_svc.clientlib.streams import StreamLimit
 
 if TYPE_CHECKING:
+    from inference_svc.api.server import InferenceServicer
     from inference_svc.config import Config
-    from inference_svc.server import InferenceServicer
 
 # a body holds the prompt's text JSON-escaped (up to 6 bytes a byte: \u00XX) and the
 # other fields: it may be this many times --max-prompt-bytes, plus BODY_SLACK

@@ -17,22 +17,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc import __version__, access, autosave, chat, log, sessions, slotfile
+from inference_svc import __version__, chat, log
+from inference_svc.api import access
 from inference_svc.config import Config
 from inference_svc.core import Model, StreamDecoder, Tokenizer
 from inference_svc.core.speculative import TokenLogprob
-from inference_svc.engine import Engine, GenJob
+from inference_svc.engine.executor import Engine, GenJob
 from inference_svc.errors import Unavailable, status_of
-from inference_svc.fallback import Fallback
 from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
 from inference_svc.prompts import BoundedTokenizer
-from inference_svc.sessions import SessionHost
-from inference_svc.slots import SlotManager
-from inference_svc.snapshot_failover import FailoverStore, parse_addrs
-from inference_svc.snapshot_store import SnapshotStore
-from inference_svc.store import LocalStore, SlotStore
+from inference_svc.sessions.host import SessionHost, delete_key, visible_owner
+from inference_svc.storage import autosave, slotfile
+from inference_svc.storage.fallback import Fallback
+from inference_svc.storage.slots import SlotManager
+from inference_svc.storage.snapshot_failover import FailoverStore, parse_addrs
+from inference_svc.storage.snapshot_store import SnapshotStore
+from inference_svc.storage.store import LocalStore, SlotStore
 from inference_svc.types import (
     Chunk,
     Finished,
@@ -46,7 +48,7 @@ from snapshot_svc.clientlib.interceptor import StatusInterceptor
 from snapshot_svc.clientlib.streams import StreamLimit
 
 if TYPE_CHECKING:
-    from inference_svc.http_door import HttpDoor
+    from inference_svc.api.http_door import HttpDoor
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SNAPSHOT_PROTOCOL = (1, 2)  # snapshot protocol versions this service speaks
@@ -205,13 +207,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def ListSessions(self, request: pb.ListSessionsRequest,
                      context: grpc.ServicerContext) -> pb.ListSessionsResponse:
         host = self._rt().sessions
-        rows = host.list(sessions.visible_owner(auth.CURRENT.get()))
+        rows = host.list(visible_owner(auth.CURRENT.get()))
         return pb.ListSessionsResponse(sessions=[r.to_pb() for r in rows])
 
     def DeleteSession(self, request: pb.DeleteSessionRequest,
                       context: grpc.ServicerContext) -> pb.DeleteSessionResponse:
         host = self._rt().sessions
-        key = sessions.delete_key(request.name, request.owner, auth.CURRENT.get())
+        key = delete_key(request.name, request.owner, auth.CURRENT.get())
         left = _time_remaining(context)
         n, tiers = host.delete(key, None if left is None else time.monotonic() + left)
         return pb.DeleteSessionResponse(name=key.name, n_tokens=n, removed_from=tiers)
@@ -361,7 +363,7 @@ class Server:
                 cfg.metrics_host, cfg.metrics_port, cert=cfg.tls_cert, key=cfg.tls_key,
                 client_ca=cfg.tls_client_ca, keys=self._keys)
         if cfg.http_port is not None:
-            from inference_svc.http_door import HttpDoor  # its stack loads only when used
+            from inference_svc.api.http_door import HttpDoor  # its stack loads only when used
 
             self._http = HttpDoor(cfg, self.servicer, self._keys, self.log,
                                   lambda m, code: self.metrics.requests.labels(m, code).inc(),

@@ -1,6 +1,6 @@
 """Who may call what on the inference service. Keys of role `user` may generate,
 chat, tokenize, detokenize, read the service's info and list and delete their own sessions
-(inference_svc.sessions: a user key's sessions are its own); `admin` keys may call every method
+(inference_svc.sessions.host: a user key's sessions are its own); `admin` keys may call every method
 (the slot operations as well: list, save, restore, erase). Methods not listed here,
 now or added later, are admin-only until listed."""
 

@@ -5,7 +5,7 @@
     slot = store.load("chat-42")                          # StoredSlot(target, draft, note)
     store.close()
 
-It implements `inference_svc.store.SlotStore` over `snapshot_svc.client.SnapshotClient`:
+It implements `inference_svc.storage.store.SlotStore` over `snapshot_svc.client.SnapshotClient`:
 
 - The bytes are stored verbatim, so a target file is the same whichever store holds
   it. Each part is sent with the metadata the service records (format version,
@@ -32,9 +32,10 @@ import threading
 
 import grpc
 
-from inference_svc import errors, log, slotfile
-from inference_svc.names import validate_name
-from inference_svc.store import Buffer, StoredInfo, StoredSlot
+from inference_svc import errors, log
+from inference_svc.storage import slotfile
+from inference_svc.storage.names import validate_name
+from inference_svc.storage.store import Buffer, StoredInfo, StoredSlot
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.client.contract import PROTOCOL_MAX, PROTOCOL_MIN
 from snapshot_svc.client.records import PartMeta

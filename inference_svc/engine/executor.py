@@ -1,7 +1,7 @@
 """The engine: one thread that owns the decoding core and runs every slot.
 
 Handlers submit *jobs*: a generation, or a slot operation (save, restore,
-erase) that runs once the slot is idle. The scheduler (inference_svc.scheduler)
+erase) that runs once the slot is idle. The scheduler (inference_svc.engine.scheduler)
 decides which job gets which slot and when; the engine is its executor: each
 round it runs one *unit* of every active generation, a prompt or draft catch-up
 chunk (at most `batch` tokens, `batch_shared` while other slots decode) or one
@@ -33,14 +33,14 @@ from inference_svc.core.speculative import (
     SpecParams,
     TokenLogprob,
 )
-from inference_svc.draft_length import DraftLengths
+from inference_svc.engine.draft_length import DraftLengths
+from inference_svc.engine.scheduler import CATCH_UP, PROMPT, Job, Scheduler, common_prefix
 from inference_svc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
 from inference_svc.metrics import Metrics
-from inference_svc.scheduler import CATCH_UP, PROMPT, Job, Scheduler, common_prefix
 from inference_svc.types import Chunk, Finished, GenerateParams, SlotInfo, StopReason, Timings
 
 if TYPE_CHECKING:
-    from inference_svc.sessions import SessionHost
+    from inference_svc.sessions.host import SessionHost
 
 T = TypeVar("T")
 

@@ -11,14 +11,19 @@ import time
 
 from inference_svc import log
 from inference_svc.core import BadStateError
-from inference_svc.engine import Engine, SlotState
+from inference_svc.engine.executor import Engine, SlotState
 from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from inference_svc.metrics import Metrics
-from inference_svc.names import validate_name
-from inference_svc.session_names import refuse_session_namespace
-from inference_svc.slotfile import ModelSpec
-from inference_svc.snapshots import PreparedRestore, SlotFileBuffers, model_spec, prepare_restore
-from inference_svc.store import SlotStore
+from inference_svc.sessions.names import refuse_session_namespace
+from inference_svc.storage.names import validate_name
+from inference_svc.storage.slotfile import ModelSpec
+from inference_svc.storage.snapshots import (
+    PreparedRestore,
+    SlotFileBuffers,
+    model_spec,
+    prepare_restore,
+)
+from inference_svc.storage.store import SlotStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
 
 

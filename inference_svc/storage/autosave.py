@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from inference_svc import log
 from inference_svc.errors import NotFound, Unavailable
-from inference_svc.fallback import Fallback
-from inference_svc.slots import SlotManager
+from inference_svc.storage.fallback import Fallback
+from inference_svc.storage.slots import SlotManager
 
 
 def auto_name(instance_id: str, slot: int) -> str:
