@@ -11,6 +11,9 @@ import pytest
 
 from tests.factory import Shape, write_model
 
+# the snapshot service on both backends (`seaweed`, `s3env`, `server`, `snapshot_client`)
+pytest_plugins = ["tests.fixtures.snapshot_backends"]
+
 if TYPE_CHECKING:
     from inference_svc.api.server import Server
     from inference_svc.client import InferenceClient

@@ -1,6 +1,7 @@
 """Replicas sharing sessions through one snapshot service: the store's generations decide.
 
-Two inference replicas (one slot each) and one snapshot service, in-process. Each
+Two inference replicas (one slot each) and one snapshot service, in-process, on a local
+directory and on S3 (a real SeaweedFS: its conditional writes carry the generations). Each
 scenario sends a session's turns to either replica and checks that a turn continues the
 newest acknowledged state (its tokens equal a never-evicted server's for the same
 turns), that no stop writes an older state over a newer one, and that a replica whose
@@ -25,6 +26,7 @@ from snapshot_svc.client import SnapshotClient
 from snapshot_svc.clientlib.errors import NotFound
 from snapshot_svc.testing import running_server
 from tests.fixtures.servicekit import running
+from tests.fixtures.snapshot_backends import BACKENDS, serve_on
 from tests.resumekit import wait_until
 from tests.test_sessions import (
     STORE,
@@ -82,8 +84,15 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
 
 
+@pytest.fixture(params=BACKENDS)
+def snap(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The shared snapshot service, on a local directory and on S3 (SeaweedFS)."""
+    with serve_on(request.param, request, tmp_path) as s:
+        yield s.address
+
+
 @pytest.fixture()
-def snap(tmp_path: Path) -> Iterator[str]:
+def local_snap(tmp_path: Path) -> Iterator[str]:
     with running_server(tmp_path / "snap") as s:
         yield s.address
 
@@ -201,13 +210,14 @@ def test_an_older_snapshot_service_is_named_in_a_warning_and_sessions_still_work
         assert store_generation(old.address, "s") == 0  # an old service reports none
 
 
-def test_random_turns_on_two_replicas_with_restarts_lose_nothing(snap: str) -> None:
+def test_random_turns_on_two_replicas_with_restarts_lose_nothing(local_snap: str) -> None:
     """8 sessions, 80 turns each sent to a random replica (seeded), each replica
     restarted once in the middle: every turn continues exactly the session's
     acknowledged history (its cache_n is that history's length) and the history's last
     turn is what a new replica finds. A client here moves to the other replica only once
     the previous turn's state is written through (the rules above say what happens in
     the milliseconds before)."""
+    snap = local_snap
     rng = random.Random(20261203)
     names = [f"r{i}" for i in range(8)]
     history = dict.fromkeys(names, 0)  # tokens each session holds after its acked turns

@@ -15,9 +15,9 @@ from inference_svc.config import Config
 from inference_svc.storage.snapshot_failover import FailoverStore, parse_addrs
 from inference_svc.storage.snapshot_store import SnapshotStore
 from snapshot_svc.testing import free_port, running_server
+from tests.fixtures.snapshot_backends import s3_config
 from tests.seaweed import SeaweedFS
 from tests.snapkit import blob
-from tests.test_snapshot_s3 import s3_config, s3env, seaweed  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -89,7 +89,7 @@ def test_every_replica_down_is_unavailable(dead_addr: str) -> None:
         store.load("s")
 
 
-def test_replicas_on_one_bucket_fail_over(s3env: SeaweedFS, prefix: str) -> None:  # noqa: F811
+def test_replicas_on_one_bucket_fail_over(s3env: SeaweedFS, prefix: str) -> None:
     a = running_server(None, **s3_config(s3env, prefix, "r1"))
     b = running_server(None, **s3_config(s3env, prefix, "r2"))
     srv_a, srv_b = a.__enter__(), b.__enter__()

@@ -25,32 +25,20 @@ from snapshot_svc.pb import snapshot_pb2 as pb
 from snapshot_svc.pb import snapshot_pb2_grpc as pb_grpc
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import ServerProcess, running_server
+from tests.fixtures.snapshot_backends import BUCKET, s3_config
 from tests.seaweed import SeaweedFS
 from tests.snapkit import blob, sha
-from tests.test_snapshot_s3 import (  # noqa: F401 - fixtures
-    BUCKET,
-    s3_config,
-    s3env,
-    seaweed,
-    serve_on,
-    stored,
-    stored_blobs,
-)
+from tests.test_snapshot_s3 import stored, stored_blobs
 from tests.test_snapshot_service import put_requests
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(params=("local", "s3"))
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SnapshotServer]:
-    with serve_on(request.param, request, tmp_path) as srv:
-        yield srv
-
-
 @pytest.fixture()
-def client(server: SnapshotServer) -> Iterator[SnapshotClient]:
-    with SnapshotClient(server.address, timeout=30) as c:
-        yield c
+def client(snapshot_client: SnapshotClient) -> SnapshotClient:
+    """Here `client` is the snapshot service's (the suite's own `client` is the inference
+    service's)."""
+    return snapshot_client
 
 
 def conflict_of(fn: Any) -> GenerationConflict:
@@ -238,7 +226,7 @@ def test_a_manifest_without_generation_reads_as_1_local(tmp_path: Path) -> None:
 
 
 def test_generations_survive_a_restart_and_old_manifests_read_as_1_s3(
-        s3env: SeaweedFS) -> None:  # noqa: F811
+        s3env: SeaweedFS) -> None:
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     with running_server(None, **s3_config(s3env, prefix)) as srv, \
             SnapshotClient(srv.address, timeout=30) as c:
@@ -265,7 +253,7 @@ def test_generations_survive_a_restart_and_old_manifests_read_as_1_s3(
 
 
 def test_two_servers_on_one_bucket_race_conditional_puts(
-        s3env: SeaweedFS) -> None:  # noqa: F811
+        s3env: SeaweedFS) -> None:
     """Conditional Puts through two snapshot services sharing a bucket: each round,
     exactly one of eight writers (four per server) commits, the others are ABORTED
     with the winner's generation; the stored snapshot is the winner's."""
@@ -290,7 +278,7 @@ def test_two_servers_on_one_bucket_race_conditional_puts(
 
 
 def test_unconditional_puts_through_two_servers_count_every_commit(
-        s3env: SeaweedFS) -> None:  # noqa: F811
+        s3env: SeaweedFS) -> None:
     """Unconditional Puts racing through two servers: a manifest write that loses is
     redone on top of the winner, so 12 saves make exactly generation 12."""
     prefix = f"t-{uuid.uuid4().hex[:12]}"
@@ -317,7 +305,7 @@ def test_unconditional_puts_through_two_servers_count_every_commit(
 
 
 def test_a_store_without_conditional_writes_refuses_conditional_puts(
-        s3env: SeaweedFS) -> None:  # noqa: F811
+        s3env: SeaweedFS) -> None:
     """A store that ignores If-Match (the start-up check says so): the feature is not
     offered, the client refuses a conditional Put before sending it, and the server
     refuses one sent anyway (FAILED_PRECONDITION), storing nothing."""
@@ -446,7 +434,7 @@ def test_name_locks_take_turns_per_name_and_are_bounded() -> None:
 
 
 def test_two_service_processes_on_one_bucket_race_conditional_puts(
-        s3env: SeaweedFS) -> None:  # noqa: F811
+        s3env: SeaweedFS) -> None:
     """The same race between two `python -m snapshot_svc` processes: one winner a round."""
     prefix = f"t-{uuid.uuid4().hex[:12]}"
     args = ("--store", f"s3://{BUCKET}/{prefix}", "--s3-endpoint", s3env.endpoint)

