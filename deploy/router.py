@@ -60,6 +60,8 @@ SESSION_HEADER = "x-session-id"  # inference_svc.session_names.SESSION_HEADER
 # is the reply message 00 00000002 08 01 (not compressed, 2 bytes, field 1 = 1)
 HEALTH_PATH = "/grpc.health.v1.Health/Check"
 HEALTH_SERVING_HEX = "00000000020801"
+# any status's reply (UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN), as hex
+HEALTH_REPLY_HEX_RE = "0000000002080[0-3]"
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
@@ -245,7 +247,9 @@ def config(s: Settings, pem: str | None = None) -> str:
         return f" check port {r.grpc_port}"  # TLS or not: the tcp-check connect rule says
 
     def check_http(r: Replica) -> str:
-        return f" check port {r.http_port}" + (" check-ssl" if s.tls else "")
+        # HTTP/1.1 to the HTTP door, whatever the gRPC server line's protocol
+        return f" check port {r.http_port} check-proto h1" + (
+            " check-ssl check-alpn http/1.1" if s.tls else "")
 
     def backend(name: str, door: str, header_route: bool) -> list[str]:
         """A backend of all the replicas on one door; header_route: hash on the session."""
@@ -262,7 +266,11 @@ def config(s: Settings, pem: str | None = None) -> str:
                 connect = "    tcp-check connect ssl alpn h2" if s.tls else "    tcp-check connect"
                 out += ["    option tcp-check", connect,
                         f"    tcp-check send-binary {health_request(s.tls).hex()}",
-                        f"    tcp-check expect binary {HEALTH_SERVING_HEX}"]
+                        # first the reply message, whatever the status; then SERVING in
+                        # it, decided on what has come (min-recv): a mismatch would else
+                        # wait for more bytes until the check times out, seconds late
+                        f"    tcp-check expect rbinary {HEALTH_REPLY_HEX_RE}",
+                        f"    tcp-check expect min-recv 1 binary {HEALTH_SERVING_HEX}"]
             else:
                 out += ["    option httpchk",
                         "    http-check send meth GET uri /health",

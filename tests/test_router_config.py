@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _router() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("router", ROOT / "deploy" / "router.py")
+    spec = importlib.util.spec_from_file_location("deploy_router", ROOT / "deploy" / "router.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["router"] = mod  # dataclasses look their module up there
+    sys.modules["deploy_router"] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
