@@ -99,7 +99,11 @@ class Haproxy:
         self.p = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=self.log,
                                   stderr=subprocess.STDOUT)
         self.backend = "grpc_rr" if balance == "roundrobin" else "grpc_session"
-        self.wait_up(len(replicas), 60)
+        try:
+            self.wait_up(len(replicas), 60)
+        except BaseException:
+            self.stop()  # never leave a router behind
+            raise
 
     def states(self) -> dict[str, str]:
         return router.servers_up(f"127.0.0.1:{self.stats}")[self.backend]
