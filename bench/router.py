@@ -7,7 +7,8 @@ routing over the same replicas, then a replica killed mid-round (bench/router.py
 
 Processes on 127.0.0.1: one snapshot service, --replicas inference replicas
 (`python -m inference_svc`, --slots slots, 1 thread each, write-through and
---session-ack-stored on, SmolLM2 and its draft; --toy: the bundled toy pair), and two
+--session-ack-stored on, --ram-mb of RAM tier, SmolLM2 and its draft; --toy: the bundled
+toy pair), and two
 HAProxy processes configured by deploy/router.py over the same replicas: `session`
 (x-session-id hashed consistently, the compose router) and `roundrobin` (every request to
 the next replica, the session ignored). Each side has its own --sessions sessions with the
@@ -58,6 +59,7 @@ from service import Service  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.pb import inference_pb2 as pb  # noqa: E402
+from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.testing import ServerProcess  # noqa: E402
 
 
@@ -133,6 +135,7 @@ class Replica:
         self.svc = Service(ns, args.target, args.draft, extra=(
             "--slots", str(args.slots), "--snapshot-addr", snap_addr, "--instance-id", name,
             "--session-write-through", "--session-ack-stored",
+            "--session-ram-mb", str(args.ram_mb),
             "--fallback-save-path", str(scratch / f"fallback-{name}")))
         self.c = InferenceClient(f"127.0.0.1:{self.svc.port}", timeout=120)
         self.c.wait_ready(120)
@@ -249,6 +252,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=40, help="new prompt tokens of a later turn")
     ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--ram-mb", type=int, default=1536,
+                    help="each replica's --session-ram-mb: room for both sides' sessions, so "
+                         "that one side's round does not push the other's out of RAM")
     ap.add_argument("--toy", action="store_true", help="the bundled toy models")
     ap.add_argument("--seed", type=int, default=20261203)
     ap.add_argument("--out", type=Path)
@@ -305,6 +311,10 @@ def main() -> int:
                     if turn > 0:
                         rounds[name] += recs
                 if turn == 0:
+                    with SnapshotClient(snap.address, timeout=30) as sc:
+                        info = sc.stat("session~~session-0")
+                    out["session_state_after_turn_0"] = {
+                        "tokens": info.target.meta.n_tokens, "bytes": info.total_bytes}
                     out["sessions_per_replica_session_side"] = {
                         r.name: len({n for n in r.local_sessions() if n.startswith("session-")})
                         for r in reps}
