@@ -237,7 +237,12 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         ttft = sorted(r["ttft"] for r in ok)
         out.update(ttft_median_ms=round(statistics.median(ttft) * 1e3, 1),
                    ttft_p90_ms=round(ttft[int(0.9 * (len(ttft) - 1))] * 1e3, 1),
-                   total_median_ms=round(statistics.median(r["total"] for r in ok) * 1e3, 1))
+                   total_median_ms=round(statistics.median(r["total"] for r in ok) * 1e3, 1),
+                   # where each turn found its session: what routing changes
+                   ttft_median_ms_by_tier={
+                       tier: round(statistics.median(r["ttft"] for r in ok
+                                                     if r["tier"] == tier) * 1e3, 1)
+                       for tier in sorted({r["tier"] for r in ok})})
     return out
 
 
