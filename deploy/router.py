@@ -62,6 +62,8 @@ HEALTH_PATH = "/grpc.health.v1.Health/Check"
 HEALTH_SERVING_HEX = "00000000020801"
 # any status's reply (UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN), as hex
 HEALTH_REPLY_HEX_RE = "0000000002080[0-3]"
+# HAProxy reads a certificate and its key from one PEM file: `run` writes it here
+PEM_BUNDLE = "/tmp/warmslot-router.pem"
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
@@ -191,17 +193,14 @@ def read_settings(env: Mapping[str, str]) -> Settings:
     return s
 
 
-def pem_bundle(s: Settings) -> str:
-    """HAProxy reads a certificate and its key from one PEM file: where `run` writes it."""
-    return "/tmp/warmslot-router.pem"
-
-
 def config(s: Settings, pem: str | None = None) -> str:
     """The HAProxy configuration."""
-    pem = pem or pem_bundle(s)
+    pem = pem or PEM_BUNDLE
     unique = len({r.host for r in s.replicas}) == len(s.replicas)
     bind_tls = f" ssl crt {pem}" if s.tls else ""
-    # to the replicas: TLS verified against the CA (their certificates name them), or plain
+    # to the replicas: TLS, each certificate checked against the deployment's CA (which
+    # signs only the deployment's services; not against the host name, which is an
+    # address in some deployments), or plain
     srv_tls = f" ssl verify required ca-file {s.tls_ca}" if s.tls else ""
     resolve = (" resolvers dns init-addr last,libc,none resolve-prefer ipv4"
                if s.resolver else "")
@@ -260,7 +259,7 @@ def config(s: Settings, pem: str | None = None) -> str:
             out += [f"    balance hdr({SESSION_HEADER})", "    hash-type consistent"]
         else:
             out.append("    balance leastconn")
-        checked = name == "grpc_session" or (name == "grpc_rr")
+        checked = name in ("grpc_session", "grpc_rr")  # the others track these
         if checked:
             if s.check == "grpc":
                 connect = "    tcp-check connect ssl alpn h2" if s.tls else "    tcp-check connect"
@@ -358,7 +357,7 @@ def main(argv: list[str]) -> int:
         path = Path(os.environ.get("WARMSLOT_ROUTER_CONFIG", "/tmp/haproxy.cfg"))
         if s.tls:
             assert s.tls_cert is not None and s.tls_key is not None
-            pem = Path(pem_bundle(s))
+            pem = Path(PEM_BUNDLE)
             fd = os.open(pem, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(Path(s.tls_cert).read_text() + Path(s.tls_key).read_text())
