@@ -61,10 +61,12 @@ def main() -> int:
         # r0 is started again on its first ports (the routers' configuration names them)
         fixed = [(r.port, r.http_port) for r in reps]
         env = {"WARMSLOT_ROUTER_CHECK_INTER": "200"}
-        proxies = {c: Haproxy("session", fixed, scratch, {**env, "WARMSLOT_ROUTER_CHECK": c})
-                   for c in ("grpc", "http")}
+        proxies: dict[str, Haproxy] = {}
         r0_name = f"127.0.0.1-{ports['r0']}"
         try:
+            for check in ("grpc", "http"):
+                proxies[check] = Haproxy("session", fixed, scratch,
+                                         {**env, "WARMSLOT_ROUTER_CHECK": check})
             for run in range(args.runs):
                 r0 = reps[0]
                 c = InferenceClient(f"127.0.0.1:{r0.port}", timeout=120)
