@@ -215,7 +215,10 @@ def config(s: Settings, pem: str | None = None) -> str:
         "    log global",
         "    option httplog",
         "    option dontlognull",
-        "    timeout connect 3s",
+        # a replica on the same network answers a connect in well under a millisecond;
+        # a killed container's address answers nothing, and the first request after the
+        # kill waits this long before it is retried on another replica
+        "    timeout connect 1s",
         # a generation streams for as long as it takes; the client side likewise
         f"    timeout client {s.timeout_s}s",
         f"    timeout server {s.timeout_s}s",

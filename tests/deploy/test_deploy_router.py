@@ -92,6 +92,19 @@ def fleet(engine: Any, models: Models,  # noqa: F811
         project.down()
 
 
+def test_router_image_runs_as_the_services_user(engine: Any) -> None:  # noqa: F811
+    """The secrets step writes the certificate's key 0600 for uid 10001 (the services'
+    user): a router running as another user cannot read it and restarts in a loop (the test
+    projects' secrets are world-readable, so only this shows it)."""
+    import docker
+
+    try:
+        image = engine.images.get(ROUTER_IMAGE)
+    except docker.errors.ImageNotFound:
+        pytest.skip(f"deployment tests: image {ROUTER_IMAGE} not built")
+    assert image.attrs["Config"]["User"] == "10001:10001"
+
+
 def server_name(project: Project, replica: str) -> str:
     """The replica's server name in the router's configuration (host-port: every test
     replica is on 127.0.0.1)."""
