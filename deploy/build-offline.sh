@@ -14,18 +14,21 @@
 # 4. The image ($WARMSLOT_IMAGE, default warmslot:latest) from deploy/Dockerfile with
 #    host networking; pip installs from the wheelhouse only (--no-index). Then the
 #    SeaweedFS image of the compose `s3` profile ($WARMSLOT_SEAWEEDFS_IMAGE, default
-#    warmslot-seaweedfs:latest) from deploy/Dockerfile.seaweedfs.
+#    warmslot-seaweedfs:latest) from deploy/Dockerfile.seaweedfs, and the router image of
+#    the `replicas` profile ($WARMSLOT_ROUTER_IMAGE, default warmslot-router:latest: HAProxy
+#    from the Debian mirror) from deploy/Dockerfile.router.
 #
 # Exit status: 0 built, 3 no docker engine could be started (the reason is printed
 # and written to build/deploy-engine-unavailable), anything else a failure.
 #
-# Environment: WARMSLOT_IMAGE, WARMSLOT_SEAWEEDFS_IMAGE, WARMSLOT_BASE_IMAGE (skip step 2 and build from this
+# Environment: WARMSLOT_IMAGE, WARMSLOT_SEAWEEDFS_IMAGE, WARMSLOT_ROUTER_IMAGE, WARMSLOT_BASE_IMAGE (skip step 2 and build from this
 # image), DEBIAN_MIRROR, DOCKERD_LOG.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 IMAGE=${WARMSLOT_IMAGE:-warmslot:latest}
 SEAWEEDFS_IMAGE=${WARMSLOT_SEAWEEDFS_IMAGE:-warmslot-seaweedfs:latest}
+ROUTER_IMAGE=${WARMSLOT_ROUTER_IMAGE:-warmslot-router:latest}
 BASE_TAG=warmslot-base:bookworm
 BUILD_BASE_TAG=warmslot-base:bookworm-build
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -183,3 +186,7 @@ t0=$(now)
 DOCKER_BUILDKIT=0 docker build --network host "${NO_CACHE[@]}" --build-arg BASE_IMAGE="$BASE" \
   -f "$ROOT/deploy/Dockerfile.seaweedfs" -t "$SEAWEEDFS_IMAGE" "$ROOT"
 say "built $SEAWEEDFS_IMAGE in $(since "$t0") s"
+t0=$(now)
+DOCKER_BUILDKIT=0 docker build --network host "${NO_CACHE[@]}" --build-arg BASE_IMAGE="$BASE" \
+  -f "$ROOT/deploy/Dockerfile.router" -t "$ROUTER_IMAGE" "$ROOT"
+say "built $ROUTER_IMAGE in $(since "$t0") s"

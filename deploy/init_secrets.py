@@ -1,15 +1,21 @@
 """First-start step of the compose deployment: makes the TLS certificates and API keys
 the services use, once, in a volume (`secrets`, mounted at /secrets).
 
-    python3 deploy/init_secrets.py DIR REPLICA [REPLICA...]
+    python3 deploy/init_secrets.py DIR [--shared NAMESPACE]... REPLICA [REPLICA...]
 
-Files in DIR (kept when they all exist already; the step is then a no-op):
+Files in DIR (kept when they exist already: a later run only adds the snapshot keys of
+replicas or shared namespaces it does not find, appending them to snapshot-keys; the snapshot
+service reads them when it starts, or on SIGHUP):
     ca.crt, ca.key             the deployment's CA
     service.crt, service.key   every service's certificate (server and client use), valid
                                for the compose service names, the replicas, localhost and
                                127.0.0.1, signed by the CA
-    snapshot-keys              snapshot service: one namespace key per replica, one admin
-    replica-<name>.key         each replica's snapshot key (its namespace is its name)
+    snapshot-keys              snapshot service: one namespace key per replica and per shared
+                               namespace, one admin
+    replica-<name>.key         each replica's snapshot key (its namespace is its name): the
+                               replicas that use it cannot reach each other's snapshots
+    namespace-<ns>.key         a snapshot key of namespace <ns> that several replicas use:
+                               they share sessions (the compose `replicas` profile)
     inference-keys             inference service: one admin and one user key
     admin.key, user.key        those two keys, for operators and clients
 Certificates are made with the openssl command (in the image: ca-certificates needs it).
@@ -42,19 +48,41 @@ def _key() -> str:
     return secrets.token_urlsafe(32)
 
 
-def make(d: Path, replicas: list[str]) -> bool:
-    """Makes the files; False when they exist already."""
-    names = ["ca.crt", "ca.key", "service.crt", "service.key", "snapshot-keys",
-             "inference-keys", "admin.key", "user.key",
-             *(f"replica-{r}.key" for r in replicas)]
-    if all((d / n).exists() for n in names):
+def _snapshot_keys(replicas: list[str], shared: list[str]) -> dict[str, str]:
+    """{file name: namespace} of the snapshot keys."""
+    return {**{f"replica-{r}.key": r for r in replicas},
+            **{f"namespace-{ns}.key": ns for ns in shared}}
+
+
+def _add_keys(d: Path, wanted: dict[str, str]) -> bool:
+    """Adds the snapshot keys of `wanted` that DIR lacks; False when it has them all."""
+    missing = {f: ns for f, ns in wanted.items() if not (d / f).exists()}
+    if not missing:
         return False
+    lines = (d / "snapshot-keys").read_text()
+    for f, ns in missing.items():
+        k = _key()
+        _write(d / f, k + "\n")
+        lines += f"{k} namespace={ns}\n"
+    _write(d / "snapshot-keys", lines)
+    return True
+
+
+def make(d: Path, replicas: list[str], shared: list[str] | None = None) -> bool:
+    """Makes the files (or adds the missing snapshot keys); False when nothing was
+    missing."""
+    base = ["ca.crt", "ca.key", "service.crt", "service.key", "snapshot-keys",
+            "inference-keys", "admin.key", "user.key"]
+    wanted = _snapshot_keys(replicas, shared or [])
+    if all((d / n).exists() for n in base):
+        return _add_keys(d, wanted)
     d.mkdir(parents=True, exist_ok=True)
     os.umask(0o077)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
     _openssl("req", "-x509", *ec, "-keyout", str(d / "ca.key"), "-out", str(d / "ca.crt"),
              "-days", DAYS, "-subj", "/CN=warmslot deployment CA")
-    sans = ",".join([*(f"DNS:{n}" for n in ("snapshot", "inference", "localhost", *replicas)),
+    sans = ",".join([*(f"DNS:{n}" for n in ("snapshot", "inference", "router", "localhost",
+                                            *replicas)),
                      "IP:127.0.0.1"])
     ext = d / "service.ext"
     ext.write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n")
@@ -65,11 +93,11 @@ def make(d: Path, replicas: list[str]) -> bool:
              "-days", DAYS, "-extfile", str(ext))
     for leftover in ("service.csr", "service.ext", "ca.srl"):
         (d / leftover).unlink(missing_ok=True)
-    replica_keys = {r: _key() for r in replicas}
+    keys = {f: _key() for f in wanted}
     admin, user = _key(), _key()
-    for r, k in replica_keys.items():
-        _write(d / f"replica-{r}.key", k + "\n")
-    _write(d / "snapshot-keys", "".join(f"{k} namespace={r}\n" for r, k in replica_keys.items())
+    for f, k in keys.items():
+        _write(d / f, k + "\n")
+    _write(d / "snapshot-keys", "".join(f"{k} namespace={wanted[f]}\n" for f, k in keys.items())
            + f"{admin} admin\n")
     _write(d / "inference-keys", f"{admin} admin\n{user} user\n")
     _write(d / "admin.key", admin + "\n")
@@ -78,12 +106,20 @@ def make(d: Path, replicas: list[str]) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
+    shared: list[str] = []
+    replicas: list[str] = []
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg == "--shared":
+            shared.append(next(rest, ""))
+        else:
+            replicas.append(arg)
+    if not argv or not replicas or "" in shared:
         print(__doc__, file=sys.stderr)
         return 2
-    made = make(Path(argv[0]), argv[1:])
-    print(("made" if made else "kept") + f" the TLS certificates and API keys in {argv[0]}",
-          file=sys.stderr)
+    made = make(Path(argv[0]), replicas, shared)
+    print(("made or added" if made else "kept")
+          + f" the TLS certificates and API keys in {argv[0]}", file=sys.stderr)
     return 0
 
 

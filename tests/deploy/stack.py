@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 IMAGE = os.environ.get("WARMSLOT_IMAGE", "warmslot:latest")
 SEAWEEDFS_IMAGE = os.environ.get("WARMSLOT_SEAWEEDFS_IMAGE", "warmslot-seaweedfs:latest")
+ROUTER_IMAGE = os.environ.get("WARMSLOT_ROUTER_IMAGE", "warmslot-router:latest")
+SHARED_NAMESPACE = "shared"  # the namespace the compose replicas share (init_secrets --shared)
+SHARED_KEY_FILE = f"/secrets/namespace-{SHARED_NAMESPACE}.key"
 PROJECT_PREFIX = "wsdeploytest"
 UNAVAILABLE_FILE = ROOT / "build" / "deploy-engine-unavailable"
 
@@ -70,13 +73,17 @@ def parse_docker_time(text: str) -> float:
 
 @dataclass
 class Service:
-    """One service of a test project: its host-network port and instance id."""
+    """One service of a test project: its host-network port and instance id; an inference
+    replica's HTTP door port (0: a free one the service picks) or the router's HTTP door
+    and stats ports."""
 
     name: str
     port: int
     env: dict[str, str] = field(default_factory=dict)
     hostname: str | None = None
     volumes: list[str] = field(default_factory=list)
+    http_port: int = 0
+    stats_port: int = 0
 
     @property
     def addr(self) -> str:
@@ -97,7 +104,7 @@ class Secrets:
         spec.loader.exec_module(mod)
         self.dir = workdir / "secrets"
         self.replicas = replicas
-        mod.make(self.dir, replicas)
+        mod.make(self.dir, replicas, [SHARED_NAMESPACE])
         self.dir.chmod(0o755)  # the containers' user reads them (test files only)
         for f in self.dir.iterdir():
             f.chmod(0o644)
@@ -143,8 +150,18 @@ class Project:
         # the `s3` profile: inference replicas list every snapshot replica on the bucket
         replicas = [s.addr for n, s in self.services.items() if n.startswith("snapshot-s3")]
         weed = self.services.get("seaweedfs")
+        inference = [s for n, s in self.services.items() if n.startswith("inference")]
         for s in self.services.values():
-            if s.name == "seaweedfs":
+            if s.name == "router":
+                # the replicas on loopback; TLS as in the compose file, names resolved once
+                env = {"WARMSLOT_ROUTER_BIND": "127.0.0.1",
+                       "WARMSLOT_ROUTER_GRPC_PORT": str(s.port),
+                       "WARMSLOT_ROUTER_HTTP_PORT": str(s.http_port),
+                       "WARMSLOT_ROUTER_STATS_PORT": str(s.stats_port),
+                       "WARMSLOT_ROUTER_RESOLVER": "",
+                       "WARMSLOT_ROUTER_REPLICAS": ",".join(
+                           f"127.0.0.1:{r.port}:{r.http_port}" for r in inference)}
+            elif s.name == "seaweedfs":
                 env = {"WEED_IP": "127.0.0.1", "WEED_BIND": "127.0.0.1",
                        "WEED_S3_PORT": str(s.port)}
                 for name in ("MASTER", "VOLUME", "FILER"):  # +10000: their gRPC ports
@@ -159,7 +176,8 @@ class Project:
                 env = {"WARMSLOT_HOST": "127.0.0.1", "WARMSLOT_PORT": str(s.port),
                        "WARMSLOT_METRICS_PORT": "0",
                        # host networking: the HTTP door on loopback, a free port each
-                       "WARMSLOT_HTTP_HOST": "127.0.0.1", "WARMSLOT_HTTP_PORT": "0"}
+                       "WARMSLOT_HTTP_HOST": "127.0.0.1",
+                       "WARMSLOT_HTTP_PORT": str(s.http_port)}
                 if snapshot is not None:
                     env["WARMSLOT_SNAPSHOT_ADDR"] = snapshot.addr
                 elif replicas:
@@ -168,8 +186,9 @@ class Project:
                 env["WARMSLOT_INSTANCE_ID"] = s.hostname
                 env["WARMSLOT_SNAPSHOT_KEY_FILE"] = f"/secrets/replica-{s.hostname}.key"
             env.update(s.env)
+            image = {"seaweedfs": SEAWEEDFS_IMAGE, "router": ROUTER_IMAGE}.get(s.name, IMAGE)
             svc: dict[str, Any] = {
-                "image": SEAWEEDFS_IMAGE if s.name == "seaweedfs" else IMAGE,
+                "image": image,
                 "network_mode": "host", "environment": env,
                 "healthcheck": {"interval": "1s", "timeout": "3s", "retries": 2,
                                 # SeaweedFS, and a snapshot service waiting for it, may
@@ -184,7 +203,7 @@ class Project:
         # the secrets step finds the test's set complete (these replicas) and keeps it
         out["secrets"] = {"image": IMAGE, "network_mode": "host",
                           "command": ["python3", "/app/deploy/init_secrets.py", "/secrets",
-                                      *self.secrets.replicas],
+                                      "--shared", SHARED_NAMESPACE, *self.secrets.replicas],
                           "volumes": [f"{self.secrets.dir}:/secrets"]}
         return {"services": out}
 

@@ -12,9 +12,10 @@ deploy/build-offline.sh; skipped, with the reason, when no docker engine can be 
   processes only its new tokens, output identical to a control computed before);
 - `down` (volume kept) and `up`: the snapshot volume and the session are still there;
 - security: the default compose configuration runs TLS and keys, the snapshot service
-  unpublished, each replica with its own snapshot namespace; in the running stack a
-  call without TLS, without a key or with a key lacking the right is refused, and a
-  replica cannot reach another's snapshots.
+  unpublished, the replicas in one shared snapshot namespace (docker-compose.isolated.yml:
+  each its own); in the running stack a call without TLS, without a key or with a key
+  lacking the right is refused, and replicas with their own namespaces (the isolated
+  option) cannot reach each other's snapshots.
 
 The session checks need restart-resume (--snapshot-addr, --instance-id, auto-save and
 auto-restore in the inference service); an image without it is stale and fails them.
@@ -274,11 +275,9 @@ def test_stack_refuses_calls_without_tls_or_key(stack: Project) -> None:
         sc.list()
 
 
-def test_default_compose_is_secure(engine: Any) -> None:
-    """The compose files as shipped: TLS and keys on every service, certificates and keys
-    made by the secrets step in a volume, the snapshot service's gRPC port not published
-    on the host, every replica with its own snapshot key (namespace), and its HTTP door
-    published on the host's loopback beside gRPC."""
+def compose_config(*files: str) -> dict[str, Any]:
+    """`compose config` of deploy/docker-compose.yml, the override and `files`, with the
+    `replicas` profile."""
     import subprocess
 
     import yaml
@@ -287,37 +286,59 @@ def test_default_compose_is_secure(engine: Any) -> None:
 
     cmd = compose_command()
     assert cmd is not None
-    out = subprocess.run([*cmd, "-f", str(DEPLOY / "docker-compose.yml"), "-f",
-                          str(DEPLOY / "docker-compose.override.yml"), "--profile",
-                          "replicas", "config"], capture_output=True, text=True, check=True,
-                         cwd=DEPLOY, timeout=120).stdout
-    services = yaml.safe_load(out)["services"]
+    args = [a for f in ("docker-compose.yml", "docker-compose.override.yml", *files)
+            for a in ("-f", str(DEPLOY / f))]
+    out = subprocess.run([*cmd, *args, "--profile", "replicas", "config"], capture_output=True,
+                         text=True, check=True, cwd=DEPLOY, timeout=120).stdout
+    return yaml.safe_load(out)["services"]
+
+
+def published(service: dict[str, Any]) -> set[tuple[str, str, str]]:
+    # docker-compose 1.29 prints a port as "127.0.0.1:8080:8080/tcp", compose v2 as a mapping
+    return {(str(p["host_ip"]), str(p["published"]), str(p["target"]))
+            if isinstance(p, dict) else tuple(str(p).removesuffix("/tcp").split(":"))
+            for p in service.get("ports", [])}
+
+
+def test_default_compose_is_secure(engine: Any) -> None:
+    """The compose files as shipped: TLS and keys on every service, certificates and keys
+    made by the secrets step in a volume, the snapshot service's gRPC port not published
+    on the host, the `replicas` profile's replicas in one shared snapshot namespace (its
+    key, never keys off) behind a router that speaks TLS on both sides, every port
+    published on the host's loopback only; docker-compose.isolated.yml gives each replica
+    its own namespace."""
+    services = compose_config()
     assert "init_secrets.py" in " ".join(services["secrets"]["command"])
+    assert services["secrets"]["command"][3:5] == ["--shared", "shared"]
     snap = services["snapshot"]
-    published = [str(p.get("published") if isinstance(p, dict) else p)
-                 for p in snap.get("ports", [])]
-    assert not any("50052" in p for p in published), published
+    assert not any("50052" in p[1] for p in published(snap)), published(snap)
     env = snap["environment"]
     assert env["WARMSLOT_SNAPSHOT_API_KEYS"] and env["WARMSLOT_SNAPSHOT_TLS_CERT"]
     assert env["WARMSLOT_SNAPSHOT_TLS_CLIENT_CA"]  # replicas need client certificates
+    replicas = ("inference", "inference-1", "inference-2")
     key_files = set()
-    for name in ("inference", "inference-1", "inference-2"):
+    for name in replicas:
         env = services[name]["environment"]
         for var in ("WARMSLOT_API_KEYS", "WARMSLOT_TLS_CERT", "WARMSLOT_TLS_KEY",
                     "WARMSLOT_SNAPSHOT_CLIENT_TLS_CA", "WARMSLOT_SNAPSHOT_CLIENT_TLS_CERT"):
             assert env.get(var), (name, var)
         assert "WARMSLOT_INSECURE" not in env
         key_files.add(env["WARMSLOT_SNAPSHOT_KEY_FILE"])
-    assert key_files == {f"/secrets/replica-inference-{i}.key" for i in range(3)}
+    assert key_files == {"/secrets/namespace-shared.key"}
+    isolated = compose_config("docker-compose.isolated.yml")
+    assert {isolated[n]["environment"]["WARMSLOT_SNAPSHOT_KEY_FILE"] for n in replicas} == {
+        f"/secrets/replica-inference-{i}.key" for i in range(3)}
     # the HTTP (OpenAI API) door beside gRPC, published on the host's loopback only
     for name, http in (("inference", "8080"), ("inference-1", "8180"), ("inference-2", "8280")):
         assert services[name]["environment"]["WARMSLOT_HTTP_PORT"] == "8080"
-        # docker-compose 1.29 prints a port as "127.0.0.1:8080:8080/tcp", compose v2 as
-        # a mapping
-        ports = {(str(p["host_ip"]), str(p["published"]), str(p["target"]))
-                 if isinstance(p, dict) else tuple(str(p).removesuffix("/tcp").split(":"))
-                 for p in services[name]["ports"]}
-        assert ("127.0.0.1", http, "8080") in ports, (name, ports)
+        assert ("127.0.0.1", http, "8080") in published(services[name]), name
+    router = services["router"]
+    env = router["environment"]
+    assert (env["WARMSLOT_ROUTER_TLS_CERT"], env["WARMSLOT_ROUTER_TLS_KEY"],
+            env["WARMSLOT_ROUTER_TLS_CA"]) == ("/secrets/service.crt", "/secrets/service.key",
+                                               "/secrets/ca.crt")
+    assert env["WARMSLOT_ROUTER_REPLICAS"] == ",".join(f"{n}:50051:8080" for n in replicas)
+    assert published(router) == {("127.0.0.1", p, p) for p in ("50050", "8000", "8404")}
 
 
 # --- the session -----------------------------------------------------------------------
