@@ -94,6 +94,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="training-time drafting steps (2: also train on the head's own hidden)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="uniform noise on the input hidden states, relative to their std")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this checkpoint's head weights (fresh optimizer, step 0)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows per kind")
     p.add_argument("--quick", action="store_true", help="tiny end-to-end run")
@@ -279,16 +281,18 @@ def batch_loss(head: Head, target: Target, ids: torch.Tensor, data: dict[str, to
     target's distribution over the same K tokens (softmax of its logits from h_{p+1})."""
     outs, true_h, _, loss_from = step_outputs(head, target, ids, data, rows, args.unroll,
                                               args.noise, scale, gen)
-    with torch.no_grad():
-        p_target = F.softmax(F.linear(rms(true_h, target.out_norm, target.cfg.norm_eps),
-                                      target.embd[ids]), dim=-1)
+    readout = target.embd[ids]
     total = torch.zeros(())
     parts: dict[str, float] = {}
     for s, g in enumerate(outs, start=1):
         mask = valid_mask(loss_from, g.shape[1], s)
-        reg = F.smooth_l1_loss(g[mask] / scale, true_h[mask] / scale)
+        want = true_h[mask]
+        with torch.no_grad():
+            p_target = F.softmax(F.linear(rms(want, target.out_norm, target.cfg.norm_eps),
+                                          readout), dim=-1)
+        reg = F.smooth_l1_loss(g[mask] / scale, want / scale)
         logp = F.log_softmax(head.logits(g[mask]), dim=-1)
-        ce = -(p_target[mask] * logp).sum(-1).mean()
+        ce = -(p_target * logp).sum(-1).mean()
         total = total + reg + args.ce_weight * ce
         parts[f"reg{s}"], parts[f"ce{s}"] = float(reg.detach()), float(ce.detach())
     return total / len(outs), parts
@@ -374,6 +378,12 @@ def train(args: argparse.Namespace, logf: Path) -> None:
     rng = np.random.default_rng(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = checkpoint_path(args.work_dir)
+    if args.init_from is not None and not ckpt.exists():
+        start = torch.load(args.init_from)
+        if not torch.equal(start["token_ids"], ids):
+            raise ValueError(f"{args.init_from}: another readout vocabulary")
+        head.load_state_dict(start["head"])
+        log(logf, "init_from", path=str(args.init_from), step=start["step"])
     if ckpt.exists():
         state = torch.load(ckpt)
         head.load_state_dict(state["head"])
