@@ -84,7 +84,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--question-temperature", type=float, default=0.8)
     p.add_argument("--k", type=int, default=8192, help="readout vocabulary size")
     p.add_argument("--k-candidates", default="2048,4096,8192,16384")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=450)
     p.add_argument("--batch", type=int, default=8, help="rows per step (half chat, half code)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=30)
@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="uniform noise on the input hidden states, relative to their std")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this checkpoint's head weights (fresh optimizer, step 0)")
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows per kind")
     p.add_argument("--quick", action="store_true", help="tiny end-to-end run")
     args = p.parse_args(argv)
