@@ -216,12 +216,14 @@ def choose_vocab(args: argparse.Namespace, train: dict[str, dict[str, torch.Tens
 
 
 def heldout_check(args: argparse.Namespace, train: dict[str, dict[str, torch.Tensor]],
-                  logf: Path | None) -> None:
-    """The benchmark's prompts (bench/prompts.py) must not be in the training rows: no
-    chat question or its first 8 words appears in a decoded training row, no code
-    prompt (a validation file's opening) is a training row's opening, and no training
-    row shares a run of --prompt-tokens/2 tokens with a code prompt. Shorter shared runs
-    are counted, not refused: license headers repeat across stdlib files."""
+                  logf: Path | None) -> dict[str, dict[str, torch.Tensor]]:
+    """The benchmark's prompts (bench/prompts.py) must not be in the training rows.
+
+    Refused: a chat question (or its first 8 words) in a decoded training row, a code
+    prompt (a validation file's opening) that is a training row's opening. Dropped from
+    training (and counted): rows sharing a run of --prompt-tokens/2 tokens with a code
+    prompt; the stdlib's codec modules share such boilerplate across files. Shorter
+    shared runs (license headers) are only counted. Returns the training data kept."""
     sys.path.insert(0, str(ROOT / "bench"))
     from prompts import CHAT_QUESTIONS, code_prompts
 
@@ -230,24 +232,34 @@ def heldout_check(args: argparse.Namespace, train: dict[str, dict[str, torch.Ten
     questions = [q for q in CHAT_QUESTIONS
                  if any(q in t or " ".join(q.split()[:8]) in t for t in texts)]
     bench_code = code_prompts(tok, 64, args.prompt_tokens)
-    rows = [row.tolist() for data in train.values() for row in data["tokens"]]
-    openings = {tuple(r[: args.prompt_tokens]) for r in rows}
+    openings = {tuple(row[: args.prompt_tokens].tolist())
+                for data in train.values() for row in data["tokens"]}
     same_opening = sum(tuple(c) in openings for c in bench_code)
 
-    def shared(n: int) -> int:
+    def sharing(n: int, rows: list[list[int]]) -> list[bool]:
         grams = {tuple(c[i : i + n]) for c in bench_code for i in range(len(c) - n + 1)}
-        return sum(any(tuple(r[i : i + n]) in grams for i in range(len(r) - n + 1))
-                   for r in rows)
+        return [any(tuple(r[i : i + n]) in grams for i in range(len(r) - n + 1))
+                for r in rows]
 
     long_run = args.prompt_tokens // 2
-    found = {"chat_questions_found": questions,
-             "code_prompts_as_training_openings": same_opening,
-             f"rows_sharing_{long_run}_tokens_with_a_code_prompt": shared(long_run)}
+    kept: dict[str, dict[str, torch.Tensor]] = {}
+    dropped: dict[str, int] = {}
+    short: dict[str, int] = {}
+    for kind, data in train.items():
+        rows = [row.tolist() for row in data["tokens"]]
+        drop = torch.tensor(sharing(long_run, rows))
+        dropped[kind], short[kind] = int(drop.sum()), sum(sharing(32, rows))
+        kept[kind] = {k: v[~drop] for k, v in data.items()}
     log(logf, "heldout_check", chat_questions_checked=len(CHAT_QUESTIONS),
-        code_prompts_checked=len(bench_code), training_rows=len(rows),
-        rows_sharing_32_tokens_with_a_code_prompt=shared(32), **found)
-    if any(found.values()):
-        raise RuntimeError(f"benchmark prompts found in the training data: {found}")
+        code_prompts_checked=len(bench_code),
+        training_rows={k: int(v["tokens"].shape[0]) for k, v in train.items()},
+        chat_questions_found=questions, code_prompts_as_training_openings=same_opening,
+        **{f"rows_dropped_sharing_{long_run}_tokens_with_a_code_prompt": dropped},
+        rows_sharing_32_tokens_with_a_code_prompt=short)
+    if questions or same_opening:
+        raise RuntimeError(f"benchmark prompts found in the training data: {questions}, "
+                           f"{same_opening} code openings")
+    return kept
 
 
 # ---------------------------------------------------------------- training
@@ -401,7 +413,7 @@ def new_head(args: argparse.Namespace, target: Target, ids: torch.Tensor) -> Hea
 def train(args: argparse.Namespace, logf: Path) -> None:
     target = load_target(args.target)
     train_data, valid = split_data(args)
-    heldout_check(args, train_data, logf)
+    train_data = heldout_check(args, train_data, logf)
     ids = choose_vocab(args, train_data, valid, target.cfg.n_vocab, logf)
     # the loss scale of the hidden states: their RMS over the training loss positions
     h = train_data["chat"]["hidden"][:, :-1][valid_mask(train_data["chat"]["loss_from"],
