@@ -188,14 +188,18 @@ def next_tokens(data: dict[str, torch.Tensor]) -> torch.Tensor:
 def choose_vocab(args: argparse.Namespace, train: dict[str, dict[str, torch.Tensor]],
                  valid: dict[str, dict[str, torch.Tensor]], n_vocab: int,
                  logf: Path) -> torch.Tensor:
-    """The --k ids most often the target's next token in the training data (ties by
-    id), most frequent first; logs each candidate K's coverage of the held-out rows
+    """The --k ids most often the target's next token in the training data, most
+    frequent first; logs each candidate K's coverage of the held-out rows
     and of the training rows, and its Q8_0 size cost."""
     d = train[KINDS[0]]["hidden"].shape[-1]
     counts = torch.zeros(n_vocab, dtype=torch.long)
+    seen = torch.zeros(n_vocab, dtype=torch.long)
     for data in train.values():
         counts += torch.bincount(next_tokens(data).long(), minlength=n_vocab)
-    order = torch.argsort(-counts, stable=True)
+        seen += torch.bincount(data["tokens"].flatten().long(), minlength=n_vocab)
+    # ties (above all the ids never the target's next token here) by how often the id
+    # occurs anywhere in the rows, prompts included, then by id
+    order = torch.argsort(-(counts * (seen.max() + 1) + seen), stable=True)
     coverage: dict[str, dict[str, float]] = {}
     for k in [int(c) for c in args.k_candidates.split(",")]:
         inside = torch.zeros(n_vocab, dtype=torch.bool)
@@ -206,8 +210,7 @@ def choose_vocab(args: argparse.Namespace, train: dict[str, dict[str, torch.Tens
                                            .mean()) for kind in KINDS})
         row["output_bytes_q8_0"] = k * d * 34 // 32
         coverage[str(k)] = {key: round(v, 4) for key, v in row.items()}
-    seen = int((counts > 0).sum())
-    log(logf, "vocab", k=args.k, distinct_next_tokens=seen,
+    log(logf, "vocab", k=args.k, distinct_next_tokens=int((counts > 0).sum()),
         train_next_tokens=int(counts.sum()), coverage=coverage)
     return order[: args.k]
 
