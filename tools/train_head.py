@@ -403,6 +403,11 @@ def valid_loss(head: Head, target: Target, ids: torch.Tensor,
     return out
 
 
+# the arguments a checkpoint must share with the run resuming it
+RESUME_KEYS = ("seed", "k", "batch", "lr", "warmup", "ce_weight", "unroll", "noise", "steps",
+               "chat_shards", "code_shards", "row_tokens", "shard_rows")
+
+
 def checkpoint_path(work: Path) -> Path:
     return work / "checkpoint.pt"
 
@@ -440,6 +445,11 @@ def train(args: argparse.Namespace, logf: Path) -> None:
         log(logf, "init_from", path=str(args.init_from), step=start["step"])
     if ckpt.exists():
         state = torch.load(ckpt)
+        for key in RESUME_KEYS:  # a checkpoint of other settings is not resumed silently
+            if state["args"][key] != str(getattr(args, key)):
+                raise ValueError(f"{ckpt} was trained with --{key.replace('_', '-')} "
+                                 f"{state['args'][key]}, not {getattr(args, key)}: "
+                                 "remove it or use another --work-dir")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step = state["step"]
