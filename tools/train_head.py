@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="EAGLE's weight of the cross-entropy beside the smooth-L1")
-    p.add_argument("--unroll", type=int, default=1,
+    p.add_argument("--unroll", type=int, default=2,
                    help="training-time drafting steps (2: also train on the head's own hidden)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="uniform noise on the input hidden states, relative to their std")
