@@ -29,7 +29,7 @@ ASAN_ENV = WARMSLOT_NATIVE=asan \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 
 
-.PHONY: all setup fetch-models draft proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume bench-s3 bench-security bench-sessions demo models clean distclean
+.PHONY: all setup fetch-models draft draft-model proto native native-asan native-portable native-avx2 run test test-fast test-asan test-deploy lint bench bench-resume bench-s3 bench-security bench-sessions demo models clean distclean
 
 all: setup
 
@@ -142,6 +142,15 @@ models: $(DEPS_STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
 	OMP_WAIT_POLICY=PASSIVE $(PY) tools/train_models.py --out-dir models
 
+# the feature head (HEAD_SPEC): models/smollm2-head.gguf, its card models/smollm2-head.md;
+# data, training, export and evaluation in one resumable command (models/scratch/head)
+HEAD_ARGS ?=
+HEAD_TRAIN = OMP_NUM_THREADS=2 nice -n 10 $(PY) tools/train_head.py $(HEAD_ARGS)
+draft: $(DEPS_STAMP) $(SMOLLM2)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(HEAD_TRAIN) --stage all
+
+# the independent draft model (make draft-model): models/smollm2-draft.gguf; it
 # distils a draft for SmolLM2-135M-Instruct from the target (tools/train_draft.py; these
 # commands are the committed draft's recipe, see models/smollm2-draft.md; resumable:
 # shards and checkpoints in models/scratch/draft). Three phases, each resumed from the
@@ -149,7 +158,7 @@ models: $(DEPS_STAMP)
 # with 16 chat and 12 code on-policy shards.
 DRAFT_ARGS ?=
 DRAFT_TRAIN = OMP_NUM_THREADS=2 nice -n 10 $(PY) tools/train_draft.py $(DRAFT_ARGS)
-draft: $(DEPS_STAMP) $(SMOLLM2)
+draft-model: $(DEPS_STAMP) $(SMOLLM2)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(DRAFT_TRAIN) --stage data --chatpol-shards 5 --codepol-shards 4
 	$(DRAFT_TRAIN) --stage train
