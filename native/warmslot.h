@@ -136,6 +136,13 @@ typedef struct {
     const float *output_norm; /* [n_embd]                           */
     ws_tensor output;         /* [n_vocab][n_embd]; data NULL: tied to tok_embd */
     const ws_layer_weights *layers; /* [n_layer], copied by ws_model_init */
+    /* A feature head (docs/formats.md, warmslot-head): fc [n_embd][2 * n_embd], data
+       NULL for a language model. A head's input of a token t paired with a feature
+       vector f (ws_decode_io.features) is fc . concat(embedding of t, f); tok_embd is
+       then its target's embedding ([target vocab][n_embd], any number of rows, the
+       token ids a decode accepts), output must be its own ([n_vocab][n_embd]: n_vocab
+       is the head's readout rows) and the architecture llama. */
+    ws_tensor fc;
 } ws_weights;
 
 typedef struct ws_model ws_model;
@@ -253,6 +260,39 @@ ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *
 ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
                           const int32_t *n_tokens, const int32_t *tokens, float *logits,
                           size_t logits_cap);
+
+/*
+ * The general decode: ws_decode_batch's segments with what the caller wants of them.
+ *   features   a feature head's inputs: [sum of n_tokens][n_embd], the vector paired
+ *              with each token (NULL: a language model, which refuses them; a head
+ *              needs them). features_cap: floats it holds.
+ *   want       [sum of n_tokens]: 1 for the tokens whose logits are wanted, written
+ *              in token order, packed ([wanted][n_vocab]); NULL: every token's.
+ *   logits     NULL with logits_cap 0: none.
+ *   hidden     [sum of n_tokens][n_embd]: each token's hidden state, the residual
+ *              stream after the last layer, before output_norm (what the logits are
+ *              the output of), as floats; NULL with hidden_cap 0: none. Kept only
+ *              when asked: the pass copies it out, nothing else changes.
+ *   kv_only    1: only the keys and values are wanted (no logits, no hidden): the
+ *              last layer stops once it has stored them (a feature head's catch-up
+ *              costs its input projection and k, v only).
+ * The logits and hidden states of a token are bit-identical however it was decoded
+ * (batch, slot, threads, build), as ws_decode's. On any error no slot changes.
+ */
+typedef struct {
+    const float *features;
+    size_t features_cap;
+    const uint8_t *want;
+    float *logits;
+    size_t logits_cap;
+    float *hidden;
+    size_t hidden_cap;
+    int32_t kv_only;
+} ws_decode_io;
+ws_status ws_decode_ex(ws_context *ctx, int32_t n_seq, const int32_t *slots,
+                       const int32_t *n_tokens, const int32_t *tokens, const ws_decode_io *io);
+/* Whether the context's model is a feature head (ws_weights.fc set). */
+int ws_context_is_head(const ws_context *ctx);
 
 /* Keeps the first n positions of a slot (n <= current count). With sliding-window
  * layers in a ring, n must be 0 or >= ws_slot_keep_min: a shorter prefix needs keys

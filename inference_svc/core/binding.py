@@ -182,6 +182,7 @@ def _check_spec(status: int, spec: Any) -> None:
 # the calls that return a status only, then those writing one or two numbers too
 decode = _checked(_check, lib.ws_decode)
 decode_multi = _checked(_check, lib.ws_decode_multi)
+decode_ex = _checked(_check, lib.ws_decode_ex)
 slot_truncate = _checked(_check, lib.ws_slot_truncate)
 slot_clear = _checked(_check, lib.ws_slot_clear)
 spec_check_params = _checked(_check_spec, lib.ws_spec_check_params)
