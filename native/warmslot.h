@@ -431,6 +431,7 @@ typedef enum {
     WS_DRAFTER_NONE = 0,   /* the step drafted nothing                          */
     WS_DRAFTER_MODEL = 1,  /* the draft model proposed                          */
     WS_DRAFTER_LOOKUP = 2, /* the lookup drafter proposed                       */
+    WS_DRAFTER_HEAD = 3,   /* the feature head proposed                         */
 } ws_drafter;
 
 typedef struct {
@@ -440,6 +441,10 @@ typedef struct {
     /* lookup drafter: proposals after a match of m tokens, at [m] (0..
        WS_SPEC_MAX_DRAFT; [0] unused; all 0: lookup off)                          */
     int32_t lookup_k[WS_SPEC_LOOKUP_MAX_MATCH + 1];
+    /* feature head (ws_spec_set_head): proposals per step where lookup does not
+       propose (0..WS_SPEC_MAX_DRAFT; 0: off); it drafts instead of the draft model,
+       stopping as the model does (p_min after n_min)                              */
+    int32_t head_n_max;
 } ws_spec_params;
 
 /* What one slot's step did. */
@@ -464,6 +469,27 @@ typedef struct ws_spec ws_spec;
 
 /* target and draft must outlive the ws_spec; draft may be NULL. */
 ws_status ws_spec_init(ws_context *target, ws_context *draft, ws_spec **out);
+/*
+ * The feature head (docs/formats.md, warmslot-head): `head` a context of a head model
+ * (ws_weights.fc) of the target's width, slots and positions; token_ids[k] the
+ * vocabulary token of each of its k readout rows (k = the head's n_vocab). Set once,
+ * while every slot is empty; it must outlive the ws_spec.
+ *
+ * With a head every target pass keeps the hidden states of its tokens and the head
+ * follows: its KV holds the pairs (h_p, e_{p+1}) of positions 0..n-2 of a slot of n
+ * tokens, computed from the target's true hidden states (the accepted tokens' pairs
+ * after each step, in one keys-and-values-only head pass), and the slot keeps
+ * h_{n-1}. A step where the head drafts (head_n_max > 0, lookup silent) chains the
+ * head's own predicted hidden states: pair (h_{n-1}, e_{pending}) at position n-1,
+ * then (g, e_{d_j}) at the next positions; the drafted pairs are dropped afterwards.
+ * ws_spec_truncate to n < the target's tokens keeps n - 1 of them and the n-th as the
+ * pending token, whose decode gives h_{n-1} back. A slot restored without the head's
+ * state does not draft with the head until it is cleared.
+ */
+ws_status ws_spec_set_head(ws_spec *spec, ws_context *head, const int32_t *token_ids, int32_t k);
+/* The pairs the head's KV holds for the slot, and whether the head can draft for it
+   now (*ready 1: level with the target, h_{n-1} kept). */
+ws_status ws_spec_head_status(const ws_spec *spec, int32_t slot, int32_t *n_pairs, int *ready);
 void ws_spec_free(ws_spec *spec);
 const char *ws_spec_last_error(const ws_spec *spec);
 

@@ -14,19 +14,30 @@ ARCH = "warmslot-head"
 
 def write_head(path: Path, target: Path, k: int, n_ff: int = 0, seed: int = 0,
                matrix_type: str = "f16", fingerprint: str | None = None,
-               token_ids: np.ndarray | None = None, scale: float = 1.0) -> Path:
+               token_ids: np.ndarray | None = None, scale: float = 1.0,
+               echo: bool = False) -> Path:
     """A head for `target` (its fingerprint, unless `fingerprint` says another) reading
     out k tokens (the first k ids, or `token_ids`), with random weights; matrices
-    "f16" or "q8_0". `scale` multiplies the readout (large: confident drafts)."""
+    "f16" or "q8_0". `scale` multiplies the readout (large: confident drafts).
+    echo: a head whose prediction is the hidden state it is given (fc = [0 | I], no
+    attention or FFN output) read out by the target's own output_norm and output over
+    the whole vocabulary: the pair (h_{n-1}, e_{x_n}) drafts the target's argmax after
+    x_{n-1}, i.e. x_n again, so a target that repeats a token accepts its drafts."""
     content = load_gguf(target)
     try:
         hp = content.hparams
         fp = content.fingerprint if fingerprint is None else fingerprint
+        if echo:
+            k = hp.n_vocab
+            t_out = content.tensors.get("output.weight", content.tensors["token_embd.weight"])
+            echo_out = t_out.dequantize()
+            echo_norm = content.tensors["output_norm.weight"].dequantize()
     finally:
         content.close()
     d, n_ff = hp.n_embd, n_ff or hp.n_ff
     rng = np.random.default_rng(seed)
-    ids = np.arange(k, dtype=np.int32) if token_ids is None else token_ids.astype(np.int32)
+    ids = np.arange(k, dtype=np.int32) if token_ids is None or echo else token_ids.astype(
+        np.int32)
 
     def mat(rows: int, cols: int, s: float = 1.0) -> np.ndarray:
         return (s * rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
@@ -49,6 +60,13 @@ def write_head(path: Path, target: Path, k: int, n_ff: int = 0, seed: int = 0,
         "output_norm.weight": norm(),
         "output.weight": mat(int(ids.size), d, scale),
     }
+    if echo:
+        tensors["fc.weight"] = np.concatenate([np.zeros((d, d), np.float32),
+                                               np.eye(d, dtype=np.float32)], 1)
+        tensors["blk.0.attn_output.weight"][:] = 0.0
+        tensors["blk.0.ffn_down.weight"][:] = 0.0
+        tensors["output_norm.weight"] = echo_norm
+        tensors["output.weight"] = echo_out
     w = gguf.GGUFWriter(str(path), ARCH)
     w.add_name("test head")
     p = ARCH + "."
