@@ -103,41 +103,59 @@ def lookup_band(m: int) -> int:
 class DraftLengths:
     """The one controller of a request's drafters. Each step the lookup drafter, where
     it finds a repeat of m tokens, proposes the length that m's band's measured
-    acceptance pays for; the draft model (if any) proposes the length its own
-    acceptance pays for where lookup does not; neither where neither pays. A step
-    where lookup finds no repeat costs nothing and teaches its estimates nothing.
-    `lookup_cap[m - 1]`: the most the request lets lookup propose after m tokens."""
+    acceptance pays for; elsewhere the feature head (if any) proposes the length its
+    own acceptance pays for; where it proposes nothing (its acceptance does not pay,
+    or it cannot draft for the slot) the draft model (if any) proposes the length its
+    acceptance pays for; nobody where none pays. A step where lookup finds no repeat
+    teaches its estimates nothing. `lookup_cap[m - 1]`: the most the request lets
+    lookup propose after m tokens."""
 
     model: DraftLength | None
     bands: list[DraftLength]
     lookup_cap: tuple[int, ...]
+    head: DraftLength | None = None
 
     @classmethod
     def start(cls, n_model: int, model_cost: float, lookup_cap: tuple[int, ...],
-              lookup_cost: float, prior: float) -> DraftLengths:
+              lookup_cost: float, prior: float, n_head: int = 0,
+              head_cost: float = 0.3) -> DraftLengths:
         n_lookup = max(lookup_cap, default=0)
         return cls(DraftLength.start(n_model, model_cost, prior) if n_model > 0 else None,
                    [DraftLength.start(n_lookup, lookup_cost, p) for p in LOOKUP_PRIORS]
-                   if n_lookup > 0 else [], lookup_cap)
+                   if n_lookup > 0 else [], lookup_cap,
+                   DraftLength.start(n_head, head_cost, prior) if n_head > 0 else None)
 
-    def next(self) -> tuple[int, tuple[int, ...]]:
-        """The next step's draft-model length and lookup lengths by match length."""
+    def next(self) -> tuple[int, tuple[int, ...], int]:
+        """The next step's draft-model length, lookup lengths by match length and head
+        length."""
         n_model = self.model.next() if self.model is not None else 0
+        n_head = self.head.next() if self.head is not None else 0
         if not self.bands:
-            return n_model, ()
+            return n_model, (), n_head
         per_band = [b.next() for b in self.bands]
         return n_model, tuple(min(cap, per_band[lookup_band(m)])
-                              for m, cap in enumerate(self.lookup_cap, start=1))
+                              for m, cap in enumerate(self.lookup_cap, start=1)), n_head
 
-    def observe(self, asked: tuple[int, tuple[int, ...]], by_lookup: bool, match: int,
-                drafted: int, accepted: int) -> None:
+    def observe(self, asked: tuple[int, tuple[int, ...], int], by_lookup: bool, match: int,
+                drafted: int, accepted: int, by_head: bool = False) -> None:
         """A step asked for `asked` (`next`); the lookup drafter found a repeat of
-        `match` tokens (0: none) and made the proposals (by_lookup), or the model did
-        (or nobody): `drafted` of them, `accepted` kept."""
-        n_model, lookup_k = asked
+        `match` tokens (0: none) and made the proposals (by_lookup), or the head did
+        (by_head), or the model (or nobody): `drafted` of them, `accepted` kept. The
+        head asked for proposals and making none (below p_min, or a slot it cannot
+        draft for) is the head's failure; a model that drafted then had the step."""
+        n_model, lookup_k, n_head = asked
         if match > 0 and self.bands and self.lookup_cap[match - 1] > 0:
             band = self.bands[lookup_band(match)]
             # a band asked for nothing idles towards its next probe
             band.observe(lookup_k[match - 1] if by_lookup else 0, drafted, accepted)
-        if self.model is not None and not by_lookup:
+        if by_lookup:
+            return
+        if self.head is not None:
+            if by_head:
+                self.head.observe(n_head, drafted, accepted)
+                return
+            self.head.observe(n_head, 0, 0)
+            if n_head > 0 and drafted == 0:
+                return  # the head's step (it declined): the model sat it out
+        if self.model is not None:
             self.model.observe(n_model, drafted, accepted)
