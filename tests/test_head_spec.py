@@ -216,3 +216,42 @@ def test_head_sampling_distribution_matches_target(files: dict[str, Path]) -> No
     # the test can fail: the law of the first token alone, repeated, is another one
     wrong = np.array([p1[a] * p1[b] if b < len(p1) else 0.0 for a, b in pairs]) * runs
     assert chi2_pvalue(wrong, expected) < 1e-6
+
+
+SMOLLM2 = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TRAINED = ROOT / "models" / "smollm2-head.gguf"  # the trainer's head, once committed
+
+
+@pytest.fixture(scope="module")
+def smollm2_heads(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    assert SMOLLM2.exists(), f"{SMOLLM2} is missing: `make fetch-models`"
+    rnd = write_head(tmp_path_factory.mktemp("smol") / "random.gguf", SMOLLM2, k=4096,
+                     n_ff=512, seed=9, matrix_type="q8_0",
+                     token_ids=np.random.default_rng(1).permutation(49152)[:4096])
+    return [rnd] + ([TRAINED] if TRAINED.exists() else [])
+
+
+def smollm2_prompt() -> list[int]:
+    with Model.load(SMOLLM2) as m:
+        return m.tokenizer.encode("<|im_start|>user\nWrite a short poem about the first snow "
+                                  "of winter.<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("n_max", list(range(1, 17)))
+def test_smollm2_greedy_with_heads_equals_target_only(smollm2_heads: list[Path],
+                                                      n_max: int) -> None:
+    """On SmolLM2 with a random head (and the trained one when it is there), several
+    slots stepped in one target pass: the greedy output is the target-only one."""
+    prompt = smollm2_prompt()
+    ref = reference(SMOLLM2, prompt, 24)
+    for head in smollm2_heads:
+        for dec in open_decoder(SMOLLM2, head, n_slots=2, n_ctx=128):
+            outs = [[dec.prefill(s, prompt, GREEDY)] for s in (0, 1)]
+            spec = SpecParams(n_max=0, head_n_max=n_max)
+            while len(outs[0]) < 24:
+                left = 24 - len(outs[0])
+                res = dec.step_batch([0, 1], [GREEDY] * 2, [spec] * 2, [left] * 2)
+                for s, r in enumerate(res):
+                    assert r.drafter == (Drafter.HEAD if left > 1 else Drafter.NONE)
+                    outs[s] += r.tokens
+            assert outs == [ref, ref]
