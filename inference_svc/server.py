@@ -164,7 +164,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             # a q8_0 KV cache
             slot_file_version=slotfile.target_version(slotfile.DTYPE_BY_NAME[cfg.kv_type],
                                                       eng.target.hparams.n_swa > 0),
-            draft_file_version=slotfile.draft_version(slotfile.DTYPE_BY_NAME[cfg.kv_type]),
+            draft_file_version=slotfile.draft_version(slotfile.DTYPE_BY_NAME[cfg.kv_type],
+                                                      eng.head is not None),
             snapshot_protocol_min=SNAPSHOT_PROTOCOL[0],
             snapshot_protocol_max=min(SNAPSHOT_PROTOCOL[1], cfg.snapshot_client_max_protocol),
             store_configured=rt.store is not None,

@@ -661,9 +661,11 @@ static ws_status head_follow(ws_spec *s, int32_t n, const int32_t *slots, const 
     const size_t E = (size_t)s->n_embd;
     size_t total = 0;
     int32_t nseg = 0;
-    for (int32_t i = 0; i < n; i++) { /* sizes first */
-        const int32_t L = kv_len(s->head, slots[i]);
-        const int32_t end = at[i] + cnt[i] - 1; /* pairs [L, end) */
+    for (int32_t i = 0; i < n; i++) { /* sizes first: the slots that can follow */
+        const spec_slot *ss = &s->slots[slots[i]];
+        const int32_t L = kv_len(s->head, slots[i]), a = at[i];
+        const int32_t end = a + cnt[i] - 1; /* pairs [L, end) */
+        if (ss->head_stale || L < a - 1 || (L == a - 1 && a > 0 && !ss->h_ok)) continue;
         if (end > L) total += (size_t)(end - L);
     }
     if (total) TRY(grow_floats(s, &s->fbuf, &s->fbuf_cap, total * E));
@@ -1445,12 +1447,27 @@ static uint64_t get64(const uint8_t **p) {
     return v;
 }
 
+/* the head's part of a version-2 draft state: h_last, then the head's slot state */
+#define SPEC_EXT_BYTES WS_SPEC_STATE_EXT_BYTES
+#define SPEC_PART_DRAFT 1u
+#define SPEC_PART_HEAD 2u
+
 ws_status ws_spec_state_size(const ws_spec *s, int32_t slot, size_t *size_out) {
     TRY(check_slot_out(s, slot, size_out));
-    if (!s->dft) return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model: there is no draft state");
-    size_t kv = 0;
-    TRY(ws_slot_state_size(s->dft, slot, &kv));
-    *size_out = SPEC_HEADER_BYTES + kv;
+    if (!s->dft && !s->head)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model or head: there is no draft state");
+    size_t kv = 0, hk = 0;
+    if (s->dft) {
+        ws_status st = ws_slot_state_size(s->dft, slot, &kv);
+        if (st != WS_OK) return fail_from((ws_spec *)s, s->dft, st, "draft state");
+    }
+    if (!s->head) {
+        *size_out = SPEC_HEADER_BYTES + kv;
+        return WS_OK;
+    }
+    ws_status st = ws_slot_state_size(s->head, slot, &hk);
+    if (st != WS_OK) return fail_from((ws_spec *)s, s->head, st, "head state");
+    *size_out = SPEC_HEADER_BYTES + SPEC_EXT_BYTES + kv + sizeof(float) * (size_t)s->n_embd + hk;
     return WS_OK;
 }
 
@@ -1466,7 +1483,7 @@ ws_status ws_spec_state_get(const ws_spec *s, int32_t slot, uint8_t *buf, size_t
     const spec_slot *ss = &s->slots[slot];
     uint8_t *p = buf;
     put32(&p, WS_SPEC_STATE_MAGIC);
-    put32(&p, WS_SPEC_STATE_VERSION);
+    put32(&p, s->head ? WS_SPEC_STATE_VERSION : 1u); /* version 1 without a head */
     put32(&p, (uint32_t)ss->d_off);
     put32(&p, (uint32_t)ss->lag_ok);
     for (int i = 0; i < 4; i++) put64(&p, ss->rng[i]);
@@ -1476,52 +1493,45 @@ ws_status ws_spec_state_get(const ws_spec *s, int32_t slot, uint8_t *buf, size_t
     put64(&p, ss->c.n_draft_prefill);
     for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) put64(&p, ss->c.drafted_at[i]);
     for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) put64(&p, ss->c.accepted_at[i]);
-    size_t kv = 0;
-    ws_status st = ws_slot_state_get(s->dft, slot, p, cap - SPEC_HEADER_BYTES, &kv);
-    if (st != WS_OK) return fail_from((ws_spec *)s, s->dft, st, "draft state");
-    *written_out = SPEC_HEADER_BYTES + kv;
+    size_t kv = 0, hk = 0;
+    if (s->dft) ws_slot_state_size(s->dft, slot, &kv);
+    if (s->head) {
+        ws_slot_state_size(s->head, slot, &hk);
+        const int head_ok = !ss->head_stale;
+        put32(&p, (s->dft ? SPEC_PART_DRAFT : 0u) | (head_ok ? SPEC_PART_HEAD : 0u));
+        put32(&p, (uint32_t)(head_ok && ss->h_ok));
+        put64(&p, kv);
+        put64(&p, head_ok ? sizeof(float) * (size_t)s->n_embd + hk : 0u);
+        put32(&p, (uint32_t)s->head_k);
+        put32(&p, (uint32_t)s->n_embd);
+        if (!head_ok) need -= sizeof(float) * (size_t)s->n_embd + hk;
+    }
+    if (s->dft) {
+        size_t w = 0;
+        ws_status st = ws_slot_state_get(s->dft, slot, p, kv, &w);
+        if (st != WS_OK) return fail_from((ws_spec *)s, s->dft, st, "draft state");
+        p += kv;
+    }
+    if (s->head && !ss->head_stale) {
+        memcpy(p, s->h_last + (size_t)slot * (size_t)s->n_embd,
+               sizeof(float) * (size_t)s->n_embd);
+        p += sizeof(float) * (size_t)s->n_embd;
+        size_t w = 0;
+        ws_status st = ws_slot_state_get(s->head, slot, p, hk, &w);
+        if (st != WS_OK) return fail_from((ws_spec *)s, s->head, st, "head state");
+    }
+    *written_out = need;
     return WS_OK;
 }
 
-ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t len,
-                            size_t *read_out) {
-    if (!s || !read_out) return WS_ERR_INVALID_ARGUMENT;
-    *read_out = 0;
-    TRY(check_slot(s, slot));
-    if (!s->dft) return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model: there is no draft state");
-    spec_slot *ss = &s->slots[slot];
-    ws_slot_clear(s->dft, slot); /* any failure below leaves the draft empty */
-    ss->d_off = kv_len(s->tgt, slot);
-    ss->lag_ok = 0;
-    if (!buf || len < SPEC_HEADER_BYTES)
-        return fail(s, WS_ERR_BAD_STATE, "draft state of %zu bytes is shorter than its header", len);
-    const uint8_t *p = buf;
-    const uint32_t magic = get32(&p), version = get32(&p);
-    if (magic != WS_SPEC_STATE_MAGIC)
-        return fail(s, WS_ERR_BAD_STATE, "draft state magic 0x%08x is not WSSP", magic);
-    if (version != WS_SPEC_STATE_VERSION)
-        return fail(s, WS_ERR_BAD_STATE, "draft state version %u is not supported (expected %u)",
-                    version, WS_SPEC_STATE_VERSION);
-    const int32_t d_off = (int32_t)get32(&p), lag_ok = (int32_t)get32(&p);
-    uint64_t rng[4];
-    for (int i = 0; i < 4; i++) rng[i] = get64(&p);
-    ws_spec_counters c;
-    c.n_steps = get64(&p);
-    c.n_drafted = get64(&p);
-    c.n_accepted = get64(&p);
-    c.n_draft_prefill = get64(&p);
-    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.drafted_at[i] = get64(&p);
-    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.accepted_at[i] = get64(&p);
-    if (!(rng[0] | rng[1] | rng[2] | rng[3]))
-        return fail(s, WS_ERR_BAD_STATE, "draft state RNG is all zero");
+/* The draft context's part of a draft state (len bytes at p): loaded, and checked to
+ * hold target positions [d_off, d_off + dn) of the slot's tokens; on failure the draft
+ * slot is left empty. */
+static ws_status load_draft_kv(ws_spec *s, int32_t slot, const uint8_t *p, size_t len,
+                               int32_t d_off, size_t *read) {
     const int32_t tn = kv_len(s->tgt, slot);
-    if (d_off < 0 || d_off > tn || lag_ok < 0 || lag_ok > tn)
-        return fail(s, WS_ERR_BAD_STATE, "draft state offset %d / lag %d do not fit a slot of %d",
-                    d_off, lag_ok, tn);
-    size_t kv_read = 0;
-    ws_status st = ws_slot_state_set(s->dft, slot, p, len - SPEC_HEADER_BYTES, &kv_read);
+    ws_status st = ws_slot_state_set(s->dft, slot, p, len, read);
     if (st != WS_OK) return fail_from(s, s->dft, st, "draft state");
-    /* the draft must hold target positions [d_off, d_off + dn) */
     const int32_t dn = kv_len(s->dft, slot);
     int32_t got = 0;
     if (d_off + dn > tn) {
@@ -1542,11 +1552,142 @@ ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t
         ws_slot_clear(s->dft, slot);
         return fail(s, WS_ERR_BAD_STATE, "draft state tokens are not the target's tokens");
     }
-    ss->d_off = d_off;
-    ss->lag_ok = lag_ok < tn - (d_off + dn) ? lag_ok : tn - (d_off + dn);
+    return WS_OK;
+}
+
+/* The head's part of a version-2 draft state (h_last, then the head's slot state, len
+ * bytes at p): it must hold the pairs 0..n-2 of the slot's n target tokens (its tokens
+ * the target's from position 1), and h_last finite. On failure the head is stale. */
+static ws_status load_head_kv(ws_spec *s, int32_t slot, const uint8_t *p, size_t len,
+                              uint32_t h_ok) {
+    const size_t E = (size_t)s->n_embd;
+    const int32_t tn = kv_len(s->tgt, slot);
+    float *hl = s->h_last + (size_t)slot * E;
+    if (len < sizeof(float) * E)
+        return fail(s, WS_ERR_BAD_STATE, "head state of %zu bytes is shorter than its h", len);
+    memcpy(hl, p, sizeof(float) * E);
+    for (size_t i = 0; i < E; i++)
+        if (!isfinite(hl[i]))
+            return fail(s, WS_ERR_BAD_STATE, "head state hidden value %zu is not finite", i);
+    size_t read = 0;
+    ws_status st = ws_slot_state_set(s->head, slot, p + sizeof(float) * E,
+                                     len - sizeof(float) * E, &read);
+    if (st != WS_OK) {
+        head_stale(s, slot);
+        return fail_from(s, s->head, st, "head state");
+    }
+    const int32_t hn = kv_len(s->head, slot);
+    int32_t got = 0;
+    if (hn != (tn > 0 ? tn - 1 : 0) || (tn > 0 && !h_ok)) {
+        head_stale(s, slot);
+        return fail(s, WS_ERR_BAD_STATE, "head state holds %d pairs, a slot of %d tokens %d",
+                    hn, tn, tn > 0 ? tn - 1 : 0);
+    }
+    if (hn > 0) {
+        int32_t *ht = malloc(sizeof(int32_t) * (size_t)hn);
+        if (!ht) {
+            head_stale(s, slot);
+            return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory checking the head state");
+        }
+        ws_slot_tokens(s->tgt, slot, s->toks, (size_t)s->n_ctx + 1, &got);
+        ws_slot_tokens(s->head, slot, ht, (size_t)hn, &got);
+        const int same = memcmp(ht, s->toks + 1, sizeof(int32_t) * (size_t)hn) == 0;
+        free(ht);
+        if (!same) {
+            head_stale(s, slot);
+            return fail(s, WS_ERR_BAD_STATE, "head state tokens are not the target's tokens");
+        }
+    }
+    s->slots[slot].h_ok = tn > 0;
+    s->slots[slot].head_stale = 0;
+    return WS_OK;
+}
+
+ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out) {
+    if (!s || !read_out) return WS_ERR_INVALID_ARGUMENT;
+    *read_out = 0;
+    TRY(check_slot(s, slot));
+    if (!s->dft && !s->head)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model or head: there is no draft state");
+    spec_slot *ss = &s->slots[slot];
+    const int32_t tn = kv_len(s->tgt, slot);
+    /* any failure below leaves the draft empty and a head stale (unless the slot is empty) */
+    if (s->dft) ws_slot_clear(s->dft, slot);
+    if (s->head) {
+        ws_slot_clear(s->head, slot);
+        ss->h_ok = 0;
+        ss->head_stale = tn > 0;
+    }
+    ss->d_off = tn;
+    ss->lag_ok = 0;
+    if (!buf || len < SPEC_HEADER_BYTES)
+        return fail(s, WS_ERR_BAD_STATE, "draft state of %zu bytes is shorter than its header", len);
+    const uint8_t *p = buf;
+    const uint32_t magic = get32(&p), version = get32(&p);
+    if (magic != WS_SPEC_STATE_MAGIC)
+        return fail(s, WS_ERR_BAD_STATE, "draft state magic 0x%08x is not WSSP", magic);
+    if (version < 1 || version > WS_SPEC_STATE_VERSION)
+        return fail(s, WS_ERR_BAD_STATE, "draft state version %u is not supported (1..%u)",
+                    version, WS_SPEC_STATE_VERSION);
+    const int32_t d_off = (int32_t)get32(&p), lag_ok = (int32_t)get32(&p);
+    uint64_t rng[4];
+    for (int i = 0; i < 4; i++) rng[i] = get64(&p);
+    ws_spec_counters c;
+    c.n_steps = get64(&p);
+    c.n_drafted = get64(&p);
+    c.n_accepted = get64(&p);
+    c.n_draft_prefill = get64(&p);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.drafted_at[i] = get64(&p);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.accepted_at[i] = get64(&p);
+    if (!(rng[0] | rng[1] | rng[2] | rng[3]))
+        return fail(s, WS_ERR_BAD_STATE, "draft state RNG is all zero");
+    if (d_off < 0 || d_off > tn || lag_ok < 0 || lag_ok > tn)
+        return fail(s, WS_ERR_BAD_STATE, "draft state offset %d / lag %d do not fit a slot of %d",
+                    d_off, lag_ok, tn);
+    uint32_t parts = SPEC_PART_DRAFT, h_ok = 0;
+    uint64_t draft_bytes = len - SPEC_HEADER_BYTES, head_bytes = 0;
+    if (version >= 2) {
+        if (len < SPEC_HEADER_BYTES + SPEC_EXT_BYTES)
+            return fail(s, WS_ERR_BAD_STATE, "draft state of %zu bytes is shorter than its header",
+                        len);
+        parts = get32(&p);
+        h_ok = get32(&p);
+        draft_bytes = get64(&p);
+        head_bytes = get64(&p);
+        const uint32_t k = get32(&p), e = get32(&p);
+        if (parts > (SPEC_PART_DRAFT | SPEC_PART_HEAD) || h_ok > 1 ||
+            draft_bytes > len || head_bytes > len ||
+            SPEC_HEADER_BYTES + SPEC_EXT_BYTES + draft_bytes + head_bytes != len ||
+            (!(parts & SPEC_PART_DRAFT) && draft_bytes) || (!(parts & SPEC_PART_HEAD) && head_bytes))
+            return fail(s, WS_ERR_BAD_STATE, "draft state parts (%u: %llu + %llu bytes) do not "
+                        "make its %zu bytes", parts, (unsigned long long)draft_bytes,
+                        (unsigned long long)head_bytes, len);
+        if ((parts & SPEC_PART_HEAD) && s->head &&
+            (k != (uint32_t)s->head_k || e != (uint32_t)s->n_embd))
+            return fail(s, WS_ERR_BAD_STATE, "draft state of a head of %u x %u, this head is "
+                        "%d x %d", k, e, s->head_k, s->n_embd);
+    }
+    if (s->dft && !(parts & SPEC_PART_DRAFT))
+        return fail(s, WS_ERR_BAD_STATE, "draft state holds no draft-model KV");
+    size_t kv_read = 0;
+    if (s->dft) TRY(load_draft_kv(s, slot, p, (size_t)draft_bytes, d_off, &kv_read));
+    p += draft_bytes;
+    if (s->head && (parts & SPEC_PART_HEAD)) {
+        ws_status st = load_head_kv(s, slot, p, (size_t)head_bytes, h_ok);
+        if (st != WS_OK) {
+            if (s->dft) ws_slot_clear(s->dft, slot);
+            return st;
+        }
+    }
+    if (s->dft) {
+        const int32_t dn = kv_len(s->dft, slot);
+        ss->d_off = d_off;
+        ss->lag_ok = lag_ok < tn - (d_off + dn) ? lag_ok : tn - (d_off + dn);
+    }
     memcpy(ss->rng, rng, sizeof rng);
     ss->c = c;
-    *read_out = SPEC_HEADER_BYTES + kv_read;
+    *read_out = len;
     return WS_OK;
 }
 
@@ -1560,7 +1701,7 @@ ws_status ws_spec_slot_state_prepare(ws_spec *s, int32_t slot, size_t *target_si
     TRY(ws_spec_commit(s, slot));
     ws_status st = ws_slot_state_size(s->tgt, slot, target_size);
     if (st != WS_OK) return fail_from(s, s->tgt, st, "target state");
-    if (s->dft) TRY(ws_spec_state_size(s, slot, draft_size));
+    if (s->dft || s->head) TRY(ws_spec_state_size(s, slot, draft_size));
     return WS_OK;
 }
 
@@ -1574,7 +1715,7 @@ ws_status ws_spec_slot_state_get(const ws_spec *s, int32_t slot, uint8_t *tbuf, 
         return fail(s, WS_ERR_BAD_STATE, "slot %d holds a pending token: prepare it first", slot);
     ws_status st = ws_slot_state_get(s->tgt, slot, tbuf, tcap, t_written);
     if (st != WS_OK) return fail_from((ws_spec *)s, s->tgt, st, "target state");
-    if (s->dft) {
+    if (s->dft || s->head) {
         st = ws_spec_state_get(s, slot, dbuf, dcap, d_written);
         if (st != WS_OK) *t_written = 0;
         return st;
@@ -1604,7 +1745,7 @@ ws_status ws_spec_slot_state_set(ws_spec *s, int32_t slot, const uint8_t *header
     }
     /* a restored slot's head has no pairs and no hidden states to build them from */
     if (s->head && tn > 0) head_stale(s, slot);
-    if (!s->dft) return WS_OK;
+    if (!s->dft && !s->head) return WS_OK;
     s->last_error[0] = '\0';
     if (dbuf && ws_spec_state_set(s, slot, dbuf, dlen, &read) == WS_OK) {
         *draft_loaded = 1;

@@ -369,11 +369,16 @@ ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *
 
 #define WS_SPEC_MAX_DRAFT 16
 #define WS_SPEC_STATE_MAGIC 0x50535357u /* "WSSP" */
-#define WS_SPEC_STATE_VERSION 1u
+/* draft state versions: 1 the draft model's KV; 2 (written with a feature head) parts:
+   the draft model's KV and/or the head's (version 1 is still read) */
+#define WS_SPEC_STATE_VERSION 2u
 /* the draft state's header: magic, version, d_off, lag_ok (u32), rng[4], then the
    counters n_steps, n_drafted, n_accepted, n_draft_prefill, drafted_at[16],
-   accepted_at[16] (u64) */
+   accepted_at[16] (u64); version 2 then has WS_SPEC_STATE_EXT_BYTES more: parts (u32:
+   1 the draft model's KV, 2 the head's), h_ok (u32), the parts' bytes (u64, u64), the
+   head's readout rows and width (u32, u32) */
 #define WS_SPEC_STATE_HEADER_BYTES 336u
+#define WS_SPEC_STATE_EXT_BYTES 32u
 
 #define WS_SPEC_MAX_LOGPROBS 20
 #define WS_SPEC_MAX_PENALTY_LAST_N 4096
@@ -569,9 +574,15 @@ ws_status ws_spec_counters_get(const ws_spec *spec, int32_t slot, ws_spec_counte
 
 /*
  * The slot's draft state: spec header (magic, version, RNG, counters), then
- * the draft context's slot state (ws_slot_state_get format). Set validates
- * both and that the draft's tokens are a prefix of the target's; on error the
- * draft slot is left empty and the RNG and counters unchanged.
+ * the draft context's slot state (ws_slot_state_get format). With a feature head
+ * (version 2): the header's extension, then the draft context's slot state (with a
+ * draft model), then the head's part: h_{n-1} (f32[n_embd]) and the head context's
+ * slot state (its pairs 0..n-2; absent when the head cannot draft for the slot). Set
+ * validates everything (the draft's tokens a prefix of the target's, the head's the
+ * target's from position 1, as many pairs as the target has tokens less one); on
+ * error the draft slot is left empty, the head off for the slot (until cleared), and
+ * the RNG and counters unchanged. A version-1 state into a decoder with a head leaves
+ * the head off for the slot.
  */
 ws_status ws_spec_state_size(const ws_spec *spec, int32_t slot, size_t *size_out);
 ws_status ws_spec_state_get(const ws_spec *spec, int32_t slot, uint8_t *buf, size_t cap,

@@ -77,3 +77,42 @@ def test_default_head_for_another_target_is_skipped(models: tuple[Path, Path], t
     assert cfg.head_is_default and cfg.head_to_load == other
     with running(cfg) as srv:
         assert srv._engine is not None and srv._engine.head is None
+
+
+def turn(c: InferenceClient, slot: int, prompt: list[int]) -> tuple[list[int], object]:
+    responses, last = c.generate(prompt, max_tokens=30, temperature=0.0, id_slot=slot,
+                                 cache_prompt=True)
+    return [t for r in responses for t in r.tokens], last.timings
+
+
+def test_head_state_survives_save_erase_restore(models: tuple[Path, Path],
+                                                tmp_path: Path) -> None:
+    """The turn after SaveSlot -> EraseSlot -> RestoreSlot drafts and accepts exactly
+    what a never-saved slot's does: the .drft (sidecar version 4) holds the head's KV
+    and h_{n-1}. Without the sidecar the head cannot draft for the restored slot."""
+    target, head = models
+    with running(config(target, head, slot_save_path=tmp_path)) as srv, \
+            InferenceClient(f"127.0.0.1:{srv.port}", timeout=60) as c:
+        first, _ = turn(c, 0, PROMPT)
+        turn(c, 1, PROMPT)
+        saved = c.save(0, "s")
+        assert (tmp_path / "s.drft").exists()
+        assert (tmp_path / "s.drft").read_bytes()[4:8] == (4).to_bytes(4, "little")
+        c.erase(0)
+        restored = c.restore(0, "s")
+        assert restored.draft_restored and saved.draft_saved
+        assert saved.n_saved == restored.n_restored
+        follow = PROMPT + first + [56, 56, 56]
+        never, t_never = turn(c, 1, follow)
+        again, t_again = turn(c, 0, follow)
+        assert again == never
+        assert t_never.head_n > 0  # type: ignore[attr-defined]
+        for f in ("draft_n", "draft_n_accepted", "head_n", "head_n_accepted", "cache_n",
+                  "n_steps"):
+            assert getattr(t_again, f) == getattr(t_never, f), f
+        # the same save without its sidecar: the head sits the turn out
+        (tmp_path / "s.drft").unlink()
+        c.erase(0)
+        assert not c.restore(0, "s").draft_restored
+        cold, t_cold = turn(c, 0, follow)
+        assert cold == never and t_cold.head_n == 0  # type: ignore[attr-defined]

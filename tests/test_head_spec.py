@@ -255,3 +255,28 @@ def test_smollm2_greedy_with_heads_equals_target_only(smollm2_heads: list[Path],
                     assert r.drafter == (Drafter.HEAD if left > 1 else Drafter.NONE)
                     outs[s] += r.tokens
             assert outs == [ref, ref]
+
+
+def test_head_draft_state_roundtrip_and_refusals(files: dict[str, Path]) -> None:
+    """The draft state (WSSP version 2) carries the head's pairs and h_{n-1}: restored
+    into another slot, the next turn drafts, accepts and counts exactly as the original
+    slot; a state whose head part is corrupt is refused and leaves the head off."""
+    spec = SpecParams(n_max=0, head_n_max=3)
+    for dec in open_decoder(files["small"], files["echo"], n_slots=3):
+        run(dec, 0, SEVENS, 20, GREEDY, spec)
+        tstate, dstate = dec.slot_state(0)
+        assert dstate is not None and bytes(dstate[4:8]) == (2).to_bytes(4, "little")
+        n = dec.n_tokens(0)
+        parts = (bytes(tstate[:32]), bytes(tstate[32:32 + 4 * n]), bytes(tstate[32 + 4 * n:]))
+        assert dec.set_slot_state(1, parts, dstate, 0) == (True, "")
+        assert dec.head_status(1) == (n - 1, True) and dec.counters(1) == dec.counters(0)
+        a, _ = run(dec, 0, [9, 9], 25, GREEDY, spec)
+        b, _ = run(dec, 1, [9, 9], 25, GREEDY, spec)
+        assert a == b and dec.counters(0) == dec.counters(1)
+        bad = bytearray(dstate)
+        bad[336 + 32:336 + 36] = b"\x00\x00\xc0\x7f"  # h[0] = NaN
+        loaded, why = dec.set_slot_state(2, parts, bytes(bad), 0)
+        assert not loaded and "not finite" in why and dec.head_status(2) == (0, False)
+        cut = bytes(dstate[:-4])
+        loaded, why = dec.set_slot_state(2, parts, cut, 0)
+        assert not loaded and "do not make its" in why and dec.head_status(2) == (0, False)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import binding
+from . import binding, fingerprint
 from .binding import ffi
 from .errors import ModelLoadError
 from .gguf_file import HParams, Tensor, _field, _map, _stored_tensors, _unmap
@@ -128,11 +128,24 @@ class Head(NativeHandle):
                                n_rot=hp.head_dim, n_ctx_train=hp.n_ctx, rms_eps=hp.rms_eps,
                                rope_theta=hp.rope_theta)
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self._fingerprint: str | None = None
         self._handle: Any = binding.model_init(*self._c_model(tensors))
 
     @property
     def n_vocab(self) -> int:
         return self.n_out
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def fingerprint(self) -> str:
+        """The head's own fingerprint (its weights and shape): a draft sidecar holding
+        the head's KV restores only into the same head."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint.compute(self.hparams, self._tensors)
+        return self._fingerprint
 
     def close(self) -> None:
         if self._handle is not None and any(not c.closed for c in self._contexts):

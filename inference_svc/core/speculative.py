@@ -367,7 +367,7 @@ class SpecDecoder(NativeHandle):
         them into (by default new buffers; a caller may place them inside its own)."""
         tsize, dsize = binding.spec_slot_state_prepare(self.handle, slot)
         tview = target_room(tsize)
-        dview = draft_room(dsize) if self.has_draft else None
+        dview = draft_room(dsize) if self.has_draft or self.head is not None else None
         tn, dn = binding.spec_slot_state_get(self.handle, slot, *room_arg(tview, tsize),
                                              *room_arg(dview, dsize))
         return (tview[:tn].toreadonly(),
