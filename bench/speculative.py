@@ -1,7 +1,7 @@
 """Speculative decoding benchmark on held-out prompts, by domain.
 
     python bench/speculative.py [--path engine|service|core] [--model PATH]
-                                [--draft PATH|none] [--no-lookup]
+                                [--draft PATH|none] [--head PATH|none] [--no-lookup]
                                 [--domains code prose chat grounded random] [--threads 2]
 
 Prompts (bench/prompts.py): code = stdlib validation files, prose = the
@@ -13,7 +13,8 @@ a record given in the prompt, random = random token ids (bench/prompts.py).
 to the engine in this process, or through the gRPC service (`python -m
 inference_svc` on 127.0.0.1), with the server's speculative defaults (both
 drafters, adaptive draft lengths, n_max 8, p_min 0.75; --no-lookup: the draft
-model alone; --draft none: the lookup drafter alone). Per drafter it reports the
+model alone; --draft none: the lookup drafter alone; --head PATH: the feature head
+drafts where lookup does not, before the draft model). Per drafter it reports the
 proposals, their acceptance and the tokens per target pass. For each domain and
 temperature 0 and 0.8 the same prompts run target-only (speculative off) and
 speculative, interleaved prompt by prompt in a rotating order so both see the
@@ -49,11 +50,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import machine  # noqa: E402
 from prompts import DOMAINS, domain_prompts  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Context, CoreError, Model  # noqa: E402
+from inference_svc.core.head import Head  # noqa: E402
 from inference_svc.core.speculative import (  # noqa: E402
     NO_SPEC,
     SamplingParams,
@@ -88,29 +91,32 @@ class Out:
     steps: int
     looked_up: int = 0  # of drafted / accepted: the lookup drafter's
     lookup_accepted: int = 0
+    head_drafted: int = 0  # of drafted / accepted: the feature head's
+    head_accepted: int = 0
 
 
 def out_of(toks: list[int], t: Any) -> Out:
     """An Out from a request's tokens and its Timings (engine or protobuf)."""
     return Out(toks, t.predicted_per_second, t.draft_n, t.draft_n_accepted, t.n_steps,
-               t.lookup_n, t.lookup_n_accepted)
+               t.lookup_n, t.lookup_n_accepted, t.head_n, t.head_n_accepted)
 
 
 class EngineRunner:
     """Requests to an in-process engine: the path the gRPC handlers take, minus gRPC."""
 
     def __init__(self, args: argparse.Namespace, n_ctx: int) -> None:
-        cfg = Config(model=args.target, draft=args.draft, slots=SLOTS, ctx=n_ctx,
-                     threads=args.threads, draft_threads=args.draft_threads, seed=1,
+        cfg = Config(model=args.target, draft=args.draft, head=args.head, slots=SLOTS,
+                     ctx=n_ctx, threads=args.threads, draft_threads=args.draft_threads, seed=1,
                      log_level="warning", log_format="text")
         self.tm = Model.load(args.target)
         self.dm = Model.load(args.draft) if args.draft else None
-        self.engine = Engine(cfg, self.tm, self.dm, Metrics())
+        self.hm = Head(args.head, self.tm) if args.head else None
+        self.engine = Engine(cfg, self.tm, self.dm, Metrics(), self.hm)
         # the defaults of a request that sets no speculative field but, with
         # --no-lookup, lookup off
         self.spec = speculative_from_pb(
             pb.SpeculativeParams(lookup=False) if args.no_lookup else pb.SpeculativeParams(),
-            cfg, has_draft=self.dm is not None)
+            cfg, has_draft=self.dm is not None, has_head=self.hm is not None)
 
     def run(self, reqs: list[Req]) -> list[Out]:
         jobs = []
@@ -127,6 +133,8 @@ class EngineRunner:
 
     def close(self) -> None:
         self.engine.close()
+        if self.hm is not None:
+            self.hm.close()
         self.tm.close()
         if self.dm is not None:
             self.dm.close()
@@ -139,7 +147,8 @@ class ServiceRunner:
         from service import Service
 
         self.svc = Service(argparse.Namespace(ctx=n_ctx, threads=args.threads, n_max=8),
-                           args.target, args.draft)
+                           args.target, args.draft,
+                           ("--head", str(args.head) if args.head else "none"))
         self.lookup = False if args.no_lookup else None
         self.tm = Model.load(args.target)
 
@@ -197,7 +206,8 @@ def product_path(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         runner.close()
     return {"benchmark": "speculative", "path": args.path, "target": str(args.target),
-            "draft": str(args.draft), "lookup": not args.no_lookup, "threads": args.threads,
+            "draft": str(args.draft), "head": str(args.head), "lookup": not args.no_lookup,
+            "threads": args.threads, "cpu": machine.cpu_model(), "cpu_class": machine.cpu_class(),
             "native": os.environ.get("WARMSLOT_NATIVE", "release"),
             "draft_threads": args.draft_threads, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "reps": args.reps, "prompts": args.prompts,
@@ -230,15 +240,19 @@ def single_streams(runner: EngineRunner | ServiceRunner, ps: list[list[int]], te
         drafted = sum(o.drafted for o in outs)
         looked = sum(o.looked_up for o in outs)
         looked_acc = sum(o.lookup_accepted for o in outs)
-        model_acc = sum(o.accepted for o in outs) - looked_acc
+        headed = sum(o.head_drafted for o in outs)
+        head_acc = sum(o.head_accepted for o in outs)
+        model_acc = sum(o.accepted for o in outs) - looked_acc - head_acc
+        modeled = drafted - looked - headed
         res[mode] = {"decode_tps": round(statistics.median(o.tps for o in outs), 2),
                      "acceptance": round(sum(o.accepted for o in outs) / drafted, 3)
                      if drafted else None,
                      "lookup_drafted": looked,
                      "lookup_acceptance": round(looked_acc / looked, 3) if looked else None,
-                     "model_drafted": drafted - looked,
-                     "model_acceptance": round(model_acc / (drafted - looked), 3)
-                     if drafted - looked else None,
+                     "head_drafted": headed,
+                     "head_acceptance": round(head_acc / headed, 3) if headed else None,
+                     "model_drafted": modeled,
+                     "model_acceptance": round(model_acc / modeled, 3) if modeled else None,
                      "drafted_per_step": round(drafted / sum(o.steps for o in outs), 3),
                      "tokens_per_pass": round(sum(len(o.tokens) - 1 for o in outs)
                                               / sum(o.steps for o in outs), 3)}
@@ -398,6 +412,8 @@ def main() -> int:
                    default=ROOT / "models" / "target.gguf")
     p.add_argument("--draft", type=lambda v: None if v == "none" else Path(v),
                    default=ROOT / "models" / "draft.gguf", help="a draft model, or none")
+    p.add_argument("--head", type=lambda v: None if v == "none" else Path(v), default=None,
+                   help="--path engine/service: a feature head (warmslot-head GGUF), or none")
     p.add_argument("--no-lookup", action="store_true",
                    help="--path engine/service: the draft model alone drafts")
     p.add_argument("--domains", nargs="+", choices=DOMAINS, default=["code"])
