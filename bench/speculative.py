@@ -307,6 +307,8 @@ def decode_run(dec: SpecDecoder, prompt: list[int], n_new: int, sp: SamplingPara
     dec.seed(0, seed)
     before = dec.counters(0)
     out = [dec.prefill(0, prompt, sp, with_draft=spec.n_max > 0)]
+    if spec.head_n_max:  # the head's acceptance alone: lookup stays off in these rows
+        assert not spec.lookup
     t0 = time.perf_counter()
     while len(out) < n_new:
         out += dec.step(0, sp, spec, n_new - len(out))
@@ -339,6 +341,8 @@ def draft_cost(tm: Model, dm: Model, args: argparse.Namespace,
 
 
 def core_path(args: argparse.Namespace) -> dict[str, Any]:
+    if args.head:
+        return core_head_path(args)
     tm, dm = Model.load(args.target), Model.load(args.draft)
     cost = draft_cost(tm, dm, args)
     n_ctx = args.prompt_tokens + args.new_tokens + 32
@@ -371,6 +375,34 @@ def core_path(args: argparse.Namespace) -> dict[str, Any]:
         "draft_cost": cost,
         "results": results,
     }
+
+
+def core_head_path(args: argparse.Namespace) -> dict[str, Any]:
+    """--path core with --head: the head alone drafts fixed lengths (--n-max, --p-min),
+    target-only beside it; the head attached in every row (it follows each step)."""
+    n_ctx = args.prompt_tokens + args.new_tokens + 32
+    with Model.load(args.target) as tm, Head(args.head, tm) as hm:
+        tc = Context(tm, n_slots=1, n_ctx=n_ctx, n_threads=args.threads)
+        hc = Context(hm, n_slots=1, n_ctx=n_ctx, n_threads=1)
+        dec = SpecDecoder(tc, None, hc)
+        configs = [("target_only", NO_SPEC)] + [
+            (f"head_{n}" + (f"_p_min_{p}" if p else ""), SpecParams(n_max=0, p_min=p,
+                                                                    head_n_max=n))
+            for p in args.p_min for n in args.n_max]
+        results: dict[str, Any] = {}
+        for domain in args.domains:
+            prompts = domain_prompts(tm.tokenizer, domain, args.prompts, args.prompt_tokens)
+            results[domain] = run_domain(dec, prompts, configs, args)
+        dec.close()
+        tc.close()
+        hc.close()
+    return {"benchmark": "speculative", "path": "core", "target": str(args.target),
+            "head": str(args.head), "threads": args.threads, "cpu": machine.cpu_model(),
+            "cpu_class": machine.cpu_class(),
+            "native": os.environ.get("WARMSLOT_NATIVE", "release"),
+            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "reps": args.reps, "results": results,
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def run_domain(dec: SpecDecoder, prompts: list[list[int]],
@@ -439,7 +471,8 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.path == "core":
-        print(f"draft cost: {result['draft_cost']}", file=sys.stderr)
+        if "draft_cost" in result:
+            print(f"draft cost: {result['draft_cost']}", file=sys.stderr)
         for domain, temps in result["results"].items():
             for t, per in temps.items():
                 for name, r in per.items():
