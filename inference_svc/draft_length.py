@@ -38,6 +38,11 @@ class DraftLength:
     tried: float = 0.0
     idle: int = 0  # target-only steps since the last drafted one
     interval: int = FIRST_INTERVAL
+    # the weight of a step whose drafter declined (below p_min) as a failed trial: a
+    # draft model's decline cost a draft decode (1, a rejected proposal's); the head's
+    # its small forward pass only (HEAD_DECLINE), so its confident drafts are judged
+    # mostly by their own acceptance
+    decline: float = 1.0
 
     @classmethod
     def start(cls, n_max: int, cost: float, prior: float) -> DraftLength:
@@ -77,8 +82,9 @@ class DraftLength:
         probe = self.best() == 0
         self.idle = 0
         # a draft that declined to propose (below p_min) cost a draft decode and gained
-        # nothing: a failed trial, as a rejected first proposal
-        trials = accepted + (1 if accepted < drafted or drafted == 0 else 0)
+        # nothing: a failed trial of weight `decline`, a rejected proposal one of 1
+        trials = accepted + (1.0 if accepted < drafted else self.decline if drafted == 0
+                             else 0.0)
         self.accepted = self.decay * self.accepted + accepted
         self.tried = self.decay * self.tried + trials
         if self.best() > 0:
@@ -91,6 +97,9 @@ class DraftLength:
 # continues: one estimate per band of m, the bands starting at these lengths, each
 # starting from its own prior acceptance per proposal.
 LOOKUP_BANDS = (1, 2, 3, 4, 8)
+# the head's decline (DraftLength.decline): its forward pass is about a quarter of a
+# verified token's price
+HEAD_DECLINE = 0.25
 LOOKUP_PRIORS = (0.2, 0.45, 0.55, 0.75, 0.93)
 
 
@@ -123,7 +132,9 @@ class DraftLengths:
         return cls(DraftLength.start(n_model, model_cost, prior) if n_model > 0 else None,
                    [DraftLength.start(n_lookup, lookup_cost, p) for p in LOOKUP_PRIORS]
                    if n_lookup > 0 else [], lookup_cap,
-                   DraftLength.start(n_head, head_cost, prior) if n_head > 0 else None)
+                   DraftLength(n_head, head_cost, accepted=prior * PRIOR_TRIALS,
+                               tried=PRIOR_TRIALS, decline=HEAD_DECLINE)
+                   if n_head > 0 else None)
 
     def next(self) -> tuple[int, tuple[int, ...], int]:
         """The next step's draft-model length, lookup lengths by match length and head

@@ -113,7 +113,7 @@ def test_head_drafts_where_lookup_does_not_and_the_model_follows_a_silent_head()
     while d.next()[2] > 0 and failures < 10:
         d.observe(d.next(), False, 0, 0, 0)  # the head proposed nothing
         failures += 1
-    assert d.next() == (1, (), 0) and failures == 2  # the head idles
+    assert d.next() == (1, (), 0) and failures == 6  # the head idles (declines weigh 1/4)
     assert d.model is not None and d.model.acceptance == model_before  # it sat them out
     good = DraftLengths.start(4, 0.3, (), 0.2, 0.5, n_head=6, head_cost=0.3)
     for _ in range(5):
@@ -124,3 +124,19 @@ def test_head_drafts_where_lookup_does_not_and_the_model_follows_a_silent_head()
     # a silent head that the model then drafted for: the model learns, the head fails
     d.observe(d.next(), False, 0, 1, 1)
     assert d.model is not None and d.model.acceptance > 0.5
+
+
+def test_head_declines_weigh_less_than_rejections() -> None:
+    """A head that declines most steps (below p_min) and is right where it drafts keeps
+    drafting; a draft model with the same record stops (its declines cost a decode)."""
+    head = DraftLength(4, 0.3, accepted=2.0, tried=4.0, decline=0.25)
+    model = DraftLength.start(4, 0.3, 0.5)
+    for step in range(40):
+        for d in (head, model):
+            k = d.next()
+            if step % 4 == 3:
+                d.observe(k, k, k)  # drafted and all accepted
+            else:
+                d.observe(k, 0, 0)  # declined
+    assert head.next() > 0 and head.acceptance > 0.5
+    assert model.best() == 0
