@@ -148,7 +148,8 @@ class ServiceRunner:
 
         self.svc = Service(argparse.Namespace(ctx=n_ctx, threads=args.threads, n_max=8),
                            args.target, args.draft,
-                           ("--head", str(args.head) if args.head else "none"))
+                           ("--head", str(args.head) if args.head else "none",
+                            *args.service_flag))
         self.lookup = False if args.no_lookup else None
         self.tm = Model.load(args.target)
 
@@ -207,6 +208,7 @@ def product_path(args: argparse.Namespace) -> dict[str, Any]:
         runner.close()
     return {"benchmark": "speculative", "path": args.path, "target": str(args.target),
             "draft": str(args.draft), "head": str(args.head), "lookup": not args.no_lookup,
+            "service_flags": args.service_flag if args.path == "service" else [],
             "threads": args.threads, "cpu": machine.cpu_model(), "cpu_class": machine.cpu_class(),
             "native": os.environ.get("WARMSLOT_NATIVE", "release"),
             "draft_threads": args.draft_threads, "prompt_tokens": args.prompt_tokens,
@@ -446,6 +448,9 @@ def main() -> int:
                    default=ROOT / "models" / "draft.gguf", help="a draft model, or none")
     p.add_argument("--head", type=lambda v: None if v == "none" else Path(v), default=None,
                    help="--path engine/service: a feature head (warmslot-head GGUF), or none")
+    p.add_argument("--service-flag", action="append", default=[],
+                   help="--path service: a flag for the service (e.g. --service-flag="
+                        "--spec-p-min=0.3), repeatable")
     p.add_argument("--no-lookup", action="store_true",
                    help="--path engine/service: the draft model alone drafts")
     p.add_argument("--domains", nargs="+", choices=DOMAINS, default=["code"])
