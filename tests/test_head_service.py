@@ -116,3 +116,15 @@ def test_head_state_survives_save_erase_restore(models: tuple[Path, Path],
         assert not c.restore(0, "s").draft_restored
         cold, t_cold = turn(c, 0, follow)
         assert cold == never and t_cold.head_n == 0  # type: ignore[attr-defined]
+
+
+def test_head_flag_and_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from inference_svc.config import DEFAULT_HEAD, from_args
+
+    assert from_args(["--head", "none"]).head is None
+    assert from_args([]).head == DEFAULT_HEAD
+    monkeypatch.setenv("WARMSLOT_HEAD", str(tmp_path / "h.gguf"))
+    assert from_args([]).head == tmp_path / "h.gguf"
+    assert from_args(["--head", "none"]).head is None  # the flag wins
+    with pytest.raises(ModelLoadError, match="head file not found"):
+        from_args([]).check_models()
