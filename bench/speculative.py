@@ -1,7 +1,7 @@
 """Speculative decoding benchmark on held-out prompts, by domain.
 
     python bench/speculative.py [--path engine|service|core] [--model PATH]
-                                [--draft PATH|none] [--no-lookup]
+                                [--draft PATH|none] [--head PATH|none] [--no-lookup]
                                 [--domains code prose chat grounded random] [--threads 2]
 
 Prompts (bench/prompts.py): code = stdlib validation files, prose = the
@@ -13,7 +13,8 @@ a record given in the prompt, random = random token ids (bench/prompts.py).
 to the engine in this process, or through the gRPC service (`python -m
 inference_svc` on 127.0.0.1), with the server's speculative defaults (both
 drafters, adaptive draft lengths, n_max 8, p_min 0.75; --no-lookup: the draft
-model alone; --draft none: the lookup drafter alone). Per drafter it reports the
+model alone; --draft none: the lookup drafter alone; --head PATH: the feature head
+drafts where lookup does not, before the draft model). Per drafter it reports the
 proposals, their acceptance and the tokens per target pass. For each domain and
 temperature 0 and 0.8 the same prompts run target-only (speculative off) and
 speculative, interleaved prompt by prompt in a rotating order so both see the
@@ -49,11 +50,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import machine  # noqa: E402
 from prompts import DOMAINS, domain_prompts  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Context, CoreError, Model  # noqa: E402
+from inference_svc.core.head import Head  # noqa: E402
 from inference_svc.core.speculative import (  # noqa: E402
     NO_SPEC,
     SamplingParams,
@@ -88,29 +91,32 @@ class Out:
     steps: int
     looked_up: int = 0  # of drafted / accepted: the lookup drafter's
     lookup_accepted: int = 0
+    head_drafted: int = 0  # of drafted / accepted: the feature head's
+    head_accepted: int = 0
 
 
 def out_of(toks: list[int], t: Any) -> Out:
     """An Out from a request's tokens and its Timings (engine or protobuf)."""
     return Out(toks, t.predicted_per_second, t.draft_n, t.draft_n_accepted, t.n_steps,
-               t.lookup_n, t.lookup_n_accepted)
+               t.lookup_n, t.lookup_n_accepted, t.head_n, t.head_n_accepted)
 
 
 class EngineRunner:
     """Requests to an in-process engine: the path the gRPC handlers take, minus gRPC."""
 
     def __init__(self, args: argparse.Namespace, n_ctx: int) -> None:
-        cfg = Config(model=args.target, draft=args.draft, slots=SLOTS, ctx=n_ctx,
-                     threads=args.threads, draft_threads=args.draft_threads, seed=1,
+        cfg = Config(model=args.target, draft=args.draft, head=args.head, slots=SLOTS,
+                     ctx=n_ctx, threads=args.threads, draft_threads=args.draft_threads, seed=1,
                      log_level="warning", log_format="text")
         self.tm = Model.load(args.target)
         self.dm = Model.load(args.draft) if args.draft else None
-        self.engine = Engine(cfg, self.tm, self.dm, Metrics())
+        self.hm = Head(args.head, self.tm) if args.head else None
+        self.engine = Engine(cfg, self.tm, self.dm, Metrics(), self.hm)
         # the defaults of a request that sets no speculative field but, with
         # --no-lookup, lookup off
         self.spec = speculative_from_pb(
             pb.SpeculativeParams(lookup=False) if args.no_lookup else pb.SpeculativeParams(),
-            cfg, has_draft=self.dm is not None)
+            cfg, has_draft=self.dm is not None, has_head=self.hm is not None)
 
     def run(self, reqs: list[Req]) -> list[Out]:
         jobs = []
@@ -127,6 +133,8 @@ class EngineRunner:
 
     def close(self) -> None:
         self.engine.close()
+        if self.hm is not None:
+            self.hm.close()
         self.tm.close()
         if self.dm is not None:
             self.dm.close()
@@ -139,7 +147,9 @@ class ServiceRunner:
         from service import Service
 
         self.svc = Service(argparse.Namespace(ctx=n_ctx, threads=args.threads, n_max=8),
-                           args.target, args.draft)
+                           args.target, args.draft,
+                           ("--head", str(args.head) if args.head else "none",
+                            *args.service_flag))
         self.lookup = False if args.no_lookup else None
         self.tm = Model.load(args.target)
 
@@ -197,7 +207,9 @@ def product_path(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         runner.close()
     return {"benchmark": "speculative", "path": args.path, "target": str(args.target),
-            "draft": str(args.draft), "lookup": not args.no_lookup, "threads": args.threads,
+            "draft": str(args.draft), "head": str(args.head), "lookup": not args.no_lookup,
+            "service_flags": args.service_flag if args.path == "service" else [],
+            "threads": args.threads, "cpu": machine.cpu_model(), "cpu_class": machine.cpu_class(),
             "native": os.environ.get("WARMSLOT_NATIVE", "release"),
             "draft_threads": args.draft_threads, "prompt_tokens": args.prompt_tokens,
             "new_tokens": args.new_tokens, "reps": args.reps, "prompts": args.prompts,
@@ -230,15 +242,19 @@ def single_streams(runner: EngineRunner | ServiceRunner, ps: list[list[int]], te
         drafted = sum(o.drafted for o in outs)
         looked = sum(o.looked_up for o in outs)
         looked_acc = sum(o.lookup_accepted for o in outs)
-        model_acc = sum(o.accepted for o in outs) - looked_acc
+        headed = sum(o.head_drafted for o in outs)
+        head_acc = sum(o.head_accepted for o in outs)
+        model_acc = sum(o.accepted for o in outs) - looked_acc - head_acc
+        modeled = drafted - looked - headed
         res[mode] = {"decode_tps": round(statistics.median(o.tps for o in outs), 2),
                      "acceptance": round(sum(o.accepted for o in outs) / drafted, 3)
                      if drafted else None,
                      "lookup_drafted": looked,
                      "lookup_acceptance": round(looked_acc / looked, 3) if looked else None,
-                     "model_drafted": drafted - looked,
-                     "model_acceptance": round(model_acc / (drafted - looked), 3)
-                     if drafted - looked else None,
+                     "head_drafted": headed,
+                     "head_acceptance": round(head_acc / headed, 3) if headed else None,
+                     "model_drafted": modeled,
+                     "model_acceptance": round(model_acc / modeled, 3) if modeled else None,
                      "drafted_per_step": round(drafted / sum(o.steps for o in outs), 3),
                      "tokens_per_pass": round(sum(len(o.tokens) - 1 for o in outs)
                                               / sum(o.steps for o in outs), 3)}
@@ -293,6 +309,8 @@ def decode_run(dec: SpecDecoder, prompt: list[int], n_new: int, sp: SamplingPara
     dec.seed(0, seed)
     before = dec.counters(0)
     out = [dec.prefill(0, prompt, sp, with_draft=spec.n_max > 0)]
+    if spec.head_n_max:  # the head's acceptance alone: lookup stays off in these rows
+        assert not spec.lookup
     t0 = time.perf_counter()
     while len(out) < n_new:
         out += dec.step(0, sp, spec, n_new - len(out))
@@ -325,6 +343,8 @@ def draft_cost(tm: Model, dm: Model, args: argparse.Namespace,
 
 
 def core_path(args: argparse.Namespace) -> dict[str, Any]:
+    if args.head:
+        return core_head_path(args)
     tm, dm = Model.load(args.target), Model.load(args.draft)
     cost = draft_cost(tm, dm, args)
     n_ctx = args.prompt_tokens + args.new_tokens + 32
@@ -357,6 +377,34 @@ def core_path(args: argparse.Namespace) -> dict[str, Any]:
         "draft_cost": cost,
         "results": results,
     }
+
+
+def core_head_path(args: argparse.Namespace) -> dict[str, Any]:
+    """--path core with --head: the head alone drafts fixed lengths (--n-max, --p-min),
+    target-only beside it; the head attached in every row (it follows each step)."""
+    n_ctx = args.prompt_tokens + args.new_tokens + 32
+    with Model.load(args.target) as tm, Head(args.head, tm) as hm:
+        tc = Context(tm, n_slots=1, n_ctx=n_ctx, n_threads=args.threads)
+        hc = Context(hm, n_slots=1, n_ctx=n_ctx, n_threads=1)
+        dec = SpecDecoder(tc, None, hc)
+        configs = [("target_only", NO_SPEC)] + [
+            (f"head_{n}" + (f"_p_min_{p}" if p else ""), SpecParams(n_max=0, p_min=p,
+                                                                    head_n_max=n))
+            for p in args.p_min for n in args.n_max]
+        results: dict[str, Any] = {}
+        for domain in args.domains:
+            prompts = domain_prompts(tm.tokenizer, domain, args.prompts, args.prompt_tokens)
+            results[domain] = run_domain(dec, prompts, configs, args)
+        dec.close()
+        tc.close()
+        hc.close()
+    return {"benchmark": "speculative", "path": "core", "target": str(args.target),
+            "head": str(args.head), "threads": args.threads, "cpu": machine.cpu_model(),
+            "cpu_class": machine.cpu_class(),
+            "native": os.environ.get("WARMSLOT_NATIVE", "release"),
+            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "reps": args.reps, "results": results,
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def run_domain(dec: SpecDecoder, prompts: list[list[int]],
@@ -398,6 +446,11 @@ def main() -> int:
                    default=ROOT / "models" / "target.gguf")
     p.add_argument("--draft", type=lambda v: None if v == "none" else Path(v),
                    default=ROOT / "models" / "draft.gguf", help="a draft model, or none")
+    p.add_argument("--head", type=lambda v: None if v == "none" else Path(v), default=None,
+                   help="--path engine/service: a feature head (warmslot-head GGUF), or none")
+    p.add_argument("--service-flag", action="append", default=[],
+                   help="--path service: a flag for the service (e.g. --service-flag="
+                        "--spec-p-min=0.3), repeatable")
     p.add_argument("--no-lookup", action="store_true",
                    help="--path engine/service: the draft model alone drafts")
     p.add_argument("--domains", nargs="+", choices=DOMAINS, default=["code"])
@@ -423,7 +476,8 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.path == "core":
-        print(f"draft cost: {result['draft_cost']}", file=sys.stderr)
+        if "draft_cost" in result:
+            print(f"draft cost: {result['draft_cost']}", file=sys.stderr)
         for domain, temps in result["results"].items():
             for t, per in temps.items():
                 for name, r in per.items():

@@ -18,6 +18,7 @@ from snapshot_svc.clientlib import settings, tls
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "models" / "target.gguf"
 DEFAULT_DRAFT = ROOT / "models" / "draft.gguf"
+DEFAULT_HEAD = ROOT / "models" / "smollm2-head.gguf"
 ENV_PREFIX = "WARMSLOT_"
 DRAFT_POLICIES = ("reprefill", "empty")
 # the core's KV types, default first
@@ -40,10 +41,14 @@ DEFAULT_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0
 class Speculative:
     """Request defaults for speculative decoding.
 
-    On by default (a request's SpeculativeParams override) with two drafters: the
-    lookup drafter (`lookup`), which continues the longest recent repeat (at least
-    `lookup_min` tokens) of the slot's own text and needs no model, and the draft
-    model when one is loaded, which drafts the steps where lookup finds no repeat.
+    On by default (a request's SpeculativeParams override) with up to three drafters:
+    the lookup drafter (`lookup`), which continues the longest recent repeat (at least
+    `lookup_min` tokens) of the slot's own text and needs no model; the feature head
+    (--head) when one is loaded, which drafts from the target's own hidden states the
+    steps where lookup finds no repeat; and the draft model when one is loaded, which
+    drafts the steps neither of them does. `head_cost` is one head-drafted token's
+    price in target decode steps (the head's small forward pass and its place in the
+    verification).
     n_max caps the tokens drafted per step; with `adaptive` each slot drafts, per
     drafter, the length its measured acceptance pays for (inference_svc.engine.draft_length),
     down to none where the drafter is useless; `draft_cost` and `lookup_cost` are one
@@ -61,12 +66,16 @@ class Speculative:
     lookup: bool = True
     lookup_min: int = 1
     lookup_cost: float = 0.25
+    head_cost: float = 0.3
 
 
 @dataclass(frozen=True)
 class Config:
     model: Path = DEFAULT_MODEL
     draft: Path | None = DEFAULT_DRAFT  # None: no draft model, no speculative decoding
+    # the feature head (docs/formats.md, warmslot-head); the default is used only when
+    # it exists and was trained for the target, a head named otherwise must load
+    head: Path | None = DEFAULT_HEAD
     slots: int = 4
     ctx: int | None = None  # None: the target model's training context
     threads: int = 2
@@ -148,6 +157,19 @@ class Config:
             return None
         return d
 
+    @property
+    def head_to_load(self) -> Path | None:
+        """The head file to load: None without a head or when the default is missing."""
+        h = self.head
+        if h is None or (not h.exists() and h.resolve() == DEFAULT_HEAD):
+            return None
+        return h
+
+    @property
+    def head_is_default(self) -> bool:
+        """The head is the default one (skipped, not refused, when it does not fit)."""
+        return self.head is not None and self.head.resolve() == DEFAULT_HEAD
+
     def check_models(self) -> None:
         """The model files' cheap checks (they exist, a supported architecture in the
         header): milliseconds, so a model that cannot load is refused before anything
@@ -157,6 +179,10 @@ class Config:
         check_model_file(self.model)
         if self.draft_to_load is not None:
             check_model_file(self.draft_to_load)
+        if self.head_to_load is not None and not self.head_to_load.is_file():
+            from inference_svc.core import ModelLoadError
+
+            raise ModelLoadError(f"head file not found: {self.head_to_load}")
 
     def __post_init__(self) -> None:
         problems = []
@@ -178,6 +204,9 @@ class Config:
         if not 1 <= self.speculative.lookup_min <= LOOKUP_MAX_MATCH:
             problems.append(f"--spec-lookup-min {self.speculative.lookup_min} must be in "
                             f"1..{LOOKUP_MAX_MATCH}")
+        if not 0 < self.speculative.head_cost <= 10:
+            problems.append(f"--spec-head-cost {self.speculative.head_cost} must be in "
+                            "(0, 10]")
         if not 0 < self.speculative.draft_cost <= 10:
             problems.append(f"--spec-draft-cost {self.speculative.draft_cost} must be in "
                             "(0, 10]")
@@ -255,6 +284,11 @@ def parser() -> argparse.ArgumentParser:
     f = settings.field_flags(p, d)
     f("--model", "target model GGUF file")
     f("--draft", "draft model GGUF file for speculative decoding ('none': no draft)")
+    f("--head",
+      "feature draft head GGUF file (warmslot-head) for speculative decoding: drafts from the "
+      "target's own hidden states; a file that is missing, corrupt or trained for another "
+      "target stops the start ('none': no head; default: models/smollm2-head.gguf when it "
+      "exists and matches the target, else none)")
     f("--slots", "number of slots (parallel sessions)")
     f("--ctx", "context size per slot (default: the target model's)")
     f("--threads", "decoding threads (target)")
@@ -332,6 +366,9 @@ def parser() -> argparse.ArgumentParser:
     f("--spec-adaptive",
       "each slot drafts the length (0..n_max) its measured acceptance pays for, none where the "
       "draft is useless (--no-spec-adaptive: always n_max)")
+    f("--spec-head-cost",
+      "the price of one head-drafted token in target decode steps (the head's forward pass plus "
+      "its place in the verification pass), for --spec-adaptive")
     f("--spec-draft-cost",
       "the price of one drafted token in target decode steps (draft decode plus its place in the "
       "verification pass), for --spec-adaptive")

@@ -63,6 +63,7 @@ class RequestContext:
     n_slots: int
     has_draft: bool
     chat: ChatTemplate | None = None  # None: Chat is FAILED_PRECONDITION
+    has_head: bool = False  # a feature head is loaded (--head)
 
 
 def check_slot_id(id_slot: int, n_slots: int, allow_any: bool = False) -> int:
@@ -111,8 +112,9 @@ def sampling_from_pb(m: pb.SamplingParams, cfg: Config,
 
 
 def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
-                        has_draft: bool) -> SpecParams | None:
-    """The request's speculative parameters; None: plain target-only decoding."""
+                        has_draft: bool, has_head: bool = False) -> SpecParams | None:
+    """The request's speculative parameters; None: plain target-only decoding. n_max
+    bounds every drafter: the draft model's, the head's and the lookup's proposals."""
     d = cfg.speculative
     n_max = m.n_max if m.HasField("n_max") else d.n_max
     n_min = m.n_min if m.HasField("n_min") else d.n_min
@@ -121,14 +123,16 @@ def speculative_from_pb(m: pb.SpeculativeParams, cfg: Config,
     _check_range("speculative.n_max", n_max, 0 <= n_max <= MAX_DRAFT, f"0..{MAX_DRAFT}")
     _check_range("speculative.n_min", n_min, 0 <= n_min <= n_max, f"0..n_max ({n_max})")
     _check_range("speculative.p_min", p_min, 0.0 <= p_min <= 1.0, "[0, 1]")
-    enabled = m.enabled if m.HasField("enabled") else (d.enabled and (has_draft or lookup))
-    if enabled and not (has_draft or lookup):
+    has_model = has_draft or has_head
+    enabled = m.enabled if m.HasField("enabled") else (d.enabled and (has_model or lookup))
+    if enabled and not (has_model or lookup):
         raise InvalidArgument("speculative decoding needs a drafter: this server has no draft "
-                              "model and the request turned the lookup drafter off")
+                              "model or head and the request turned the lookup drafter off")
     if not enabled or n_max == 0:
         return None
-    return SpecParams(n_max if has_draft else 0, n_min if has_draft else 0, p_min,
-                      lookup_k=lookup_lengths(n_max, d.lookup_min) if lookup else ())
+    return SpecParams(n_max if has_draft else 0, n_min if has_model else 0, p_min,
+                      lookup_k=lookup_lengths(n_max, d.lookup_min) if lookup else (),
+                      head_n_max=n_max if has_head else 0)
 
 
 @dataclass(frozen=True)
@@ -236,7 +240,7 @@ class GenerateParams:
                 raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
         session = session_from_pb(req)
         sampling, seed = sampling_from_pb(req.sampling, cfg, req.logprobs)
-        spec = speculative_from_pb(req.speculative, cfg, rc.has_draft)
+        spec = speculative_from_pb(req.speculative, cfg, rc.has_draft, rc.has_head)
         return cls(tuple(prompt), max_tokens, id_slot, cache_prompt, sampling, seed, spec,
                    stop, n_truncated, session, isinstance(req, pb.ChatRequest))
 
@@ -278,6 +282,8 @@ class Timings:
     session_n_discarded: int = 0  # session tokens the prompt did not continue, dropped
     lookup_n: int = 0  # of draft_n / draft_n_accepted: the lookup drafter's
     lookup_n_accepted: int = 0
+    head_n: int = 0  # of draft_n / draft_n_accepted: the feature head's
+    head_n_accepted: int = 0
 
     def add_counters(self, c: Counters) -> None:
         self.draft_n, self.draft_n_accepted = c.n_drafted, c.n_accepted
@@ -303,7 +309,8 @@ class Timings:
             n_steps=self.n_steps, queue_ms=self.queue_ms, session_tier=self.session_tier,
             session_restore_ms=self.session_restore_ms,
             session_n_discarded=self.session_n_discarded, lookup_n=self.lookup_n,
-            lookup_n_accepted=self.lookup_n_accepted)
+            lookup_n_accepted=self.lookup_n_accepted, head_n=self.head_n,
+            head_n_accepted=self.head_n_accepted)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,10 @@ struct step_member {
     int32_t k_max, k;     /* proposals allowed, proposals made                           */
     int drafting;         /* still proposing in the current round                        */
     int lookup;           /* the proposals are the lookup drafter's                      */
+    int head;             /* the feature head drafts (k_max is its allowance)            */
     int32_t nh;           /* penalties' history length before the step (0: no penalties) */
+    int32_t acc;          /* proposals accepted                                          */
+    size_t seg;           /* first token of its segment in the verification pass         */
     int32_t drafts[WS_SPEC_MAX_DRAFT];
 };
 
@@ -33,6 +36,8 @@ typedef struct {
     int32_t lag_ok;       /* generated (not prompt) tokens the draft has not seen yet */
     uint64_t rng[4];      /* xoshiro256**                                         */
     ws_spec_counters c;
+    int32_t h_ok;         /* the head: h_last holds the hidden state of the last KV token */
+    int32_t head_stale;   /* the head lacks pairs it cannot rebuild: no drafting         */
 } spec_slot;
 
 struct ws_spec {
@@ -66,6 +71,24 @@ struct ws_spec {
     float *lp_vals;       /* [n_slots][WS_SPEC_MAX_DRAFT + 1][LP_ROW]                  */
     int32_t *lp_n;        /* [n_slots]                        rows of the last call    */
     int32_t *lp_top;      /* [n_slots]                        alternatives per row     */
+    /* the feature head (ws_spec_set_head) */
+    ws_context *head;     /* NULL: none                                                  */
+    int32_t *head_ids;    /* [head_k] vocabulary token of each readout row               */
+    int32_t head_k, n_embd;
+    float *h_last;        /* [n_slots][n_embd] target hidden state of each slot's last token */
+    float *hbuf;          /* grown: [tokens of a target pass][n_embd] its hidden states   */
+    size_t hbuf_cap;
+    float *fbuf;          /* grown: [pairs of a head pass][n_embd] its features          */
+    size_t fbuf_cap;
+    float *hg;            /* [n_slots][n_embd] the head's predicted hidden states         */
+    float *hl;            /* [n_slots][head_k] the head's logits of a round               */
+    int32_t *hb_slots, *hb_toks, *hb_ntok, *hb_idx; /* [n_slots] a head round's batch      */
+    int32_t *hf_toks;     /* [hf_cap] tokens of a head catch-up pass                     */
+    size_t hf_cap;        /* max(n_batch + 1, n_slots * (WS_SPEC_MAX_DRAFT + 2))          */
+    uint8_t *want;        /* [n_batch] logits flags of a target piece                    */
+    int32_t *hf_at, *hf_cnt; /* [n_slots] a step's head_follow arguments                  */
+    const int32_t **hf_tokp;
+    const float **hf_hidp;
     char last_error[256];
 };
 
@@ -363,7 +386,10 @@ void ws_spec_free(ws_spec *s) {
     if (!s) return;
     WS_FREE_ALL(s->slots, s->t_logits, s->d_logits, s->q, s->r_logits, s->b_slots, s->b_ntok,
                 s->b_idx, s->b_toks, s->b_out, s->b_mem, s->hist, s->cnt, s->pen, s->lp_ids,
-                s->lp_vals, s->lp_n, s->lp_top, s->p, s->cand, s->toks, s);
+                s->lp_vals, s->lp_n, s->lp_top, s->p, s->cand, s->toks, s->head_ids, s->h_last,
+                s->hbuf, s->fbuf, s->hg, s->hl, s->hb_slots, s->hb_toks, s->hb_ntok, s->hb_idx,
+                s->hf_toks, s->want, s->hf_at, s->hf_cnt, (void *)s->hf_tokp, (void *)s->hf_hidp,
+                s);
 }
 
 ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {
@@ -379,6 +405,7 @@ ws_status ws_spec_init(ws_context *tgt, ws_context *dft, ws_spec **out) {
     s->n_slots = tp.n_slots;
     s->n_ctx = tp.n_ctx;
     s->n_vocab = th->n_vocab;
+    s->n_embd = th->n_embd;
     *out = s; /* from here on errors are reported through s and it is freed by the caller */
     if (dft) {
         const ws_context_params dp = ws_context_get_params(dft);
@@ -468,6 +495,9 @@ ws_status ws_spec_check_params(const ws_spec *s, const ws_sampling_params *sp,
             if (pp->lookup_k[m] < 0 || pp->lookup_k[m] > WS_SPEC_MAX_DRAFT)
                 return fail(s, WS_ERR_INVALID_ARGUMENT, "lookup_k[%d] = %d outside 0..%d", m,
                             pp->lookup_k[m], WS_SPEC_MAX_DRAFT);
+        if (pp->head_n_max < 0 || pp->head_n_max > WS_SPEC_MAX_DRAFT)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "head_n_max %d outside 0..%d",
+                        pp->head_n_max, WS_SPEC_MAX_DRAFT);
     }
     return WS_OK;
 }
@@ -533,6 +563,198 @@ ws_status ws_spec_draft_offset(const ws_spec *s, int32_t slot, int32_t *offset_o
 ws_status ws_spec_counters_get(const ws_spec *s, int32_t slot, ws_spec_counters *out) {
     TRY(check_slot_out(s, slot, out));
     *out = s->slots[slot].c;
+    return WS_OK;
+}
+
+/* ------------------------------------------------------------------------- */
+/* the feature head                                                            */
+
+static ws_status grow_floats(ws_spec *s, float **buf, size_t *cap, size_t need);
+
+ws_status ws_spec_set_head(ws_spec *s, ws_context *head, const int32_t *token_ids, int32_t k) {
+    if (!s) return WS_ERR_INVALID_ARGUMENT;
+    if (s->head) return fail(s, WS_ERR_INVALID_ARGUMENT, "the speculative decoder has a head");
+    if (!head || !token_ids || !ws_context_is_head(head))
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "ws_spec_set_head needs a feature head context "
+                                                "and its token ids");
+    const ws_hparams *hh = ws_model_hparams(ws_context_model(head));
+    const ws_context_params hp = ws_context_get_params(head);
+    if (hh->n_embd != s->n_embd || hh->n_vocab != k || hp.n_slots != s->n_slots ||
+        hp.n_ctx != s->n_ctx)
+        return fail(s, WS_ERR_INVALID_ARGUMENT,
+                    "the head (width %d, %d readout rows, %d slots x %d) does not fit the target "
+                    "(width %d, %d ids, %d slots x %d)", hh->n_embd, hh->n_vocab, hp.n_slots,
+                    hp.n_ctx, s->n_embd, k, s->n_slots, s->n_ctx);
+    for (int32_t i = 0; i < k; i++)
+        if (token_ids[i] < 0 || token_ids[i] >= s->n_vocab)
+            return fail(s, WS_ERR_INVALID_ARGUMENT, "head token id %d at %d is outside 0..%d",
+                        token_ids[i], i, s->n_vocab - 1);
+    for (int32_t i = 0; i < s->n_slots; i++)
+        if (kv_len(s->tgt, i) > 0 || s->slots[i].pending >= 0)
+            return fail(s, WS_ERR_BAD_STATE, "a head is set while every slot is empty (slot %d "
+                                             "is not)", i);
+    const size_t ns = (size_t)s->n_slots, E = (size_t)s->n_embd;
+    s->head_ids = malloc(sizeof(int32_t) * (size_t)k);
+    s->h_last = calloc(ns * E, sizeof(float));
+    s->hg = malloc(sizeof(float) * ns * E);
+    s->hl = malloc(sizeof(float) * ns * (size_t)k);
+    s->hb_slots = malloc(sizeof(int32_t) * ns);
+    s->hb_toks = malloc(sizeof(int32_t) * ns);
+    s->hb_ntok = malloc(sizeof(int32_t) * ns);
+    s->hb_idx = malloc(sizeof(int32_t) * ns);
+    const size_t nb = (size_t)ws_context_get_params(s->tgt).n_batch;
+    s->hf_cap = nb + 1 > ns * (WS_SPEC_MAX_DRAFT + 2) ? nb + 1 : ns * (WS_SPEC_MAX_DRAFT + 2);
+    s->hf_toks = malloc(sizeof(int32_t) * s->hf_cap);
+    s->want = malloc(nb);
+    s->hf_at = malloc(sizeof(int32_t) * ns);
+    s->hf_cnt = malloc(sizeof(int32_t) * ns);
+    s->hf_tokp = malloc(sizeof(int32_t *) * ns);
+    s->hf_hidp = malloc(sizeof(float *) * ns);
+    if (!s->hf_at || !s->hf_cnt || !s->hf_tokp || !s->hf_hidp)
+        return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory allocating the head's buffers");
+    if (!s->head_ids || !s->h_last || !s->hg || !s->hl || !s->hb_slots || !s->hb_toks ||
+        !s->hb_ntok || !s->hb_idx || !s->hf_toks || !s->want)
+        return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory allocating the head's buffers");
+    memcpy(s->head_ids, token_ids, sizeof(int32_t) * (size_t)k);
+    s->head_k = k;
+    for (int32_t i = 0; i < s->n_slots; i++) {
+        ws_slot_clear(head, i);
+        s->slots[i].h_ok = 0;
+        s->slots[i].head_stale = 0;
+    }
+    s->head = head;
+    return WS_OK;
+}
+
+/* the head can draft for a slot of n0 target tokens: level, h_{n0-1} kept */
+static int head_ready(const ws_spec *s, int32_t slot, int32_t n0) {
+    const spec_slot *ss = &s->slots[slot];
+    return s->head && !ss->head_stale && n0 >= 1 && ss->h_ok && kv_len(s->head, slot) == n0 - 1;
+}
+
+ws_status ws_spec_head_status(const ws_spec *s, int32_t slot, int32_t *n_pairs, int *ready) {
+    if (!s || !n_pairs || !ready) return WS_ERR_INVALID_ARGUMENT;
+    TRY(check_slot(s, slot));
+    *n_pairs = s->head ? kv_len(s->head, slot) : 0;
+    *ready = head_ready(s, slot, kv_len(s->tgt, slot));
+    return WS_OK;
+}
+
+/* the head of a slot that lost pairs it cannot rebuild: empty, no drafting until cleared */
+static void head_stale(ws_spec *s, int32_t slot) {
+    ws_slot_clear(s->head, slot);
+    s->slots[slot].head_stale = 1;
+    s->slots[slot].h_ok = 0;
+}
+
+/*
+ * After the target decoded, for each of the n slots slots[i], the cnt[i] tokens
+ * toks[i] at positions at[i] .. at[i] + cnt[i] - 1 with hidden states hid[i]
+ * ([cnt][n_embd]; the KV keeps them): the head computes the pairs it lacks up to
+ * position at + cnt - 2 (keys and values only, one pass for all slots) and keeps
+ * h_{at + cnt - 1}. A pair at - 1 takes the kept h_last.
+ */
+static ws_status head_follow(ws_spec *s, int32_t n, const int32_t *slots, const int32_t *at,
+                             const int32_t *cnt, const int32_t *const *toks,
+                             const float *const *hid) {
+    if (!s->head) return WS_OK;
+    const size_t E = (size_t)s->n_embd;
+    size_t total = 0;
+    int32_t nseg = 0;
+    for (int32_t i = 0; i < n; i++) { /* sizes first: the slots that can follow */
+        const spec_slot *ss = &s->slots[slots[i]];
+        const int32_t L = kv_len(s->head, slots[i]), a = at[i];
+        const int32_t end = a + cnt[i] - 1; /* pairs [L, end) */
+        if (ss->head_stale || L < a - 1 || (L == a - 1 && a > 0 && !ss->h_ok)) continue;
+        if (end > L) total += (size_t)(end - L);
+    }
+    if (total) TRY(grow_floats(s, &s->fbuf, &s->fbuf_cap, total * E));
+    /* the pass's tokens: a piece of a prefill (n_batch + 1 pairs at most) or a step's */
+    int32_t *tks = s->hf_toks;
+    if (total > s->hf_cap)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "head catch-up of %zu pairs exceeds %zu", total,
+                    s->hf_cap);
+    size_t done = 0;
+    int32_t *ntok = s->hb_ntok, *sl = s->hb_slots;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t slot = slots[i];
+        spec_slot *ss = &s->slots[slot];
+        if (ss->head_stale) continue;
+        int32_t L = kv_len(s->head, slot);
+        const int32_t a = at[i], end = a + cnt[i] - 1;
+        if (L > end) { /* ahead of the target (cannot happen): drop the extra pairs */
+            ws_slot_truncate(s->head, slot, end);
+            L = end;
+        }
+        if (L < a - 1 || (L == a - 1 && a > 0 && !ss->h_ok)) {
+            head_stale(s, slot);
+            continue;
+        }
+        for (int32_t p = L; p < end; p++) {
+            const float *h = p == a - 1 ? s->h_last + (size_t)slot * E
+                                        : hid[i] + (size_t)(p - a) * E;
+            memcpy(s->fbuf + (done + (size_t)(p - L)) * E, h, sizeof(float) * E);
+            tks[done + (size_t)(p - L)] = toks[i][p + 1 - a];
+        }
+        if (end > L) {
+            sl[nseg] = slot;
+            ntok[nseg++] = end - L;
+            done += (size_t)(end - L);
+        }
+        memcpy(s->h_last + (size_t)slot * E, hid[i] + (size_t)(cnt[i] - 1) * E,
+               sizeof(float) * E);
+        ss->h_ok = 1;
+    }
+    if (nseg == 0) return WS_OK;
+    const ws_decode_io io = {.features = s->fbuf, .features_cap = done * E, .kv_only = 1};
+    ws_status st = ws_decode_ex(s->head, nseg, sl, ntok, tks, &io);
+    if (st != WS_OK) return fail_from(s, s->head, st, "head catch-up");
+    return WS_OK;
+}
+
+/* The target decodes n tokens for one slot (its next positions); with a head, in
+ * pieces of at most n_batch tokens that keep their hidden states for the head to
+ * follow. logits: the last token's, or NULL. */
+static ws_status target_decode(ws_spec *s, int32_t slot, const int32_t *toks, int32_t n,
+                               float *logits, const char *what) {
+    if (!s->head) {
+        ws_status st = ws_decode(s->tgt, slot, toks, n, 0, logits, logits ? (size_t)s->n_vocab : 0);
+        return st == WS_OK ? WS_OK : fail_from(s, s->tgt, st, what);
+    }
+    const int32_t piece = ws_context_get_params(s->tgt).n_batch;
+    const size_t E = (size_t)s->n_embd;
+    /* what the core would refuse, refused before the first piece changes anything */
+    const int32_t tn = kv_len(s->tgt, slot);
+    if (n < 1 || (int64_t)tn + n > s->n_ctx)
+        return fail(s, n < 1 ? WS_ERR_INVALID_ARGUMENT : WS_ERR_CONTEXT_FULL,
+                    "%s: slot %d holds %d tokens; %d more exceed its context of %d", what, slot,
+                    tn, n, s->n_ctx);
+    for (int32_t i = 0; i < n; i++)
+        if (toks[i] < 0 || toks[i] >= s->n_vocab)
+            return fail(s, WS_ERR_INVALID_ARGUMENT,
+                        "%s: token %d at index %d is outside the vocabulary 0..%d", what, toks[i],
+                        i, s->n_vocab - 1);
+    TRY(grow_floats(s, &s->hbuf, &s->hbuf_cap, (size_t)(n < piece ? n : piece) * E));
+    for (int32_t done = 0; done < n;) {
+        const int32_t m = n - done < piece ? n - done : piece;
+        const int last = done + m == n;
+        const int32_t at = kv_len(s->tgt, slot);
+        ws_decode_io io = {.hidden = s->hbuf, .hidden_cap = (size_t)m * E};
+        if (last && logits) {
+            /* only the last token's logits: a flag per token, the last one set */
+            memset(s->want, 0, (size_t)m);
+            s->want[m - 1] = 1;
+            io.want = s->want;
+            io.logits = logits;
+            io.logits_cap = (size_t)s->n_vocab;
+        }
+        ws_status st = ws_decode_ex(s->tgt, 1, &slot, &m, toks + done, &io);
+        if (st != WS_OK) return fail_from(s, s->tgt, st, what);
+        const int32_t *tp = toks + done;
+        const float *hp = s->hbuf;
+        TRY(head_follow(s, 1, &slot, &at, &m, &tp, &hp));
+        done += m;
+    }
     return WS_OK;
 }
 
@@ -620,8 +842,7 @@ ws_status ws_spec_prefill_chunk(ws_spec *s, int32_t slot, const int32_t *tokens,
     int32_t *seq = s->toks;
     if (pend) seq[0] = ss->pending;
     memcpy(seq + pend, tokens, sizeof(int32_t) * (size_t)n_tokens);
-    ws_status st = ws_decode(s->tgt, slot, seq, n, 0, NULL, 0);
-    if (st != WS_OK) return fail_from(s, s->tgt, st, "prefill chunk");
+    TRY(target_decode(s, slot, seq, n, NULL, "prefill chunk"));
     ss->pending = -1;
     ss->lag_ok += pend; /* the pending token was generated, not prompt */
     if (with_draft) {
@@ -660,8 +881,7 @@ ws_status ws_spec_prefill(ws_spec *s, int32_t slot, const int32_t *tokens, int32
     int32_t *seq = s->toks;
     if (pend) seq[0] = ss->pending;
     if (n_tokens > 0) memcpy(seq + pend, tokens, sizeof(int32_t) * (size_t)n_tokens);
-    ws_status st = ws_decode(s->tgt, slot, seq, n, 0, s->t_logits, (size_t)s->n_vocab);
-    if (st != WS_OK) return fail_from(s, s->tgt, st, "prefill");
+    TRY(target_decode(s, slot, seq, n, s->t_logits, "prefill"));
     ss->pending = -1;
     ss->lag_ok += pend; /* the pending token was generated, not prompt */
     if (with_draft && s->dft) {
@@ -770,6 +990,39 @@ static int32_t lookup_step(ws_spec *s, int32_t slot, const ws_spec_params *pp, i
     return k;
 }
 
+/*
+ * One drafting round of the head for nh slots: slot hb_slots[j] (step member
+ * hb_idx[j]) decodes the pair (feature, hb_toks[j]) at its next position, the feature
+ * its kept h_last in the first round, else the head's own last prediction (hg of the
+ * member). The member's draft logits (d_logits, a dense vocabulary row) become the
+ * head's over its token_ids, -inf elsewhere; its prediction goes to hg.
+ */
+static ws_status head_round(ws_spec *s, int32_t nh, int first) {
+    const size_t E = (size_t)s->n_embd, K = (size_t)s->head_k, nv = (size_t)s->n_vocab;
+    TRY(grow_floats(s, &s->fbuf, &s->fbuf_cap, (size_t)nh * E));
+    TRY(grow_floats(s, &s->hbuf, &s->hbuf_cap, (size_t)nh * E));
+    for (int32_t j = 0; j < nh; j++) {
+        const float *f = first ? s->h_last + (size_t)s->hb_slots[j] * E
+                               : s->hg + (size_t)s->hb_idx[j] * E;
+        memcpy(s->fbuf + (size_t)j * E, f, sizeof(float) * E);
+        s->hb_ntok[j] = 1;
+    }
+    const ws_decode_io io = {.features = s->fbuf, .features_cap = (size_t)nh * E,
+                             .logits = s->hl, .logits_cap = (size_t)nh * K,
+                             .hidden = s->hbuf, .hidden_cap = (size_t)nh * E};
+    ws_status st = ws_decode_ex(s->head, nh, s->hb_slots, s->hb_ntok, s->hb_toks, &io);
+    if (st != WS_OK) return fail_from(s, s->head, st, "head draft");
+    for (int32_t j = 0; j < nh; j++) {
+        const int32_t i = s->hb_idx[j];
+        memcpy(s->hg + (size_t)i * E, s->hbuf + (size_t)j * E, sizeof(float) * E);
+        float *row = s->d_logits + (size_t)i * nv;
+        for (size_t v = 0; v < nv; v++) row[v] = -INFINITY;
+        const float *hl = s->hl + (size_t)j * K;
+        for (size_t k = 0; k < K; k++) row[s->head_ids[k]] = hl[k];
+    }
+    return WS_OK;
+}
+
 ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
                              const ws_sampling_params *sps, const ws_spec_params *pps,
                              const int32_t *max_new, int32_t *out, ws_spec_step_info *info) {
@@ -809,7 +1062,18 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
         /* the lookup drafter first: where it finds a match the draft model sits out */
         m->k = lookup_step(s, slots[i], pp, step_room(s, mn, m->n0), m->drafts, &info[i].match);
         m->lookup = m->k > 0;
-        m->k_max = m->lookup ? 0 : step_k_max(s, pp, mn, m->n0);
+        m->head = 0;
+        m->acc = 0;
+        if (m->lookup) {
+            m->k_max = 0;
+        } else if (pp && pp->head_n_max > 0 && head_ready(s, slots[i], m->n0)) {
+            /* the feature head drafts instead of the draft model */
+            const int32_t room = step_room(s, mn, m->n0);
+            m->k_max = pp->head_n_max < room ? pp->head_n_max : room;
+            m->head = m->k_max > 0;
+        } else {
+            m->k_max = step_k_max(s, pp, mn, m->n0);
+        }
         if (m->nh)
             for (int32_t j = 0; j < m->k; j++) hist_of(s, slots[i])[m->nh + j] = m->drafts[j];
         any_draft |= m->k_max > 0;
@@ -822,11 +1086,23 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
     if (any_sampled_draft)
         TRY(grow_floats(s, &s->q, &s->q_cap, (size_t)n * WS_SPEC_MAX_DRAFT * nv));
 
+    /* 1a. the head's first round: each head-drafting slot's pair (h_{n0-1}, pending) */
+    int32_t nhd = 0;
+    for (int32_t i = 0; i < n; i++) {
+        struct step_member *m = &mem[i];
+        if (!m->head) continue;
+        s->hb_slots[nhd] = m->slot;
+        s->hb_toks[nhd] = s->slots[m->slot].pending;
+        s->hb_idx[nhd++] = i;
+        m->drafting = 1;
+    }
+    if (nhd) TRY(head_round(s, nhd, 1));
+
     /* 1. each drafting slot's draft catches up with its pending token */
     for (int32_t i = 0; i < n; i++) {
         struct step_member *m = &mem[i];
         spec_slot *ss = &s->slots[m->slot];
-        if (!(m->k_max > 0 && ss->d_off <= m->n0)) continue;
+        if (!(m->k_max > 0 && !m->head && ss->d_off <= m->n0)) continue;
         const int32_t dn = kv_len(s->dft, m->slot);
         int32_t done = 0;
         TRY(draft_catch_up(s, m->slot, m->n0 + 1, s->d_logits + (size_t)i * nv, &done));
@@ -841,6 +1117,7 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
           round are decoded together (one draft pass for all slots) */
     for (int r = 0; r < WS_SPEC_MAX_DRAFT; r++) {
         int32_t nd = 0;
+        nhd = 0;
         for (int32_t i = 0; i < n; i++) {
             struct step_member *m = &mem[i];
             if (!m->drafting) continue;
@@ -869,7 +1146,11 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
             }
             if (m->nh) hist[m->nh + m->k] = x;
             m->drafts[m->k++] = x;
-            if (r + 1 < m->k_max) {
+            if (r + 1 < m->k_max && m->head) {
+                s->hb_slots[nhd] = m->slot;
+                s->hb_toks[nhd] = x;
+                s->hb_idx[nhd++] = i;
+            } else if (r + 1 < m->k_max) {
                 s->b_slots[nd] = m->slot;
                 s->b_toks[nd] = x;
                 s->b_idx[nd] = i;
@@ -878,13 +1159,16 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
                 m->drafting = 0;
             }
         }
-        if (nd == 0) break;
-        ws_status st = ws_decode_multi(s->dft, s->b_slots, s->b_toks, nd, s->r_logits,
-                                       (size_t)nd * nv);
-        if (st != WS_OK) return fail_from(s, s->dft, st, "draft decode");
-        for (int32_t j = 0; j < nd; j++)
-            memcpy(s->d_logits + (size_t)s->b_idx[j] * nv, s->r_logits + (size_t)j * nv,
-                   sizeof(float) * (size_t)nv);
+        if (nd == 0 && nhd == 0) break;
+        if (nd) {
+            ws_status st = ws_decode_multi(s->dft, s->b_slots, s->b_toks, nd, s->r_logits,
+                                           (size_t)nd * nv);
+            if (st != WS_OK) return fail_from(s, s->dft, st, "draft decode");
+            for (int32_t j = 0; j < nd; j++)
+                memcpy(s->d_logits + (size_t)s->b_idx[j] * nv, s->r_logits + (size_t)j * nv,
+                       sizeof(float) * (size_t)nv);
+        }
+        if (nhd) TRY(head_round(s, nhd, 0));
     }
 
     /* 3. the target verifies every slot's pending token and proposals in one batch */
@@ -896,17 +1180,23 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
         memcpy(seg + 1, m->drafts, sizeof(int32_t) * (size_t)m->k);
         s->b_slots[i] = m->slot;
         s->b_ntok[i] = m->k + 1;
+        mem[i].seg = total;
         total += (size_t)m->k + 1;
     }
     TRY(grow_floats(s, &s->t_logits, &s->t_cap, total * (size_t)nv));
-    ws_status st = ws_decode_batch(s->tgt, n, s->b_slots, s->b_ntok, s->b_toks, s->t_logits,
-                                   total * (size_t)nv);
+    ws_decode_io io = {.logits = s->t_logits, .logits_cap = total * (size_t)nv};
+    if (s->head) { /* the hidden states of every token, for the head to follow */
+        TRY(grow_floats(s, &s->hbuf, &s->hbuf_cap, total * (size_t)s->n_embd));
+        io.hidden = s->hbuf;
+        io.hidden_cap = total * (size_t)s->n_embd;
+    }
+    ws_status st = ws_decode_ex(s->tgt, n, s->b_slots, s->b_ntok, s->b_toks, &io);
     if (st != WS_OK) return fail_from(s, s->tgt, st, "target decode");
 
     /* 4. per slot: accept the longest agreeing prefix, then one token of the target's */
     const float *rows = s->t_logits;
     for (int32_t i = 0; i < n; i++) {
-        const struct step_member *m = &mem[i];
+        struct step_member *m = &mem[i];
         const ws_sampling_params *sp = &sps[i];
         const int32_t slot = m->slot, n0 = m->n0, k = m->k;
         spec_slot *ss = &s->slots[slot];
@@ -965,12 +1255,15 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
 
         /* roll both caches back to the accepted length */
         ws_slot_truncate(s->tgt, slot, n0 + 1 + a);
-        if (s->dft && k > 0 && !m->lookup) {
+        m->acc = a;
+        /* the head keeps its true pair n0 - 1 (h_{n0-1}, pending), not its drafted ones */
+        if (m->head) ws_slot_truncate(s->head, slot, n0);
+        if (s->dft && k > 0 && !m->lookup && !m->head) {
             const int32_t dlen = kv_len(s->dft, slot); /* holds up to d_off + dlen = n0 + k */
             const int32_t keep = n0 + 1 + a - ss->d_off;
             if (dlen > keep) ws_slot_truncate(s->dft, slot, keep);
             ss->lag_ok = (n0 + 1 + a) - (ss->d_off + kv_len(s->dft, slot));
-        } else if (s->dft && m->k_max == 0) {
+        } else if (s->dft && (m->k_max == 0 || m->head)) {
             ss->lag_ok += a + 1; /* the draft sat this step out: generated tokens to see */
         }
         int32_t *o = out + (size_t)i * per;
@@ -985,7 +1278,17 @@ ws_status ws_spec_step_batch(ws_spec *s, int32_t n, const int32_t *slots,
         info[i].n_out = a + 1;
         info[i].n_drafted = k;
         info[i].drafter = k == 0 ? WS_DRAFTER_NONE : m->lookup ? WS_DRAFTER_LOOKUP
-                                                               : WS_DRAFTER_MODEL;
+                          : m->head ? WS_DRAFTER_HEAD : WS_DRAFTER_MODEL;
+    }
+    /* 5. the head follows the accepted tokens: their pairs from the true hidden states */
+    if (s->head) {
+        for (int32_t i = 0; i < n; i++) {
+            s->hf_at[i] = mem[i].n0;
+            s->hf_cnt[i] = mem[i].acc + 1;
+            s->hf_tokp[i] = s->b_toks + mem[i].seg;
+            s->hf_hidp[i] = s->hbuf + mem[i].seg * (size_t)s->n_embd;
+        }
+        TRY(head_follow(s, n, slots, s->hf_at, s->hf_cnt, s->hf_tokp, s->hf_hidp));
     }
     return WS_OK;
 }
@@ -1004,7 +1307,9 @@ ws_status ws_spec_step(ws_spec *s, int32_t slot, const ws_sampling_params *sp,
     if (n0 + 1 > s->n_ctx)
         return fail(s, WS_ERR_CONTEXT_FULL, "slot %d is full (%d positions)", slot, s->n_ctx);
     const int32_t k_model = step_k_max(s, pp, max_new, n0);
-    const int32_t k_max = lookup_on(pp) ? step_room(s, max_new, n0) : k_model;
+    const int32_t k_head = s->head && pp->head_n_max > 0 ? step_room(s, max_new, n0) : 0;
+    const int32_t k_max = lookup_on(pp) ? step_room(s, max_new, n0)
+                                        : k_model > k_head ? k_model : k_head;
     if (cap < (size_t)(k_max + 1))
         return fail(s, WS_ERR_BUFFER_TOO_SMALL, "output buffer holds %zu tokens, %d needed", cap,
                     k_max + 1);
@@ -1039,8 +1344,7 @@ ws_status ws_spec_commit(ws_spec *s, int32_t slot) {
         const int32_t behind = n0 - (ss->d_off + kv_len(s->dft, slot));
         follow = ss->d_off <= n0 && behind <= ss->lag_ok;
     }
-    ws_status st = ws_decode(s->tgt, slot, &ss->pending, 1, 0, NULL, 0);
-    if (st != WS_OK) return fail_from(s, s->tgt, st, "commit");
+    TRY(target_decode(s, slot, &ss->pending, 1, NULL, "commit"));
     ss->pending = -1;
     if (follow) {
         int32_t done = 0;
@@ -1062,22 +1366,40 @@ ws_status ws_spec_truncate(ws_spec *s, int32_t slot, int32_t n) {
         return fail(s, WS_ERR_INVALID_ARGUMENT, "cannot truncate slot %d of %d tokens to %d", slot,
                     len, n);
     if (n == len) return WS_OK;
+    /* with a head, a cut into the KV keeps n - 1 tokens and the n-th as the pending
+       token: its decode gives back h_{n-1}, which the head needs and no slot keeps */
+    const int keep_last = s->head && n > 0 && n < tn;
+    int32_t last = -1;
+    if (keep_last) ws_slot_tokens(s->tgt, slot, s->toks, (size_t)s->n_ctx + 1, &last);
+    if (keep_last) last = s->toks[n - 1];
     if (n < tn) { /* first, so a refusal (a window the rings lost) changes nothing */
-        ws_status st = ws_slot_truncate(s->tgt, slot, n);
+        ws_status st = ws_slot_truncate(s->tgt, slot, keep_last ? n - 1 : n);
         if (st != WS_OK) return fail_from(s, s->tgt, st, "truncate");
     }
-    ss->pending = -1;
+    ss->pending = last;
+    if (s->head) {
+        if (n == 0) {
+            ws_slot_clear(s->head, slot);
+            ss->head_stale = 0;
+            ss->h_ok = 0;
+        } else if (keep_last) {
+            /* the pairs 0..n-2 stay (true ones); h_{n-1} comes with the pending decode */
+            if (kv_len(s->head, slot) > n - 1) ws_slot_truncate(s->head, slot, n - 1);
+            ss->h_ok = 0;
+        }
+    }
     if (s->dft) {
+        const int32_t nk = keep_last ? n - 1 : n; /* the target's KV tokens now */
         int32_t dmin = 0;
         ws_slot_keep_min(s->dft, slot, &dmin);
-        if (n < ss->d_off || (n - ss->d_off > 0 && n - ss->d_off < dmin)) {
+        if (nk < ss->d_off || (nk - ss->d_off > 0 && nk - ss->d_off < dmin)) {
             /* before the draft's start, or a window its rings lost: it starts empty here */
             ws_slot_clear(s->dft, slot);
-            ss->d_off = n;
-        } else if (kv_len(s->dft, slot) > n - ss->d_off) {
-            ws_slot_truncate(s->dft, slot, n - ss->d_off);
+            ss->d_off = nk;
+        } else if (kv_len(s->dft, slot) > nk - ss->d_off) {
+            ws_slot_truncate(s->dft, slot, nk - ss->d_off);
         }
-        const int32_t behind = n - (ss->d_off + kv_len(s->dft, slot));
+        const int32_t behind = nk - (ss->d_off + kv_len(s->dft, slot));
         if (behind < ss->lag_ok) ss->lag_ok = behind;
     }
     return WS_OK;
@@ -1089,6 +1411,9 @@ ws_status ws_spec_clear(ws_spec *s, int32_t slot) {
     s->slots[slot].pending = -1;
     ws_slot_clear(s->tgt, slot);
     if (s->dft) ws_slot_clear(s->dft, slot);
+    if (s->head) ws_slot_clear(s->head, slot);
+    s->slots[slot].h_ok = 0;
+    s->slots[slot].head_stale = 0;
     s->slots[slot].d_off = 0;
     s->slots[slot].lag_ok = 0;
     return WS_OK;
@@ -1122,12 +1447,27 @@ static uint64_t get64(const uint8_t **p) {
     return v;
 }
 
+/* the head's part of a version-2 draft state: h_last, then the head's slot state */
+#define SPEC_EXT_BYTES WS_SPEC_STATE_EXT_BYTES
+#define SPEC_PART_DRAFT 1u
+#define SPEC_PART_HEAD 2u
+
 ws_status ws_spec_state_size(const ws_spec *s, int32_t slot, size_t *size_out) {
     TRY(check_slot_out(s, slot, size_out));
-    if (!s->dft) return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model: there is no draft state");
-    size_t kv = 0;
-    TRY(ws_slot_state_size(s->dft, slot, &kv));
-    *size_out = SPEC_HEADER_BYTES + kv;
+    if (!s->dft && !s->head)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model or head: there is no draft state");
+    size_t kv = 0, hk = 0;
+    if (s->dft) {
+        ws_status st = ws_slot_state_size(s->dft, slot, &kv);
+        if (st != WS_OK) return fail_from((ws_spec *)s, s->dft, st, "draft state");
+    }
+    if (!s->head) {
+        *size_out = SPEC_HEADER_BYTES + kv;
+        return WS_OK;
+    }
+    ws_status st = ws_slot_state_size(s->head, slot, &hk);
+    if (st != WS_OK) return fail_from((ws_spec *)s, s->head, st, "head state");
+    *size_out = SPEC_HEADER_BYTES + SPEC_EXT_BYTES + kv + sizeof(float) * (size_t)s->n_embd + hk;
     return WS_OK;
 }
 
@@ -1143,7 +1483,7 @@ ws_status ws_spec_state_get(const ws_spec *s, int32_t slot, uint8_t *buf, size_t
     const spec_slot *ss = &s->slots[slot];
     uint8_t *p = buf;
     put32(&p, WS_SPEC_STATE_MAGIC);
-    put32(&p, WS_SPEC_STATE_VERSION);
+    put32(&p, s->head ? WS_SPEC_STATE_VERSION : 1u); /* version 1 without a head */
     put32(&p, (uint32_t)ss->d_off);
     put32(&p, (uint32_t)ss->lag_ok);
     for (int i = 0; i < 4; i++) put64(&p, ss->rng[i]);
@@ -1153,52 +1493,45 @@ ws_status ws_spec_state_get(const ws_spec *s, int32_t slot, uint8_t *buf, size_t
     put64(&p, ss->c.n_draft_prefill);
     for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) put64(&p, ss->c.drafted_at[i]);
     for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) put64(&p, ss->c.accepted_at[i]);
-    size_t kv = 0;
-    ws_status st = ws_slot_state_get(s->dft, slot, p, cap - SPEC_HEADER_BYTES, &kv);
-    if (st != WS_OK) return fail_from((ws_spec *)s, s->dft, st, "draft state");
-    *written_out = SPEC_HEADER_BYTES + kv;
+    size_t kv = 0, hk = 0;
+    if (s->dft) ws_slot_state_size(s->dft, slot, &kv);
+    if (s->head) {
+        ws_slot_state_size(s->head, slot, &hk);
+        const int head_ok = !ss->head_stale;
+        put32(&p, (s->dft ? SPEC_PART_DRAFT : 0u) | (head_ok ? SPEC_PART_HEAD : 0u));
+        put32(&p, (uint32_t)(head_ok && ss->h_ok));
+        put64(&p, kv);
+        put64(&p, head_ok ? sizeof(float) * (size_t)s->n_embd + hk : 0u);
+        put32(&p, (uint32_t)s->head_k);
+        put32(&p, (uint32_t)s->n_embd);
+        if (!head_ok) need -= sizeof(float) * (size_t)s->n_embd + hk;
+    }
+    if (s->dft) {
+        size_t w = 0;
+        ws_status st = ws_slot_state_get(s->dft, slot, p, kv, &w);
+        if (st != WS_OK) return fail_from((ws_spec *)s, s->dft, st, "draft state");
+        p += kv;
+    }
+    if (s->head && !ss->head_stale) {
+        memcpy(p, s->h_last + (size_t)slot * (size_t)s->n_embd,
+               sizeof(float) * (size_t)s->n_embd);
+        p += sizeof(float) * (size_t)s->n_embd;
+        size_t w = 0;
+        ws_status st = ws_slot_state_get(s->head, slot, p, hk, &w);
+        if (st != WS_OK) return fail_from((ws_spec *)s, s->head, st, "head state");
+    }
+    *written_out = need;
     return WS_OK;
 }
 
-ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t len,
-                            size_t *read_out) {
-    if (!s || !read_out) return WS_ERR_INVALID_ARGUMENT;
-    *read_out = 0;
-    TRY(check_slot(s, slot));
-    if (!s->dft) return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model: there is no draft state");
-    spec_slot *ss = &s->slots[slot];
-    ws_slot_clear(s->dft, slot); /* any failure below leaves the draft empty */
-    ss->d_off = kv_len(s->tgt, slot);
-    ss->lag_ok = 0;
-    if (!buf || len < SPEC_HEADER_BYTES)
-        return fail(s, WS_ERR_BAD_STATE, "draft state of %zu bytes is shorter than its header", len);
-    const uint8_t *p = buf;
-    const uint32_t magic = get32(&p), version = get32(&p);
-    if (magic != WS_SPEC_STATE_MAGIC)
-        return fail(s, WS_ERR_BAD_STATE, "draft state magic 0x%08x is not WSSP", magic);
-    if (version != WS_SPEC_STATE_VERSION)
-        return fail(s, WS_ERR_BAD_STATE, "draft state version %u is not supported (expected %u)",
-                    version, WS_SPEC_STATE_VERSION);
-    const int32_t d_off = (int32_t)get32(&p), lag_ok = (int32_t)get32(&p);
-    uint64_t rng[4];
-    for (int i = 0; i < 4; i++) rng[i] = get64(&p);
-    ws_spec_counters c;
-    c.n_steps = get64(&p);
-    c.n_drafted = get64(&p);
-    c.n_accepted = get64(&p);
-    c.n_draft_prefill = get64(&p);
-    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.drafted_at[i] = get64(&p);
-    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.accepted_at[i] = get64(&p);
-    if (!(rng[0] | rng[1] | rng[2] | rng[3]))
-        return fail(s, WS_ERR_BAD_STATE, "draft state RNG is all zero");
+/* The draft context's part of a draft state (len bytes at p): loaded, and checked to
+ * hold target positions [d_off, d_off + dn) of the slot's tokens; on failure the draft
+ * slot is left empty. */
+static ws_status load_draft_kv(ws_spec *s, int32_t slot, const uint8_t *p, size_t len,
+                               int32_t d_off, size_t *read) {
     const int32_t tn = kv_len(s->tgt, slot);
-    if (d_off < 0 || d_off > tn || lag_ok < 0 || lag_ok > tn)
-        return fail(s, WS_ERR_BAD_STATE, "draft state offset %d / lag %d do not fit a slot of %d",
-                    d_off, lag_ok, tn);
-    size_t kv_read = 0;
-    ws_status st = ws_slot_state_set(s->dft, slot, p, len - SPEC_HEADER_BYTES, &kv_read);
+    ws_status st = ws_slot_state_set(s->dft, slot, p, len, read);
     if (st != WS_OK) return fail_from(s, s->dft, st, "draft state");
-    /* the draft must hold target positions [d_off, d_off + dn) */
     const int32_t dn = kv_len(s->dft, slot);
     int32_t got = 0;
     if (d_off + dn > tn) {
@@ -1219,11 +1552,142 @@ ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t
         ws_slot_clear(s->dft, slot);
         return fail(s, WS_ERR_BAD_STATE, "draft state tokens are not the target's tokens");
     }
-    ss->d_off = d_off;
-    ss->lag_ok = lag_ok < tn - (d_off + dn) ? lag_ok : tn - (d_off + dn);
+    return WS_OK;
+}
+
+/* The head's part of a version-2 draft state (h_last, then the head's slot state, len
+ * bytes at p): it must hold the pairs 0..n-2 of the slot's n target tokens (its tokens
+ * the target's from position 1), and h_last finite. On failure the head is stale. */
+static ws_status load_head_kv(ws_spec *s, int32_t slot, const uint8_t *p, size_t len,
+                              uint32_t h_ok) {
+    const size_t E = (size_t)s->n_embd;
+    const int32_t tn = kv_len(s->tgt, slot);
+    float *hl = s->h_last + (size_t)slot * E;
+    if (len < sizeof(float) * E)
+        return fail(s, WS_ERR_BAD_STATE, "head state of %zu bytes is shorter than its h", len);
+    memcpy(hl, p, sizeof(float) * E);
+    for (size_t i = 0; i < E; i++)
+        if (!isfinite(hl[i]))
+            return fail(s, WS_ERR_BAD_STATE, "head state hidden value %zu is not finite", i);
+    size_t read = 0;
+    ws_status st = ws_slot_state_set(s->head, slot, p + sizeof(float) * E,
+                                     len - sizeof(float) * E, &read);
+    if (st != WS_OK) {
+        head_stale(s, slot);
+        return fail_from(s, s->head, st, "head state");
+    }
+    const int32_t hn = kv_len(s->head, slot);
+    int32_t got = 0;
+    if (hn != (tn > 0 ? tn - 1 : 0) || (tn > 0 && !h_ok)) {
+        head_stale(s, slot);
+        return fail(s, WS_ERR_BAD_STATE, "head state holds %d pairs, a slot of %d tokens %d",
+                    hn, tn, tn > 0 ? tn - 1 : 0);
+    }
+    if (hn > 0) {
+        int32_t *ht = malloc(sizeof(int32_t) * (size_t)hn);
+        if (!ht) {
+            head_stale(s, slot);
+            return fail(s, WS_ERR_OUT_OF_MEMORY, "out of memory checking the head state");
+        }
+        ws_slot_tokens(s->tgt, slot, s->toks, (size_t)s->n_ctx + 1, &got);
+        ws_slot_tokens(s->head, slot, ht, (size_t)hn, &got);
+        const int same = memcmp(ht, s->toks + 1, sizeof(int32_t) * (size_t)hn) == 0;
+        free(ht);
+        if (!same) {
+            head_stale(s, slot);
+            return fail(s, WS_ERR_BAD_STATE, "head state tokens are not the target's tokens");
+        }
+    }
+    s->slots[slot].h_ok = tn > 0;
+    s->slots[slot].head_stale = 0;
+    return WS_OK;
+}
+
+ws_status ws_spec_state_set(ws_spec *s, int32_t slot, const uint8_t *buf, size_t len,
+                            size_t *read_out) {
+    if (!s || !read_out) return WS_ERR_INVALID_ARGUMENT;
+    *read_out = 0;
+    TRY(check_slot(s, slot));
+    if (!s->dft && !s->head)
+        return fail(s, WS_ERR_INVALID_ARGUMENT, "no draft model or head: there is no draft state");
+    spec_slot *ss = &s->slots[slot];
+    const int32_t tn = kv_len(s->tgt, slot);
+    /* any failure below leaves the draft empty and a head stale (unless the slot is empty) */
+    if (s->dft) ws_slot_clear(s->dft, slot);
+    if (s->head) {
+        ws_slot_clear(s->head, slot);
+        ss->h_ok = 0;
+        ss->head_stale = tn > 0;
+    }
+    ss->d_off = tn;
+    ss->lag_ok = 0;
+    if (!buf || len < SPEC_HEADER_BYTES)
+        return fail(s, WS_ERR_BAD_STATE, "draft state of %zu bytes is shorter than its header", len);
+    const uint8_t *p = buf;
+    const uint32_t magic = get32(&p), version = get32(&p);
+    if (magic != WS_SPEC_STATE_MAGIC)
+        return fail(s, WS_ERR_BAD_STATE, "draft state magic 0x%08x is not WSSP", magic);
+    if (version < 1 || version > WS_SPEC_STATE_VERSION)
+        return fail(s, WS_ERR_BAD_STATE, "draft state version %u is not supported (1..%u)",
+                    version, WS_SPEC_STATE_VERSION);
+    const int32_t d_off = (int32_t)get32(&p), lag_ok = (int32_t)get32(&p);
+    uint64_t rng[4];
+    for (int i = 0; i < 4; i++) rng[i] = get64(&p);
+    ws_spec_counters c;
+    c.n_steps = get64(&p);
+    c.n_drafted = get64(&p);
+    c.n_accepted = get64(&p);
+    c.n_draft_prefill = get64(&p);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.drafted_at[i] = get64(&p);
+    for (int i = 0; i < WS_SPEC_MAX_DRAFT; i++) c.accepted_at[i] = get64(&p);
+    if (!(rng[0] | rng[1] | rng[2] | rng[3]))
+        return fail(s, WS_ERR_BAD_STATE, "draft state RNG is all zero");
+    if (d_off < 0 || d_off > tn || lag_ok < 0 || lag_ok > tn)
+        return fail(s, WS_ERR_BAD_STATE, "draft state offset %d / lag %d do not fit a slot of %d",
+                    d_off, lag_ok, tn);
+    uint32_t parts = SPEC_PART_DRAFT, h_ok = 0;
+    uint64_t draft_bytes = len - SPEC_HEADER_BYTES, head_bytes = 0;
+    if (version >= 2) {
+        if (len < SPEC_HEADER_BYTES + SPEC_EXT_BYTES)
+            return fail(s, WS_ERR_BAD_STATE, "draft state of %zu bytes is shorter than its header",
+                        len);
+        parts = get32(&p);
+        h_ok = get32(&p);
+        draft_bytes = get64(&p);
+        head_bytes = get64(&p);
+        const uint32_t k = get32(&p), e = get32(&p);
+        if (parts > (SPEC_PART_DRAFT | SPEC_PART_HEAD) || h_ok > 1 ||
+            draft_bytes > len || head_bytes > len ||
+            SPEC_HEADER_BYTES + SPEC_EXT_BYTES + draft_bytes + head_bytes != len ||
+            (!(parts & SPEC_PART_DRAFT) && draft_bytes) || (!(parts & SPEC_PART_HEAD) && head_bytes))
+            return fail(s, WS_ERR_BAD_STATE, "draft state parts (%u: %llu + %llu bytes) do not "
+                        "make its %zu bytes", parts, (unsigned long long)draft_bytes,
+                        (unsigned long long)head_bytes, len);
+        if ((parts & SPEC_PART_HEAD) && s->head &&
+            (k != (uint32_t)s->head_k || e != (uint32_t)s->n_embd))
+            return fail(s, WS_ERR_BAD_STATE, "draft state of a head of %u x %u, this head is "
+                        "%d x %d", k, e, s->head_k, s->n_embd);
+    }
+    if (s->dft && !(parts & SPEC_PART_DRAFT))
+        return fail(s, WS_ERR_BAD_STATE, "draft state holds no draft-model KV");
+    size_t kv_read = 0;
+    if (s->dft) TRY(load_draft_kv(s, slot, p, (size_t)draft_bytes, d_off, &kv_read));
+    p += draft_bytes;
+    if (s->head && (parts & SPEC_PART_HEAD)) {
+        ws_status st = load_head_kv(s, slot, p, (size_t)head_bytes, h_ok);
+        if (st != WS_OK) {
+            if (s->dft) ws_slot_clear(s->dft, slot);
+            return st;
+        }
+    }
+    if (s->dft) {
+        const int32_t dn = kv_len(s->dft, slot);
+        ss->d_off = d_off;
+        ss->lag_ok = lag_ok < tn - (d_off + dn) ? lag_ok : tn - (d_off + dn);
+    }
     memcpy(ss->rng, rng, sizeof rng);
     ss->c = c;
-    *read_out = SPEC_HEADER_BYTES + kv_read;
+    *read_out = len;
     return WS_OK;
 }
 
@@ -1237,7 +1701,7 @@ ws_status ws_spec_slot_state_prepare(ws_spec *s, int32_t slot, size_t *target_si
     TRY(ws_spec_commit(s, slot));
     ws_status st = ws_slot_state_size(s->tgt, slot, target_size);
     if (st != WS_OK) return fail_from(s, s->tgt, st, "target state");
-    if (s->dft) TRY(ws_spec_state_size(s, slot, draft_size));
+    if (s->dft || s->head) TRY(ws_spec_state_size(s, slot, draft_size));
     return WS_OK;
 }
 
@@ -1251,7 +1715,7 @@ ws_status ws_spec_slot_state_get(const ws_spec *s, int32_t slot, uint8_t *tbuf, 
         return fail(s, WS_ERR_BAD_STATE, "slot %d holds a pending token: prepare it first", slot);
     ws_status st = ws_slot_state_get(s->tgt, slot, tbuf, tcap, t_written);
     if (st != WS_OK) return fail_from((ws_spec *)s, s->tgt, st, "target state");
-    if (s->dft) {
+    if (s->dft || s->head) {
         st = ws_spec_state_get(s, slot, dbuf, dcap, d_written);
         if (st != WS_OK) *t_written = 0;
         return st;
@@ -1279,7 +1743,9 @@ ws_status ws_spec_slot_state_set(ws_spec *s, int32_t slot, const uint8_t *header
         ws_spec_clear(s, slot);
         return fail(s, WS_ERR_INVALID_ARGUMENT, "draft offset %d outside 0..%d", draft_offset, tn);
     }
-    if (!s->dft) return WS_OK;
+    /* a restored slot's head has no pairs and no hidden states to build them from */
+    if (s->head && tn > 0) head_stale(s, slot);
+    if (!s->dft && !s->head) return WS_OK;
     s->last_error[0] = '\0';
     if (dbuf && ws_spec_state_set(s, slot, dbuf, dlen, &read) == WS_OK) {
         *draft_loaded = 1;

@@ -164,9 +164,17 @@ ws_status ws_model_init(const ws_hparams *hp, const ws_weights *w, ws_model **ou
     if (!w->output_norm || !w->layers)
         return fail_global(WS_ERR_INVALID_ARGUMENT, "missing output norm or layers");
     const int hd = head_dim, q_dim = hp->n_head * hd, kv_dim = hp->n_head_kv * hd;
-    ws_status st = check_tensor(&w->tok_embd, "token_embd", -1, hp->n_vocab, hp->n_embd);
+    const int head = w->fc.data != NULL;
+    if (head && (hp->arch != WS_ARCH_LLAMA || !w->output.data || w->tok_embd.rows < 1))
+        return fail_global(WS_ERR_INVALID_ARGUMENT,
+                           "a feature head needs the llama architecture, its own output "
+                           "and its target's token embedding");
+    /* a head's token embedding is its target's: any number of rows */
+    ws_status st = check_tensor(&w->tok_embd, "token_embd", -1,
+                                head ? w->tok_embd.rows : hp->n_vocab, hp->n_embd);
     if (st == WS_OK && w->output.data)
         st = check_tensor(&w->output, "output", -1, hp->n_vocab, hp->n_embd);
+    if (st == WS_OK && head) st = check_tensor(&w->fc, "fc", -1, hp->n_embd, 2 * hp->n_embd);
     for (int l = 0; st == WS_OK && l < hp->n_layer; l++) {
         const ws_layer_weights *L = &w->layers[l];
         if (!L->attn_norm || !L->ffn_norm)
@@ -320,6 +328,9 @@ struct ws_context {
     float *hb2;        /* [n_batch][n_ff]    up                     */
     float *scores;     /* [n_threads][WS_ATT_GROUP][n_ctx] attention weights */
 
+    float *fin;        /* [n_batch][2 * n_embd] a feature head's inputs: embedding, feature */
+    int n_tok;         /* token ids a decode accepts: the rows of tok_embd          */
+    int32_t *out_rows; /* [n_batch] chunk tokens whose logits are wanted, in order  */
     int32_t *tok_slot; /* [n_batch] slot of each token of the chunk     */
     int32_t *tok_pos;  /* [n_batch] position of each token in its slot  */
     float *kbuf;       /* [n_batch][kv_dim] new keys before the cache   */
@@ -341,6 +352,9 @@ struct ws_context {
         int nt;               /* tokens in chunk (slot, pos: tok_slot/tok_pos) */
         int out_t0, out_nt;   /* tokens whose logits are wanted         */
         float *logits;        /* [out_nt][n_vocab]                      */
+        int rows_listed;      /* 1: the wanted tokens are out_rows[0..out_nt) */
+        float *hidden;        /* [nt][n_embd] hidden states out, or NULL */
+        int kv_only;          /* the last layer stops after its keys and values */
     } job;
 
     ws_pool pool;
@@ -361,6 +375,8 @@ ws_context_params ws_context_default_params(void) {
 ws_context_params ws_context_get_params(const ws_context *ctx) { return ctx->params; }
 
 const ws_model *ws_context_model(const ws_context *ctx) { return ctx ? ctx->model : NULL; }
+
+int ws_context_is_head(const ws_context *ctx) { return ctx && ctx->model->w.fc.data != NULL; }
 
 size_t ws_context_kv_bytes(const ws_context *ctx) {
     return 2 * ctx->kv_row * ctx->slot_rows * (size_t)ctx->params.n_slots;
@@ -532,7 +548,7 @@ void ws_context_free(ws_context *ctx) {
                      ctx->rope_sin, ctx->rope_cos_swa, ctx->rope_sin_swa, ctx->ybuf,
                      ctx->x,        ctx->xn,      ctx->q,        ctx->att,     ctx->hb,
                      ctx->hb2,      ctx->scores,  ctx->tok_slot, ctx->tok_pos, ctx->kbuf,
-                     ctx->vbuf,     ctx->wbuf,    ctx};
+                     ctx->vbuf,     ctx->wbuf,    ctx->fin,      ctx->out_rows, ctx};
     for (size_t i = 0; i < sizeof owned / sizeof *owned; i++) free(owned[i]);
 }
 
@@ -620,6 +636,10 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
     ctx->vbuf = alloc_floats(nb * (size_t)ctx->kv_dim, &ok);
     ctx->wbuf_cols = hp->n_embd > hp->n_ff ? hp->n_embd : hp->n_ff;
     if (ctx->q_dim > ctx->wbuf_cols) ctx->wbuf_cols = ctx->q_dim;
+    const int is_head = model->w.fc.data != NULL;
+    if (is_head && 2 * hp->n_embd > ctx->wbuf_cols) ctx->wbuf_cols = 2 * hp->n_embd;
+    ctx->fin = alloc_floats(is_head ? nb * 2 * (size_t)hp->n_embd : 1, &ok);
+    ctx->n_tok = model->w.tok_embd.rows;
     ctx->wbuf = alloc_floats((size_t)params.n_threads * (WS_MATMUL_SCRATCH_BYTES(ctx->wbuf_cols) /
                                                          sizeof(float)), &ok);
     if (ok) {
@@ -627,12 +647,14 @@ ws_status ws_context_init(const ws_model *model, ws_context_params params, ws_co
         ctx->n_past = calloc((size_t)params.n_slots, sizeof(int32_t));
         ctx->tok_slot = calloc(nb, sizeof(int32_t));
         ctx->tok_pos = calloc(nb, sizeof(int32_t));
+        ctx->out_rows = calloc(nb, sizeof(int32_t));
         ctx->ring_lo = calloc((size_t)params.n_slots, sizeof(int32_t));
         ctx->tok_first = calloc(nb, sizeof(int32_t));
         ctx->tok_last = calloc(nb, sizeof(int32_t));
         ctx->rows = calloc((size_t)params.n_threads * 2 * (size_t)params.n_ctx,
                            sizeof(const uint8_t *));
         ok = ctx->tokens && ctx->n_past && ctx->tok_slot && ctx->tok_pos && ctx->ring_lo &&
+             ctx->out_rows &&
              ctx->tok_first && ctx->tok_last && ctx->rows;
     }
     if (!ok) {
@@ -1085,6 +1107,13 @@ static void forward_worker(ws_context *ctx, int ith) {
     const int n_units = hp->n_head + 2 * hp->n_head_kv;
 
     const int gemma = hp->arch == WS_ARCH_GEMMA3;
+    if (m->w.fc.data) {
+        /* a feature head's input: x = fc . concat(embedding, feature), split by rows */
+        split_range(E, ith, nth, 4, &a, &b);
+        ws_matmul(ctx->x, E, &m->w.fc, ctx->fin, 2 * E, a, b, nt, 0, wbuf);
+        pool_barrier(pool);
+    }
+    const int kv_only = ctx->job.kv_only;
     for (int l = 0; l < hp->n_layer; l++) {
         const ws_layer_weights *L = &m->w.layers[l];
         const int local = ws_layer_is_local(hp, l);
@@ -1095,7 +1124,13 @@ static void forward_worker(ws_context *ctx, int ith) {
 
         /* q, k, v projections split by whole heads, so each thread turns (RoPE)
            the q and k heads it computed without waiting for the others */
-        split_range(n_units, ith, nth, 1, &a, &b);
+        /* the last layer of a keys-and-values-only pass skips its queries */
+        const int last_kv = kv_only && l == hp->n_layer - 1;
+        split_range(last_kv ? 2 * hp->n_head_kv : n_units, ith, nth, 1, &a, &b);
+        if (last_kv) {
+            a += hp->n_head;
+            b += hp->n_head;
+        }
         for (int u = a; u < b; u++) {
             const int is_q = u < hp->n_head, is_k = !is_q && u < hp->n_head + hp->n_head_kv;
             const int h = is_q ? u : is_k ? u - hp->n_head : u - hp->n_head - hp->n_head_kv;
@@ -1127,6 +1162,11 @@ static void forward_worker(ws_context *ctx, int ith) {
             }
         }
         pool_barrier(pool);
+        if (last_kv) {
+            if (local) ring_commit(ctx, l, ith, nth, nt);
+            if (local) pool_barrier(pool);
+            return; /* the keys and values are stored: nothing else was asked */
+        }
 
         /* attention. A chunk of many tokens (a prefill) deals its tokens out in turn, so
            that the threads share its later tokens' longer contexts alike (contiguous
@@ -1172,13 +1212,28 @@ static void forward_worker(ws_context *ctx, int ith) {
                        wbuf);
     }
 
-    /* final norm and logits of the wanted tokens */
+    /* the hidden states (the residual stream before output_norm): the caller's copy,
+       by the caller's thread (nothing writes x any more) */
+    if (ith == 0 && ctx->job.hidden)
+        memcpy(ctx->job.hidden, ctx->x, sizeof(float) * (size_t)nt * (size_t)E);
+    /* final norm and logits of the wanted tokens: t0 .. t0 + on, or the listed ones
+       packed into the first rows of xn (each row's products do not depend on where
+       it sits) */
     if (on > 0) {
-        rmsnorm_rows(xn + (size_t)t0 * E, ctx->x + (size_t)t0 * E, m->w.output_norm, E,
-                     hp->rms_eps, 0, on);
+        const float *xin;
+        if (ctx->job.rows_listed) {
+            for (int i = 0; i < on; i++)
+                rmsnorm_rows(xn + (size_t)i * E, ctx->x + (size_t)ctx->out_rows[i] * E,
+                             m->w.output_norm, E, hp->rms_eps, 0, 1);
+            xin = xn;
+        } else {
+            rmsnorm_rows(xn + (size_t)t0 * E, ctx->x + (size_t)t0 * E, m->w.output_norm, E,
+                         hp->rms_eps, 0, on);
+            xin = xn + (size_t)t0 * E;
+        }
         const ws_tensor *wout = m->w.output.data ? &m->w.output : &m->w.tok_embd;
         split_range(hp->n_vocab, ith, nth, 4, &a, &b);
-        ws_matmul(logits, hp->n_vocab, wout, xn + (size_t)t0 * E, E, a, b, on, 0, wbuf);
+        ws_matmul(logits, hp->n_vocab, wout, xin, E, a, b, on, 0, wbuf);
         pool_barrier(pool);
     }
 }
@@ -1274,6 +1329,9 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
         return fail_ctx(ctx, WS_ERR_CONTEXT_FULL,
                         "slot %d holds %d tokens; %d more exceed its context of %d", slot, n_past,
                         n_tokens, ctx->params.n_ctx);
+    if (ws_context_is_head(ctx))
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                        "a feature head decodes tokens paired with features (ws_decode_ex)");
     for (int32_t i = 0; i < n_tokens; i++)
         if (tokens[i] < 0 || tokens[i] >= hp->n_vocab)
             return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
@@ -1299,6 +1357,9 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
             ctx->tok_last[t] = n_past + done + nt - 1;
         }
         ctx->job.nt = nt;
+        ctx->job.rows_listed = 0;
+        ctx->job.hidden = NULL;
+        ctx->job.kv_only = 0;
         if (!want) {
             ctx->job.out_t0 = 0;
             ctx->job.out_nt = 0;
@@ -1322,12 +1383,11 @@ ws_status ws_decode(ws_context *ctx, int32_t slot, const int32_t *tokens, int32_
     return WS_OK;
 }
 
-ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
-                          const int32_t *n_tokens, const int32_t *tokens, float *logits,
-                          size_t logits_cap) {
+ws_status ws_decode_ex(ws_context *ctx, int32_t n_seq, const int32_t *slots,
+                       const int32_t *n_tokens, const int32_t *tokens, const ws_decode_io *io) {
     if (!ctx) return WS_ERR_INVALID_ARGUMENT;
     const ws_hparams *hp = &ctx->model->hp;
-    if (!slots || !n_tokens || !tokens || n_seq <= 0 || n_seq > ctx->params.n_slots)
+    if (!slots || !n_tokens || !tokens || !io || n_seq <= 0 || n_seq > ctx->params.n_slots)
         return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
                         "a batch decode takes 1..%d slots (got %d)", ctx->params.n_slots, n_seq);
     int64_t total = 0;
@@ -1350,28 +1410,62 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
         total += n_tokens[i];
     }
     for (int64_t t = 0; t < total; t++)
-        if (tokens[t] < 0 || tokens[t] >= hp->n_vocab)
+        if (tokens[t] < 0 || tokens[t] >= ctx->n_tok)
             return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
                             "token %d at index %lld is outside the vocabulary 0..%d", tokens[t],
-                            (long long)t, hp->n_vocab - 1);
-    const size_t need = (size_t)total * (size_t)hp->n_vocab;
-    if (!logits || logits_cap < need)
+                            (long long)t, ctx->n_tok - 1);
+    const int E = hp->n_embd;
+    const int head = ws_context_is_head(ctx);
+    if (head != (io->features != NULL))
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                        head ? "a feature head decodes tokens paired with features"
+                             : "a language model takes no features");
+    if (head && io->features_cap < (size_t)total * (size_t)E)
         return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL,
-                        "logits buffer holds %zu floats, %zu are needed", logits_cap, need);
+                        "features buffer holds %zu floats, %zu are needed", io->features_cap,
+                        (size_t)total * (size_t)E);
+    int64_t n_want = 0;
+    const int want_logits = !(io->logits == NULL && io->logits_cap == 0);
+    if (want_logits) {
+        if (!io->want) n_want = total;
+        else
+            for (int64_t t = 0; t < total; t++) n_want += io->want[t] != 0;
+    }
+    const size_t need = (size_t)n_want * (size_t)hp->n_vocab;
+    if (want_logits && (!io->logits || io->logits_cap < need))
+        return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL,
+                        "logits buffer holds %zu floats, %zu are needed", io->logits_cap, need);
+    const int want_hidden = !(io->hidden == NULL && io->hidden_cap == 0);
+    if (want_hidden && (!io->hidden || io->hidden_cap < (size_t)total * (size_t)E))
+        return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL,
+                        "hidden buffer holds %zu floats, %zu are needed", io->hidden_cap,
+                        (size_t)total * (size_t)E);
+    if (io->kv_only && (want_logits || want_hidden))
+        return fail_ctx(ctx, WS_ERR_INVALID_ARGUMENT,
+                        "a keys-and-values-only decode computes no logits or hidden states");
     /* chunks of at most n_batch tokens; a slot's tokens stay in order, so a token in a
        later chunk attends to the keys and values an earlier chunk stored */
-    const int E = hp->n_embd;
     int32_t seq = 0, in_seq = 0;
+    size_t rows_done = 0; /* logits rows written by earlier chunks */
     for (int64_t done = 0; done < total;) {
         int nt = (int)(total - done < ctx->params.n_batch ? total - done : ctx->params.n_batch);
+        int on = 0;
         for (int t = 0; t < nt; t++) {
             while (in_seq == n_tokens[seq]) {
                 seq++;
                 in_seq = 0;
             }
-            embed(ctx, tokens[done + t], ctx->x + (size_t)t * E);
+            if (head) {
+                float *in = ctx->fin + (size_t)t * 2 * (size_t)E;
+                embed(ctx, tokens[done + t], in);
+                memcpy(in + E, io->features + (size_t)(done + t) * (size_t)E,
+                       sizeof(float) * (size_t)E);
+            } else {
+                embed(ctx, tokens[done + t], ctx->x + (size_t)t * E);
+            }
             ctx->tok_slot[t] = slots[seq];
             ctx->tok_pos[t] = ctx->n_past[slots[seq]] + in_seq;
+            if (want_logits && (!io->want || io->want[done + t])) ctx->out_rows[on++] = t;
             in_seq++;
         }
         /* a local layer's attention reads the chunk's own positions of a slot from its
@@ -1386,9 +1480,13 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
         }
         ctx->job.nt = nt;
         ctx->job.out_t0 = 0;
-        ctx->job.out_nt = nt;
-        ctx->job.logits = logits + (size_t)done * hp->n_vocab;
+        ctx->job.out_nt = on;
+        ctx->job.rows_listed = io->want != NULL;
+        ctx->job.logits = on ? io->logits + rows_done * (size_t)hp->n_vocab : NULL;
+        ctx->job.hidden = want_hidden ? io->hidden + (size_t)done * (size_t)E : NULL;
+        ctx->job.kv_only = io->kv_only != 0;
         run_chunk(ctx);
+        rows_done += (size_t)on;
         done += nt;
     }
     const int32_t *tk = tokens;
@@ -1401,6 +1499,16 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
         tk += n_tokens[i];
     }
     return WS_OK;
+}
+
+ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
+                          const int32_t *n_tokens, const int32_t *tokens, float *logits,
+                          size_t logits_cap) {
+    if (!ctx) return WS_ERR_INVALID_ARGUMENT;
+    if (!logits)
+        return fail_ctx(ctx, WS_ERR_BUFFER_TOO_SMALL, "a batch decode writes every token's logits");
+    const ws_decode_io io = {.logits = logits, .logits_cap = logits_cap};
+    return ws_decode_ex(ctx, n_seq, slots, n_tokens, tokens, &io);
 }
 
 ws_status ws_decode_multi(ws_context *ctx, const int32_t *slots, const int32_t *tokens,
@@ -1584,9 +1692,9 @@ static ws_status state_load(ws_context *ctx, int32_t slot, uint32_t n, uint32_t 
     for (uint32_t i = 0; i < n; i++) {
         int32_t tok;
         memcpy(&tok, tokens + 4 * (size_t)i, sizeof tok);
-        if (tok < 0 || tok >= hp->n_vocab)
+        if (tok < 0 || tok >= ctx->n_tok)
             return fail_ctx(ctx, WS_ERR_BAD_STATE, "state token %d at %u is outside 0..%d", tok, i,
-                            hp->n_vocab - 1);
+                            ctx->n_tok - 1);
     }
     /* a NaN or infinity in the KV would poison every later token: refuse it (q8_0:
        in a block's scale; its int8 values are finite) */

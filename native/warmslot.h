@@ -136,6 +136,13 @@ typedef struct {
     const float *output_norm; /* [n_embd]                           */
     ws_tensor output;         /* [n_vocab][n_embd]; data NULL: tied to tok_embd */
     const ws_layer_weights *layers; /* [n_layer], copied by ws_model_init */
+    /* A feature head (docs/formats.md, warmslot-head): fc [n_embd][2 * n_embd], data
+       NULL for a language model. A head's input of a token t paired with a feature
+       vector f (ws_decode_io.features) is fc . concat(embedding of t, f); tok_embd is
+       then its target's embedding ([target vocab][n_embd], any number of rows, the
+       token ids a decode accepts), output must be its own ([n_vocab][n_embd]: n_vocab
+       is the head's readout rows) and the architecture llama. */
+    ws_tensor fc;
 } ws_weights;
 
 typedef struct ws_model ws_model;
@@ -254,6 +261,39 @@ ws_status ws_decode_batch(ws_context *ctx, int32_t n_seq, const int32_t *slots,
                           const int32_t *n_tokens, const int32_t *tokens, float *logits,
                           size_t logits_cap);
 
+/*
+ * The general decode: ws_decode_batch's segments with what the caller wants of them.
+ *   features   a feature head's inputs: [sum of n_tokens][n_embd], the vector paired
+ *              with each token (NULL: a language model, which refuses them; a head
+ *              needs them). features_cap: floats it holds.
+ *   want       [sum of n_tokens]: 1 for the tokens whose logits are wanted, written
+ *              in token order, packed ([wanted][n_vocab]); NULL: every token's.
+ *   logits     NULL with logits_cap 0: none.
+ *   hidden     [sum of n_tokens][n_embd]: each token's hidden state, the residual
+ *              stream after the last layer, before output_norm (what the logits are
+ *              the output of), as floats; NULL with hidden_cap 0: none. Kept only
+ *              when asked: the pass copies it out, nothing else changes.
+ *   kv_only    1: only the keys and values are wanted (no logits, no hidden): the
+ *              last layer stops once it has stored them (a feature head's catch-up
+ *              costs its input projection and k, v only).
+ * The logits and hidden states of a token are bit-identical however it was decoded
+ * (batch, slot, threads, build), as ws_decode's. On any error no slot changes.
+ */
+typedef struct {
+    const float *features;
+    size_t features_cap;
+    const uint8_t *want;
+    float *logits;
+    size_t logits_cap;
+    float *hidden;
+    size_t hidden_cap;
+    int32_t kv_only;
+} ws_decode_io;
+ws_status ws_decode_ex(ws_context *ctx, int32_t n_seq, const int32_t *slots,
+                       const int32_t *n_tokens, const int32_t *tokens, const ws_decode_io *io);
+/* Whether the context's model is a feature head (ws_weights.fc set). */
+int ws_context_is_head(const ws_context *ctx);
+
 /* Keeps the first n positions of a slot (n <= current count). With sliding-window
  * layers in a ring, n must be 0 or >= ws_slot_keep_min: a shorter prefix needs keys
  * the ring no longer holds; such a call fails (WS_ERR_INVALID_ARGUMENT) and leaves
@@ -329,11 +369,16 @@ ws_status ws_slot_state_set_parts(ws_context *ctx, int32_t slot, const uint8_t *
 
 #define WS_SPEC_MAX_DRAFT 16
 #define WS_SPEC_STATE_MAGIC 0x50535357u /* "WSSP" */
-#define WS_SPEC_STATE_VERSION 1u
+/* draft state versions: 1 the draft model's KV; 2 (written with a feature head) parts:
+   the draft model's KV and/or the head's (version 1 is still read) */
+#define WS_SPEC_STATE_VERSION 2u
 /* the draft state's header: magic, version, d_off, lag_ok (u32), rng[4], then the
    counters n_steps, n_drafted, n_accepted, n_draft_prefill, drafted_at[16],
-   accepted_at[16] (u64) */
+   accepted_at[16] (u64); version 2 then has WS_SPEC_STATE_EXT_BYTES more: parts (u32:
+   1 the draft model's KV, 2 the head's), h_ok (u32), the parts' bytes (u64, u64), the
+   head's readout rows and width (u32, u32) */
 #define WS_SPEC_STATE_HEADER_BYTES 336u
+#define WS_SPEC_STATE_EXT_BYTES 32u
 
 #define WS_SPEC_MAX_LOGPROBS 20
 #define WS_SPEC_MAX_PENALTY_LAST_N 4096
@@ -391,6 +436,7 @@ typedef enum {
     WS_DRAFTER_NONE = 0,   /* the step drafted nothing                          */
     WS_DRAFTER_MODEL = 1,  /* the draft model proposed                          */
     WS_DRAFTER_LOOKUP = 2, /* the lookup drafter proposed                       */
+    WS_DRAFTER_HEAD = 3,   /* the feature head proposed                         */
 } ws_drafter;
 
 typedef struct {
@@ -400,6 +446,10 @@ typedef struct {
     /* lookup drafter: proposals after a match of m tokens, at [m] (0..
        WS_SPEC_MAX_DRAFT; [0] unused; all 0: lookup off)                          */
     int32_t lookup_k[WS_SPEC_LOOKUP_MAX_MATCH + 1];
+    /* feature head (ws_spec_set_head): proposals per step where lookup does not
+       propose (0..WS_SPEC_MAX_DRAFT; 0: off); it drafts instead of the draft model,
+       stopping as the model does (p_min after n_min)                              */
+    int32_t head_n_max;
 } ws_spec_params;
 
 /* What one slot's step did. */
@@ -424,6 +474,27 @@ typedef struct ws_spec ws_spec;
 
 /* target and draft must outlive the ws_spec; draft may be NULL. */
 ws_status ws_spec_init(ws_context *target, ws_context *draft, ws_spec **out);
+/*
+ * The feature head (docs/formats.md, warmslot-head): `head` a context of a head model
+ * (ws_weights.fc) of the target's width, slots and positions; token_ids[k] the
+ * vocabulary token of each of its k readout rows (k = the head's n_vocab). Set once,
+ * while every slot is empty; it must outlive the ws_spec.
+ *
+ * With a head every target pass keeps the hidden states of its tokens and the head
+ * follows: its KV holds the pairs (h_p, e_{p+1}) of positions 0..n-2 of a slot of n
+ * tokens, computed from the target's true hidden states (the accepted tokens' pairs
+ * after each step, in one keys-and-values-only head pass), and the slot keeps
+ * h_{n-1}. A step where the head drafts (head_n_max > 0, lookup silent) chains the
+ * head's own predicted hidden states: pair (h_{n-1}, e_{pending}) at position n-1,
+ * then (g, e_{d_j}) at the next positions; the drafted pairs are dropped afterwards.
+ * ws_spec_truncate to n < the target's tokens keeps n - 1 of them and the n-th as the
+ * pending token, whose decode gives h_{n-1} back. A slot restored without the head's
+ * state does not draft with the head until it is cleared.
+ */
+ws_status ws_spec_set_head(ws_spec *spec, ws_context *head, const int32_t *token_ids, int32_t k);
+/* The pairs the head's KV holds for the slot, and whether the head can draft for it
+   now (*ready 1: level with the target, h_{n-1} kept). */
+ws_status ws_spec_head_status(const ws_spec *spec, int32_t slot, int32_t *n_pairs, int *ready);
 void ws_spec_free(ws_spec *spec);
 const char *ws_spec_last_error(const ws_spec *spec);
 
@@ -503,9 +574,15 @@ ws_status ws_spec_counters_get(const ws_spec *spec, int32_t slot, ws_spec_counte
 
 /*
  * The slot's draft state: spec header (magic, version, RNG, counters), then
- * the draft context's slot state (ws_slot_state_get format). Set validates
- * both and that the draft's tokens are a prefix of the target's; on error the
- * draft slot is left empty and the RNG and counters unchanged.
+ * the draft context's slot state (ws_slot_state_get format). With a feature head
+ * (version 2): the header's extension, then the draft context's slot state (with a
+ * draft model), then the head's part: h_{n-1} (f32[n_embd]) and the head context's
+ * slot state (its pairs 0..n-2; absent when the head cannot draft for the slot). Set
+ * validates everything (the draft's tokens a prefix of the target's, the head's the
+ * target's from position 1, as many pairs as the target has tokens less one); on
+ * error the draft slot is left empty, the head off for the slot (until cleared), and
+ * the RNG and counters unchanged. A version-1 state into a decoder with a head leaves
+ * the head off for the slot.
  */
 ws_status ws_spec_state_size(const ws_spec *spec, int32_t slot, size_t *size_out);
 ws_status ws_spec_state_get(const ws_spec *spec, int32_t slot, uint8_t *buf, size_t cap,

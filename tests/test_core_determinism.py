@@ -237,8 +237,11 @@ with Model.load(sys.argv[1]) as model, \
     batched = ctx.decode(0, tokens, logits_all=True)
     ctx.clear(0)
     single = [ctx.decode(0, [t]) for t in tokens[:8]]
+    ctx.clear(0)
+    _, hidden = ctx.decode_ex([0], [tokens], logits=False, hidden=True)
 print(NATIVE_VARIANT, hashlib.sha256(batched.tobytes()).hexdigest(),
-      hashlib.sha256(b"".join(s.tobytes() for s in single)).hexdigest())
+      hashlib.sha256(b"".join(s.tobytes() for s in single)).hexdigest(),
+      hashlib.sha256(hidden.tobytes()).hexdigest())
 """
 
 
@@ -360,3 +363,74 @@ def test_gemma3_builds_give_the_same_bits(tmp_path: Path, kv_type: str) -> None:
     release = logits_digests(path, "release", kv_type)
     assert logits_digests(path, "portable", kv_type) == release
     assert logits_digests(path, "avx2", kv_type) == release
+
+
+# ---- hidden states (ws_decode_ex): the residual stream before output_norm ----
+
+
+def hidden_one_by_one(ctx: Context, slot: int, tokens: list[int]) -> np.ndarray:
+    return np.concatenate([ctx.decode_ex([slot], [[t]], logits=False, hidden=True)[1]
+                           for t in tokens])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_hidden_states_are_batch_invariant(model_path: Path, kv_type: str, threads: int) -> None:
+    """A token's hidden state has the same bits whatever the batch, slot, thread count
+    and whether logits were asked for with it."""
+    with Model.load(model_path) as model:
+        with Context(model, n_ctx=64, n_threads=1, kv_type=kv_type) as one:
+            alone = hidden_one_by_one(one, 0, TOKENS)
+        with Context(model, n_slots=3, n_ctx=64, n_threads=threads, kv_type=kv_type) as ctx:
+            for size in (2, 5, N):
+                ctx.clear(2)
+                got = np.concatenate([
+                    ctx.decode_ex([2], [TOKENS[i:i + size]], hidden=True,
+                                  logits=bool(i % 2))[1]
+                    for i in range(0, N, size)])
+                assert got.tobytes() == alone.tobytes()
+            # two slots in one pass, with other slots' work in between
+            ctx.clear(0)
+            ctx.clear(1)
+            ctx.decode(1, TOKENS[:7])
+            ctx.decode_ex([0], [TOKENS[:20]], logits=False, hidden=True)
+            logits, hid = ctx.decode_ex([1, 0], [TOKENS[7:10], TOKENS[20:24]], hidden=True)
+            assert hid[:3].tobytes() == alone[7:10].tobytes()
+            assert hid[3:].tobytes() == alone[20:24].tobytes()
+            assert logits is not None and logits.shape == (7, 300)
+
+
+def test_hidden_state_is_before_the_output_norm(small_model_path: Path) -> None:
+    """The logits are output(output_norm(h)): recomputed in numpy from the hidden states
+    (f32 weights) they agree to float rounding, and the wanted rows are packed."""
+    with Model.load(small_model_path) as model, Context(model, n_ctx=64) as ctx:
+        out_w = model.content.tensors["output.weight"].dequantize()
+        norm_w = model.content.tensors["output_norm.weight"].dequantize()
+        want = [i % 3 == 0 for i in range(N)]
+        logits, hid = ctx.decode_ex([0], [TOKENS], want=want, hidden=True)
+        eps = model.hparams.rms_eps
+    assert hid is not None and logits is not None and logits.shape == (13, 300)
+    h = hid.astype(np.float64)
+    xn = h / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps) * norm_w
+    ref = xn @ out_w.T.astype(np.float64)
+    np.testing.assert_allclose(logits, ref[::3], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_ex_validation(small_model_path: Path) -> None:
+    from inference_svc.core import BufferTooSmallError, InvalidArgumentError
+
+    with Model.load(small_model_path) as model, Context(model, n_ctx=64) as ctx:
+        with pytest.raises(InvalidArgumentError, match="a language model takes no features"):
+            ctx.decode_ex([0], [[1, 2]], features=np.zeros((2, 64), np.float32))
+        with pytest.raises(InvalidArgumentError, match="keys-and-values-only"):
+            ctx.decode_ex([0], [[1, 2]], kv_only=True)
+        assert ctx.n_tokens(0) == 0
+        from inference_svc.core import binding
+        io = binding.ffi.new("ws_decode_io *")
+        hid = np.zeros(64, np.float32)
+        io.hidden = binding.ffi.cast("float *", binding.ffi.from_buffer("float[]", hid))
+        io.hidden_cap = 64
+        toks = binding.ffi.new("int32_t[]", [1, 2])
+        with pytest.raises(BufferTooSmallError, match="hidden buffer holds 64 floats, 128"):
+            binding.decode_ex(ctx.handle, 1, binding.ffi.new("int32_t[]", [0]),
+                              binding.ffi.new("int32_t[]", [2]), toks, io)
+        assert ctx.n_tokens(0) == 0

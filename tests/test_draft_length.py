@@ -68,10 +68,10 @@ def test_lookup_lengths_by_band_from_their_priors() -> None:
     """Each band of repeat length starts from its own prior: a one-token repeat is not
     worth a proposal, a repeat of 8+ is worth n_max; the request's cap bounds them."""
     d = DraftLengths.start(8, 0.3, (8,) * 16, 0.2, 0.5)
-    assert d.next() == (1, (0, 1, 2, 3, 3, 3, 3) + (8,) * 9)
+    assert d.next() == (1, (0, 1, 2, 3, 3, 3, 3) + (8,) * 9, 0)
     capped = DraftLengths.start(0, 0.3, (0, 0) + (4,) * 14, 0.2, 0.5)
-    assert capped.next() == (0, (0, 0, 2, 3, 3, 3, 3) + (4,) * 9)
-    assert DraftLengths.start(4, 0.3, (), 0.2, 0.5).next() == (1, ())
+    assert capped.next() == (0, (0, 0, 2, 3, 3, 3, 3) + (4,) * 9, 0)
+    assert DraftLengths.start(4, 0.3, (), 0.2, 0.5).next() == (1, (), 0)
 
 
 def test_lookup_band_learns_alone() -> None:
@@ -80,7 +80,7 @@ def test_lookup_band_learns_alone() -> None:
     d = DraftLengths.start(8, 0.3, (8,) * 16, 0.2, 0.5)
     for _ in range(3):
         d.observe(d.next(), True, 9, 8, 0)
-    assert d.next() == (1, (0, 1, 2, 3, 3, 3, 3) + (1,) * 9)
+    assert d.next() == (1, (0, 1, 2, 3, 3, 3, 3) + (1,) * 9, 0)
 
 
 def test_an_idle_lookup_band_probes_and_a_model_step_teaches_only_the_model() -> None:
@@ -89,7 +89,7 @@ def test_an_idle_lookup_band_probes_and_a_model_step_teaches_only_the_model() ->
     d = DraftLengths.start(8, 0.3, (8,) * 16, 0.2, 0.5)
     for _ in range(7):
         d.observe(d.next(), False, 1, 1, 0)
-    assert d.next() == (0, (1, 1, 2, 3, 3, 3, 3) + (8,) * 9)
+    assert d.next() == (0, (1, 1, 2, 3, 3, 3, 3) + (8,) * 9, 0)
     # a step without any repeat teaches the lookup bands nothing
     before = [b.acceptance for b in d.bands]
     d.observe(d.next(), False, 0, 0, 0)
@@ -99,3 +99,44 @@ def test_an_idle_lookup_band_probes_and_a_model_step_teaches_only_the_model() ->
 @pytest.mark.parametrize("m, band", [(1, 0), (2, 1), (3, 2), (4, 3), (7, 3), (8, 4), (16, 4)])
 def test_lookup_bands(m: int, band: int) -> None:
     assert lookup_band(m) == band
+
+
+def test_head_drafts_where_lookup_does_not_and_the_model_follows_a_silent_head() -> None:
+    """With a head the controller asks it first where lookup is silent; a head that
+    keeps failing (rejected, or unable to draft: nothing proposed) goes idle and the
+    model, which it kept from drafting, gets the steps; a head whose proposals are
+    accepted keeps them, the model idle."""
+    d = DraftLengths.start(4, 0.3, (), 0.2, 0.5, n_head=6, head_cost=0.3)
+    assert d.next() == (1, (), 1)
+    model_before = d.model.acceptance if d.model else None
+    failures = 0
+    while d.next()[2] > 0 and failures < 10:
+        d.observe(d.next(), False, 0, 0, 0)  # the head proposed nothing
+        failures += 1
+    assert d.next() == (1, (), 0) and failures == 6  # the head idles (declines weigh 1/4)
+    assert d.model is not None and d.model.acceptance == model_before  # it sat them out
+    good = DraftLengths.start(4, 0.3, (), 0.2, 0.5, n_head=6, head_cost=0.3)
+    for _ in range(5):
+        asked = good.next()
+        good.observe(asked, False, 0, asked[2], asked[2], by_head=True)
+    assert good.next() == (1, (), 6)
+    assert good.model is not None and good.model.acceptance == model_before
+    # a silent head that the model then drafted for: the model learns, the head fails
+    d.observe(d.next(), False, 0, 1, 1)
+    assert d.model is not None and d.model.acceptance > 0.5
+
+
+def test_head_declines_weigh_less_than_rejections() -> None:
+    """A head that declines most steps (below p_min) and is right where it drafts keeps
+    drafting; a draft model with the same record stops (its declines cost a decode)."""
+    head = DraftLength(4, 0.3, accepted=2.0, tried=4.0, decline=0.25)
+    model = DraftLength.start(4, 0.3, 0.5)
+    for step in range(40):
+        for d in (head, model):
+            k = d.next()
+            if step % 4 == 3:
+                d.observe(k, k, k)  # drafted and all accepted
+            else:
+                d.observe(k, 0, 0)  # declined
+    assert head.next() > 0 and head.acceptance > 0.5
+    assert model.best() == 0

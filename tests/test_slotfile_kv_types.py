@@ -153,8 +153,8 @@ def test_q8_0_draft_sidecar_is_version_3() -> None:
     sf.check_draft(back, sf.digest(tbytes), t, spec(Q8, FP_D))
     with pytest.raises(sf.CorruptSlotFile, match="unknown KV dtype 2 in a version 2 file"):
         sf.decode_draft(with_version(data, 2))
-    with pytest.raises(sf.UnsupportedSlotFile, match="format version 4 is newer"):
-        sf.decode_draft(with_version(data, 4))
+    with pytest.raises(sf.UnsupportedSlotFile, match="format version 5 is newer"):
+        sf.decode_draft(with_version(data, 5))
     # an f16 sidecar stays version 2
     f16 = sf.DraftFile(sf.digest(tbytes), FP_D, F16, 64, 100, 0, 0, b"")
     assert struct.unpack_from("<I", sf.encode_draft(f16), 4)[0] == 2

@@ -20,7 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from inference_svc import __version__, chat, log
 from inference_svc.api import access
 from inference_svc.config import Config
-from inference_svc.core import Model, StreamDecoder, Tokenizer
+from inference_svc.core import Model, ModelLoadError, StreamDecoder, Tokenizer
+from inference_svc.core.head import Head
 from inference_svc.core.speculative import TokenLogprob
 from inference_svc.engine.executor import Engine, GenJob
 from inference_svc.errors import Unavailable, status_of
@@ -165,7 +166,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             # a q8_0 KV cache
             slot_file_version=slotfile.target_version(slotfile.DTYPE_BY_NAME[cfg.kv_type],
                                                       eng.target.hparams.n_swa > 0),
-            draft_file_version=slotfile.draft_version(slotfile.DTYPE_BY_NAME[cfg.kv_type]),
+            draft_file_version=slotfile.draft_version(slotfile.DTYPE_BY_NAME[cfg.kv_type],
+                                                      eng.head is not None),
             snapshot_protocol_min=SNAPSHOT_PROTOCOL[0],
             snapshot_protocol_max=min(SNAPSHOT_PROTOCOL[1], cfg.snapshot_client_max_protocol),
             store_configured=rt.store is not None,
@@ -176,7 +178,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n,
                 presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty),
             default_speculative=pb.SpeculativeParams(
-                enabled=sp.enabled and (eng.has_draft or sp.lookup), n_max=sp.n_max,
+                enabled=sp.enabled and (eng.has_draft or eng.head is not None or sp.lookup),
+                n_max=sp.n_max,
                 n_min=sp.n_min, p_min=sp.p_min, lookup=sp.lookup),
             default_max_tokens=cfg.default_max_tokens, server_version=__version__,
             eos_id=-1 if tok.eos_id is None else tok.eos_id,
@@ -308,7 +311,7 @@ class Server:
         self.http_port = 0
         self._http: HttpDoor | None = None  # the OpenAI-compatible door, with --http-port
         self._grpc: grpc.Server | None = None
-        self._models: list[Model] = []
+        self._models: list[Model | Head] = []
         self._stopped = threading.Event()
         self._store: SlotStore | None = None
         self._fallback: Fallback | None = None
@@ -376,6 +379,26 @@ class Server:
             api_keys=len(self._keys) if self._keys is not None else None))
         return self.port
 
+    def _load_head(self, target: Model) -> Head | None:
+        """The feature head (--head) for the target: None without one. The default head
+        is skipped when it does not fit the target; a head named by --head that is
+        missing, corrupt or for another target stops the start (ModelLoadError)."""
+        path = self.cfg.head_to_load
+        if path is None:
+            return None
+        try:
+            head = Head(path, target)
+        except ModelLoadError as exc:
+            if not self.cfg.head_is_default:
+                raise
+            self.log.info("the default head does not fit this target: no head",
+                          extra=log.fields(head=str(path), reason=str(exc)))
+            return None
+        self._models.append(head)
+        self.log.info("feature head loaded", extra=log.fields(
+            head=str(path), readout=head.n_out, target=target.fingerprint))
+        return head
+
     def load(self) -> None:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -389,14 +412,16 @@ class Server:
         elif cfg.draft is not None:
             self.log.warning("no draft model: speculative decoding is off",
                              extra=log.fields(draft=str(cfg.draft)))
-        engine = Engine(cfg, target, draft, self.metrics)
+        head = self._load_head(target)
+        engine = Engine(cfg, target, draft, self.metrics, head)
         self._engine = engine  # closed by stop() even if start-up is cut short
         store = self._open_store()
         tokenizer = BoundedTokenizer(engine.tokenizer, cfg.max_prompt_bytes,
                                      cfg.tokenize_threads, cfg.max_queue)
         rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,
                             engine.n_slots, engine.has_draft,
-                            chat.load_template(cfg.chat_template, engine.tokenizer))
+                            chat.load_template(cfg.chat_template, engine.tokenizer),
+                            has_head=head is not None)
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)
         self._slots = slots
         fallback = self._open_fallback()  # the auto-save's and the sessions'

@@ -227,6 +227,46 @@ class Context(NativeHandle):
                              ffi.from_buffer("float[]", logits), logits.size)
         return logits
 
+    def decode_ex(self, slots: Sequence[int], segments: Sequence[Sequence[int]], *,
+                  features: np.ndarray | None = None, want: Sequence[bool] | None = None,
+                  logits: bool = True, hidden: bool = False,
+                  kv_only: bool = False) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """ws_decode_ex: segments[i] appended to slots[i] in one pass. (logits of the
+        wanted tokens, packed [wanted][n_vocab] or None; hidden states [tokens][n_embd]
+        or None). features: a feature head's [tokens][n_embd] inputs."""
+        sl = np.ascontiguousarray(slots, dtype=np.int32)
+        ntok = np.ascontiguousarray([len(s) for s in segments], dtype=np.int32)
+        toks = np.ascontiguousarray([t for s in segments for t in s], dtype=np.int32)
+        if sl.ndim != 1 or sl.size != ntok.size or sl.size == 0 or toks.size == 0:
+            raise InvalidArgumentError("decode_ex needs one non-empty segment per slot")
+        io = ffi.new("ws_decode_io *")
+        keep: list[Any] = []
+        e = self.model.hparams.n_embd
+        if features is not None:
+            feats = np.ascontiguousarray(features, dtype=np.float32)
+            keep.append(feats)
+            io.features = ffi.cast("const float *", ffi.from_buffer("float[]", feats))
+            io.features_cap = feats.size
+        n_want = int(toks.size)
+        if want is not None:
+            flags = np.ascontiguousarray(want, dtype=np.uint8)
+            keep.append(flags)
+            io.want = ffi.cast("const uint8_t *", ffi.from_buffer("uint8_t[]", flags))
+            n_want = int(flags.sum())
+        out_l = np.empty((n_want, self._n_vocab), dtype=np.float32) if logits else None
+        if out_l is not None:
+            io.logits = ffi.cast("float *", ffi.from_buffer("float[]", out_l))
+            io.logits_cap = out_l.size
+        out_h = np.empty((toks.size, e), dtype=np.float32) if hidden else None
+        if out_h is not None:
+            io.hidden = ffi.cast("float *", ffi.from_buffer("float[]", out_h))
+            io.hidden_cap = out_h.size
+        io.kv_only = int(kv_only)
+        binding.decode_ex(self.handle, int(sl.size), ffi.from_buffer("int32_t[]", sl),
+                          ffi.from_buffer("int32_t[]", ntok), ffi.from_buffer("int32_t[]", toks),
+                          io)
+        return out_l, out_h
+
     def n_tokens(self, slot: int) -> int:
         return binding.slot_n_tokens(self.handle, slot)
 

@@ -84,6 +84,7 @@ class Drafter(enum.IntEnum):
     NONE = int(binding.lib.WS_DRAFTER_NONE)
     MODEL = int(binding.lib.WS_DRAFTER_MODEL)
     LOOKUP = int(binding.lib.WS_DRAFTER_LOOKUP)
+    HEAD = int(binding.lib.WS_DRAFTER_HEAD)
 
 
 def lookup_lengths(k: int, min_match: int = 1) -> tuple[int, ...]:
@@ -102,6 +103,7 @@ class SpecParams:
     n_min: int = 0
     p_min: float = 0.0
     lookup_k: tuple[int, ...] = ()
+    head_n_max: int = 0  # the feature head's proposals where lookup does not propose
 
     def __post_init__(self) -> None:
         if self.lookup_k and len(self.lookup_k) != LOOKUP_MAX_MATCH:
@@ -111,6 +113,7 @@ class SpecParams:
     def fill(self, c: Any) -> None:
         """Sets the fields of a ws_spec_params."""
         c.n_max, c.n_min, c.p_min = self.n_max, self.n_min, self.p_min
+        c.head_n_max = self.head_n_max
         for m, k in enumerate(self.lookup_k, start=1):
             c.lookup_k[m] = k
 
@@ -187,7 +190,10 @@ class SpecDecoder(NativeHandle):
 
     _what = "speculative decoder"
 
-    def __init__(self, target: Context, draft: Context | None = None) -> None:
+    def __init__(self, target: Context, draft: Context | None = None,
+                 head: Context | None = None) -> None:
+        """head: a Context of a feature head (inference_svc.core.head.Head) for the
+        target, of the same slots and positions."""
         if draft is not None:
             t_tok, d_tok = target.model.content.tokenizer, draft.model.content.tokenizer
             if t_tok.tokens != d_tok.tokens or t_tok.merges != d_tok.merges:
@@ -200,6 +206,11 @@ class SpecDecoder(NativeHandle):
         self.n_ctx = target.n_ctx
         self._handle: Any = binding.spec_init(target.handle,
                                               draft.handle if draft is not None else ffi.NULL)
+        self.head = head
+        if head is not None:
+            ids = np.ascontiguousarray(head.model.token_ids, dtype=np.int32)
+            binding.spec_set_head(self.handle, head.handle, ffi.from_buffer("int32_t[]", ids),
+                                  int(ids.size))
         self._out = np.empty(MAX_DRAFT + 1, dtype=np.int32)
         self._out_ptr = ffi.from_buffer("int32_t[]", self._out)
         self._lp_ids = np.zeros((MAX_DRAFT + 1, 1 + MAX_LOGPROBS), dtype=np.int32)
@@ -227,6 +238,12 @@ class SpecDecoder(NativeHandle):
 
     def tokens(self, slot: int) -> list[int]:
         return read_tokens(binding.spec_tokens, self.handle, slot, self.n_tokens(slot))
+
+    def head_status(self, slot: int) -> tuple[int, bool]:
+        """(pairs the head's KV holds for the slot, whether the head can draft now)."""
+        n, ready = ffi.new("int32_t *"), ffi.new("int *")
+        binding.spec_head_status(self.handle, slot, n, ready)
+        return int(n[0]), bool(ready[0])
 
     def draft_n_tokens(self, slot: int) -> int:
         return binding.spec_draft_n_tokens(self.handle, slot)
@@ -350,7 +367,7 @@ class SpecDecoder(NativeHandle):
         them into (by default new buffers; a caller may place them inside its own)."""
         tsize, dsize = binding.spec_slot_state_prepare(self.handle, slot)
         tview = target_room(tsize)
-        dview = draft_room(dsize) if self.has_draft else None
+        dview = draft_room(dsize) if self.has_draft or self.head is not None else None
         tn, dn = binding.spec_slot_state_get(self.handle, slot, *room_arg(tview, tsize),
                                              *room_arg(dview, dsize))
         return (tview[:tn].toreadonly(),

@@ -38,6 +38,11 @@ class DraftLength:
     tried: float = 0.0
     idle: int = 0  # target-only steps since the last drafted one
     interval: int = FIRST_INTERVAL
+    # the weight of a step whose drafter declined (below p_min) as a failed trial: a
+    # draft model's decline cost a draft decode (1, a rejected proposal's); the head's
+    # its small forward pass only (HEAD_DECLINE), so its confident drafts are judged
+    # mostly by their own acceptance
+    decline: float = 1.0
 
     @classmethod
     def start(cls, n_max: int, cost: float, prior: float) -> DraftLength:
@@ -77,8 +82,9 @@ class DraftLength:
         probe = self.best() == 0
         self.idle = 0
         # a draft that declined to propose (below p_min) cost a draft decode and gained
-        # nothing: a failed trial, as a rejected first proposal
-        trials = accepted + (1 if accepted < drafted or drafted == 0 else 0)
+        # nothing: a failed trial of weight `decline`, a rejected proposal one of 1
+        trials = accepted + (1.0 if accepted < drafted else self.decline if drafted == 0
+                             else 0.0)
         self.accepted = self.decay * self.accepted + accepted
         self.tried = self.decay * self.tried + trials
         if self.best() > 0:
@@ -91,6 +97,9 @@ class DraftLength:
 # continues: one estimate per band of m, the bands starting at these lengths, each
 # starting from its own prior acceptance per proposal.
 LOOKUP_BANDS = (1, 2, 3, 4, 8)
+# the head's decline (DraftLength.decline): its forward pass is about a quarter of a
+# verified token's price
+HEAD_DECLINE = 0.25
 LOOKUP_PRIORS = (0.2, 0.45, 0.55, 0.75, 0.93)
 
 
@@ -103,41 +112,61 @@ def lookup_band(m: int) -> int:
 class DraftLengths:
     """The one controller of a request's drafters. Each step the lookup drafter, where
     it finds a repeat of m tokens, proposes the length that m's band's measured
-    acceptance pays for; the draft model (if any) proposes the length its own
-    acceptance pays for where lookup does not; neither where neither pays. A step
-    where lookup finds no repeat costs nothing and teaches its estimates nothing.
-    `lookup_cap[m - 1]`: the most the request lets lookup propose after m tokens."""
+    acceptance pays for; elsewhere the feature head (if any) proposes the length its
+    own acceptance pays for; where it proposes nothing (its acceptance does not pay,
+    or it cannot draft for the slot) the draft model (if any) proposes the length its
+    acceptance pays for; nobody where none pays. A step where lookup finds no repeat
+    teaches its estimates nothing. `lookup_cap[m - 1]`: the most the request lets
+    lookup propose after m tokens."""
 
     model: DraftLength | None
     bands: list[DraftLength]
     lookup_cap: tuple[int, ...]
+    head: DraftLength | None = None
 
     @classmethod
     def start(cls, n_model: int, model_cost: float, lookup_cap: tuple[int, ...],
-              lookup_cost: float, prior: float) -> DraftLengths:
+              lookup_cost: float, prior: float, n_head: int = 0,
+              head_cost: float = 0.3) -> DraftLengths:
         n_lookup = max(lookup_cap, default=0)
         return cls(DraftLength.start(n_model, model_cost, prior) if n_model > 0 else None,
                    [DraftLength.start(n_lookup, lookup_cost, p) for p in LOOKUP_PRIORS]
-                   if n_lookup > 0 else [], lookup_cap)
+                   if n_lookup > 0 else [], lookup_cap,
+                   DraftLength(n_head, head_cost, accepted=prior * PRIOR_TRIALS,
+                               tried=PRIOR_TRIALS, decline=HEAD_DECLINE)
+                   if n_head > 0 else None)
 
-    def next(self) -> tuple[int, tuple[int, ...]]:
-        """The next step's draft-model length and lookup lengths by match length."""
+    def next(self) -> tuple[int, tuple[int, ...], int]:
+        """The next step's draft-model length, lookup lengths by match length and head
+        length."""
         n_model = self.model.next() if self.model is not None else 0
+        n_head = self.head.next() if self.head is not None else 0
         if not self.bands:
-            return n_model, ()
+            return n_model, (), n_head
         per_band = [b.next() for b in self.bands]
         return n_model, tuple(min(cap, per_band[lookup_band(m)])
-                              for m, cap in enumerate(self.lookup_cap, start=1))
+                              for m, cap in enumerate(self.lookup_cap, start=1)), n_head
 
-    def observe(self, asked: tuple[int, tuple[int, ...]], by_lookup: bool, match: int,
-                drafted: int, accepted: int) -> None:
+    def observe(self, asked: tuple[int, tuple[int, ...], int], by_lookup: bool, match: int,
+                drafted: int, accepted: int, by_head: bool = False) -> None:
         """A step asked for `asked` (`next`); the lookup drafter found a repeat of
-        `match` tokens (0: none) and made the proposals (by_lookup), or the model did
-        (or nobody): `drafted` of them, `accepted` kept."""
-        n_model, lookup_k = asked
+        `match` tokens (0: none) and made the proposals (by_lookup), or the head did
+        (by_head), or the model (or nobody): `drafted` of them, `accepted` kept. The
+        head asked for proposals and making none (below p_min, or a slot it cannot
+        draft for) is the head's failure; a model that drafted then had the step."""
+        n_model, lookup_k, n_head = asked
         if match > 0 and self.bands and self.lookup_cap[match - 1] > 0:
             band = self.bands[lookup_band(match)]
             # a band asked for nothing idles towards its next probe
             band.observe(lookup_k[match - 1] if by_lookup else 0, drafted, accepted)
-        if self.model is not None and not by_lookup:
+        if by_lookup:
+            return
+        if self.head is not None:
+            if by_head:
+                self.head.observe(n_head, drafted, accepted)
+                return
+            self.head.observe(n_head, 0, 0)
+            if n_head > 0 and drafted == 0:
+                return  # the head's step (it declined): the model sat it out
+        if self.model is not None:
             self.model.observe(n_model, drafted, accepted)

@@ -25,6 +25,7 @@ from inference_svc import log
 from inference_svc.config import Config
 from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
 from inference_svc.core.handle import Room, new_room
+from inference_svc.core.head import Head
 from inference_svc.core.speculative import (
     NO_SPEC,
     Counters,
@@ -149,9 +150,9 @@ class GenJob(Job):
             return NO_SPEC
         if self.draft_len is None:
             return spec
-        n, lookup_k = self.draft_len.next()
-        return SpecParams(n_max=n, n_min=min(spec.n_min, n), p_min=spec.p_min,
-                          lookup_k=lookup_k)
+        n, lookup_k, n_head = self.draft_len.next()
+        return SpecParams(n_max=n, n_min=min(spec.n_min, max(n, n_head)), p_min=spec.p_min,
+                          lookup_k=lookup_k, head_n_max=n_head)
 
 
 class SlotOp(Job, Generic[T]):
@@ -219,12 +220,14 @@ class Engine:
     scheduler's rounds on its thread; it is the scheduler's executor."""
 
     def __init__(self, cfg: Config, target: Model, draft: Model | None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, head: Head | None = None) -> None:
+        """head: a feature head for the target (inference_svc.core.head), or None."""
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.log = log.get()
         self.target = target
         self.draft = draft
+        self.head = head
         self.n_slots = cfg.slots
         self.n_ctx = cfg.ctx or target.hparams.n_ctx_train
         self.tokenizer = target.tokenizer
@@ -234,13 +237,19 @@ class Engine:
         self.tctx = Context(target, n_slots=cfg.slots, n_ctx=self.n_ctx, n_threads=cfg.threads,
                             n_batch=cfg.batch, reserve_kv=True, kv_type=cfg.kv_type)
         self.dctx: Context | None = None
+        self.hctx: Context | None = None
         self.dec: SpecDecoder | None = None
         try:
             if draft is not None:
                 self.dctx = Context(draft, n_slots=cfg.slots, n_ctx=self.n_ctx,
                                     n_threads=cfg.draft_threads, n_batch=cfg.batch,
                                     reserve_kv=True, kv_type=cfg.kv_type)
-            self.dec = SpecDecoder(self.tctx, self.dctx)
+            if head is not None:
+                # one thread: the head's passes are small, and a pool of its own would
+                # spin against the target's on the same cores
+                self.hctx = Context(head, n_slots=cfg.slots, n_ctx=self.n_ctx, n_threads=1,
+                                    n_batch=cfg.batch, reserve_kv=True, kv_type=cfg.kv_type)
+            self.dec = SpecDecoder(self.tctx, self.dctx, self.hctx)
         except BaseException:
             self._free()
             raise
@@ -394,7 +403,7 @@ class Engine:
         self._free()
 
     def _free(self) -> None:
-        for obj in (self.dec, self.dctx, self.tctx):
+        for obj in (self.dec, self.hctx, self.dctx, self.tctx):
             if obj is not None:
                 obj.close()
 
@@ -547,7 +556,8 @@ class Engine:
                 # before: a seeded request draws the same tokens in any slot, restored or not
                 job.draft_len = DraftLengths.start(p.spec.n_max, sc.draft_cost,
                                                    p.spec.lookup_k, sc.lookup_cost,
-                                                   START_ACCEPTANCE)
+                                                   START_ACCEPTANCE, p.spec.head_n_max,
+                                                   sc.head_cost)
             job.todo = list(new)
             # -1: unknown, the first prefill unit of a speculative request catches up
             job.draft_lag = -1 if p.spec is not None and self.has_draft else 0
@@ -582,8 +592,12 @@ class Engine:
         for job, spec, r in zip(gens, specs, res, strict=True):
             by_lookup = r.drafter == Drafter.LOOKUP
             if job.draft_len is not None:
-                job.draft_len.observe((spec.n_max, spec.lookup_k), by_lookup, r.match,
-                                      r.drafted, len(r.tokens) - 1)
+                job.draft_len.observe((spec.n_max, spec.lookup_k, spec.head_n_max), by_lookup,
+                                      r.match, r.drafted, len(r.tokens) - 1,
+                                      by_head=r.drafter == Drafter.HEAD)
+            if r.drafter == Drafter.HEAD:
+                job.timings.head_n += r.drafted
+                job.timings.head_n_accepted += len(r.tokens) - 1
             if by_lookup:
                 job.timings.lookup_n += r.drafted
                 job.timings.lookup_n_accepted += len(r.tokens) - 1

@@ -39,7 +39,8 @@ TARGET_VERSION_Q8_0 = 4
 TARGET_NEWEST = 4
 DRAFT_VERSION = 2
 DRAFT_VERSION_Q8_0 = 3
-DRAFT_NEWEST = 3
+DRAFT_VERSION_HEAD = 4  # the core's draft state is WSSP version 2 (a feature head's part)
+DRAFT_NEWEST = 4
 HEADER_LEN = 128  # v1 header length of both files (a reader trusts the file's own)
 DIGEST_LEN = 32
 SECTION_HEADER = struct.Struct("<4sIQ")  # tag, flags, payload length
@@ -66,8 +67,11 @@ def target_version(dtype: int, windowed: bool) -> int:
     return TARGET_VERSION_WINDOW if windowed else TARGET_VERSION
 
 
-def draft_version(dtype: int) -> int:
-    """The version a draft sidecar of this KV dtype is written in."""
+def draft_version(dtype: int, head: bool = False) -> int:
+    """The version a draft sidecar of this KV dtype is written in; head: its core state
+    has the feature head's part (WSSP version 2)."""
+    if head:
+        return DRAFT_VERSION_HEAD
     return DRAFT_VERSION_Q8_0 if dtype == DTYPE_Q8_0 else DRAFT_VERSION
 
 # target header after the magic: version, header_len, flags, fingerprint, n_layer,
@@ -88,7 +92,10 @@ _CORE_KV_HEAD = struct.Struct("<8I")
 # the core's draft state (ws_spec_state_get): magic, version, d_off, lag_ok,
 # rng[4] u64, counters (4 + 2 x WS_SPEC_MAX_DRAFT) u64, then the draft's WSKV slot state
 CORE_SPEC_MAGIC = int(_core.WS_SPEC_STATE_MAGIC)  # "WSSP"
-CORE_SPEC_VERSION = int(_core.WS_SPEC_STATE_VERSION)
+CORE_SPEC_VERSION = int(_core.WS_SPEC_STATE_VERSION)  # 2: with a feature head's part
+CORE_SPEC_EXT = struct.Struct("<IIQQII")  # version 2: parts, h_ok, bytes of each, K, width
+if CORE_SPEC_EXT.size != _core.WS_SPEC_STATE_EXT_BYTES:
+    raise ImportError("the core's draft state extension differs from the fields read here")
 SPEC_MAX_DRAFT = int(_core.WS_SPEC_MAX_DRAFT)  # drafted_at / accepted_at entries
 _CORE_SPEC_HEAD = struct.Struct(f"<4I4Q{4 + 2 * SPEC_MAX_DRAFT}Q")
 # the header sizes are the core's (a core whose layout changed refuses to import)
@@ -269,8 +276,8 @@ def _target_head(fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int, n_to
 
 
 def _draft_head(target_digest: str, fingerprint: str, lay: KVLayout, n_ctx: int, n_vocab: int,
-                n_tokens: int, offset: int, n_sections: int) -> bytes:
-    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, draft_version(lay.dtype), HEADER_LEN, 0,
+                n_tokens: int, offset: int, n_sections: int, head_part: bool = False) -> bytes:
+    head = _DRAFT_HEAD.pack(DRAFT_MAGIC, draft_version(lay.dtype, head_part), HEADER_LEN, 0,
                             _fp_bytes(target_digest, "target digest"),
                             _fp_bytes(fingerprint, "fingerprint"), lay.n_layer, lay.n_head_kv,
                             lay.head_dim, lay.dtype, n_ctx, n_vocab, n_tokens, offset, n_sections)
@@ -300,7 +307,7 @@ def encode_draft(d: DraftFile) -> bytes:
     sections = [(TAG_DRAFT_STATE, FLAG_REQUIRED, d.state)]
     sections += [(s.tag, s.flags, s.payload) for s in d.extra]
     head = _draft_head(d.target_digest, d.fingerprint, d.layout, d.n_ctx, d.n_vocab, d.n_tokens,
-                       d.offset, len(sections))
+                       d.offset, len(sections), _core_spec_version(d.state) == 2)
     return _seal([head, *_sections(sections)])
 
 
@@ -413,7 +420,7 @@ def seal_draft(buf: memoryview, target_digest: str, model: ModelSpec) -> None:
     d = draft_from_core(state, target_digest, model)
     SECTION_HEADER.pack_into(buf, HEADER_LEN, TAG_DRAFT_STATE, FLAG_REQUIRED, len(state))
     buf[:HEADER_LEN] = _draft_head(target_digest, d.fingerprint, d.layout, d.n_ctx, d.n_vocab,
-                                   d.n_tokens, d.offset, 1)
+                                   d.n_tokens, d.offset, 1, _core_spec_version(state) == 2)
     _trailer(buf)
 
 
@@ -677,15 +684,38 @@ def core_parts_from_target(t: TargetFile) -> tuple[bytes, bytes, bytes | memoryv
     return head, struct.pack(f"<{t.n_tokens}i", *t.tokens), t.kv
 
 
+def _core_spec_version(state: bytes | memoryview) -> int:
+    """The WSSP version of a core draft state (0: not one)."""
+    if len(state) < _CORE_SPEC_HEAD.size:
+        return 0
+    magic, version = struct.unpack_from("<II", state)
+    return version if magic == CORE_SPEC_MAGIC and 1 <= version <= CORE_SPEC_VERSION else 0
+
+
 def _core_spec_fields(state: bytes | memoryview) -> tuple[int, int] | None:
-    """(offset, n_tokens) of a WSSP v1 draft state; None for another format."""
-    need = _CORE_SPEC_HEAD.size + _CORE_KV_HEAD.size
-    if len(state) < need:
+    """(offset, n_tokens) of a WSSP draft state: the draft model's KV (version 1, or
+    version 2 with that part), else the head's pairs (version 2 of a head alone, offset
+    0); None for another format."""
+    version = _core_spec_version(state)
+    at = _CORE_SPEC_HEAD.size
+    if version == 0:
         return None
     head = _CORE_SPEC_HEAD.unpack_from(state)
-    if head[0] != CORE_SPEC_MAGIC or head[1] != CORE_SPEC_VERSION:
+    if version == 2:
+        if len(state) < at + CORE_SPEC_EXT.size:
+            return None
+        parts, _, draft_bytes, head_bytes, _, width = CORE_SPEC_EXT.unpack_from(state, at)
+        at += CORE_SPEC_EXT.size
+        if not parts & 1:
+            if not parts & 2:
+                return 0, 0
+            at += 4 * width  # the head's h, then its KV state
+            if len(state) < at + _CORE_KV_HEAD.size:
+                return None
+            return 0, _CORE_KV_HEAD.unpack_from(state, at)[6]
+    if len(state) < at + _CORE_KV_HEAD.size:
         return None
-    return head[2], _CORE_KV_HEAD.unpack_from(state, _CORE_SPEC_HEAD.size)[6]
+    return head[2], _CORE_KV_HEAD.unpack_from(state, at)[6]
 
 
 def _check_core_spec_counters(state: bytes | memoryview, kind: str) -> None:
@@ -716,10 +746,10 @@ def _check_core_spec_counters(state: bytes | memoryview, kind: str) -> None:
 
 def draft_from_core(state: bytes | memoryview, target_digest: str,
                     model: ModelSpec) -> DraftFile:
-    """A draft sidecar from `SpecDecoder.draft_state(slot)` bytes (WSSP v1)."""
+    """A draft sidecar from `SpecDecoder.draft_state(slot)` bytes (WSSP)."""
     view = memoryview(state).cast("B")
     fields = _core_spec_fields(view)
     if fields is None:
-        raise ValueError("draft state is not WSSP v1")
+        raise ValueError("draft state is not WSSP")
     return DraftFile(target_digest, model.fingerprint, model.layout, model.n_ctx, model.n_vocab,
                      fields[1], fields[0], view)

@@ -41,8 +41,10 @@ class SlotManager:
         self.engine = engine
         kv_type = engine.cfg.kv_type
         self.target_spec: ModelSpec = model_spec(engine.target, engine.n_ctx, kv_type)
-        self.draft_spec: ModelSpec | None = (model_spec(engine.draft, engine.n_ctx, kv_type)
-                                             if engine.draft is not None else None)
+        # the sidecar's model: the draft model's, else the feature head's (its state)
+        drafter = engine.draft if engine.draft is not None else engine.head
+        self.draft_spec: ModelSpec | None = (model_spec(drafter, engine.n_ctx, kv_type)
+                                             if drafter is not None else None)
         self.store = store
         self.draft_policy = DraftPolicy.EMPTY if draft_policy == "empty" else DraftPolicy.REPREFILL
         self.metrics = metrics
@@ -170,7 +172,7 @@ class SlotManager:
             applied = eng.apply(slot, prepared.target_parts, prepared.draft_state, offset)
         except BadStateError as exc:
             raise DataLoss(f"slot file rejected by the decoding core: {exc}") from exc
-        if not eng.has_draft:
+        if not eng.has_draft and eng.head is None:
             return DraftPolicy.NONE, prepared.draft_note
         if applied.sidecar:
             return DraftPolicy.SIDECAR, ""
