@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import inference_svc.config as config_module
+from inference_svc.api.server import serve
 from inference_svc.client import InferenceClient
 from inference_svc.config import Config, Speculative
 from inference_svc.core import Model, ModelLoadError
-from inference_svc.server import serve
 from tests.fixtures.servicekit import model_pair, running, service_config
 from tests.headkit import write_head
 
