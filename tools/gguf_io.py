@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from bpe import EOT_ID, GgufVocab
-from llama_torch import LlamaConfig
+from llama_config import LlamaConfig
 
 
 def write_gguf(

@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf_io import dequantized, f32_value
-from llama_torch import LlamaConfig
+from llama_config import LlamaConfig
 
 ARCH = "warmslot-head"
 NORMS = ("blk.0.attn_norm.weight", "blk.0.ffn_norm.weight", "output_norm.weight")

@@ -10,32 +10,11 @@ weights tied to the token embedding.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from llama_config import LlamaConfig
 from torch import nn
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    name: str
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    n_ff: int
-    n_ctx: int = 4096
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def rope_tables(cfg: LlamaConfig, n_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
