@@ -25,13 +25,15 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from inference_svc.core import Tokenizer
 from inference_svc.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    from inference_svc.core import Tokenizer
 
 MAX_MESSAGES = 4096
 MAX_ROLE_CHARS = 64

@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference_svc.core.binding import KV_TYPES as _core_kv_types
-from inference_svc.core.speculative import LOOKUP_MAX_MATCH, SamplingParams
+from inference_svc.core.header import DEFAULT_KV_TYPE
+from inference_svc.core.header import KV_TYPES as _core_kv_types
+from inference_svc.core.params import LOOKUP_MAX_MATCH, SamplingParams
 from snapshot_svc.clientlib import settings, tls
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ DEFAULT_HEAD = ROOT / "models" / "smollm2-head.gguf"
 ENV_PREFIX = "WARMSLOT_"
 DRAFT_POLICIES = ("reprefill", "empty")
 # the core's KV types, default first
-KV_TYPES = ("f16", *(t for t in _core_kv_types if t != "f16"))
+KV_TYPES = (DEFAULT_KV_TYPE, *(t for t in _core_kv_types if t != DEFAULT_KV_TYPE))
 HTTP_RISK = ("anyone who reaches the HTTP port (--http-host) could generate and read and "
              "continue every session")
 
@@ -88,7 +89,7 @@ class Config:
     batch_shared: int = 64
     # element type of the target's and the draft's KV caches; a slot file restores only
     # into the type it was saved from
-    kv_type: str = "f16"
+    kv_type: str = DEFAULT_KV_TYPE
     host: str = "127.0.0.1"
     port: int = 50051
     slot_save_path: Path | None = None

@@ -12,11 +12,13 @@ import threading
 from array import array
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from inference_svc.core import Tokenizer
 from inference_svc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from snapshot_svc.clientlib import malloc
+
+if TYPE_CHECKING:
+    from inference_svc.core import Tokenizer
 
 TRIM_ABOVE_BYTES = 256 << 10  # texts at least this large: malloc_trim afterwards
 WAIT_S = 120.0  # longest a text waits for and takes in the pool

@@ -11,12 +11,12 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inference_svc import chat
 from inference_svc.chat import ChatTemplate
 from inference_svc.config import Config
-from inference_svc.core import Tokenizer
-from inference_svc.core.speculative import (
+from inference_svc.core.params import (
     MAX_DRAFT,
     MAX_LOGPROBS,
     MAX_PENALTY_LAST_N,
@@ -30,6 +30,9 @@ from inference_svc.errors import InvalidArgument
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.prompts import BoundedTokenizer
 from inference_svc.sessions.names import check_session_name
+
+if TYPE_CHECKING:
+    from inference_svc.core import Tokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 256
@@ -177,10 +180,12 @@ class GenerateParams:
 
     @classmethod
     def from_chat(cls, req: pb.ChatRequest, rc: RequestContext,
-                  history: Sequence[chat.Message] = ()) -> GenerateParams:
+                  history: Sequence[chat.Message] = (),
+                  session: str | None | bool = True) -> GenerateParams:
         """The Generate request of a Chat: the rendered conversation as its prompt.
         `history`: the conversation the session keeps, which an `append` Chat's
-        messages continue."""
+        messages continue. `session`: the request's session as `session_from_pb` already
+        gave it (the caller needed it first), or True to read it here."""
         template = chat.require(rc.chat)
         if req.append and not req.HasField("session"):
             raise InvalidArgument("append continues the conversation a session keeps: "
@@ -198,7 +203,8 @@ class GenerateParams:
         id_slot = check_slot_id(req.id_slot if req.HasField("id_slot") else -1, rc.n_slots,
                                 allow_any=True)
         params = cls._build(req, rc, prompt, id_slot,
-                            req.cache_prompt if req.HasField("cache_prompt") else True, False)
+                            req.cache_prompt if req.HasField("cache_prompt") else True, False,
+                            session=session)
         if params.session is None:
             return params
         return dataclasses.replace(params, messages=tuple(messages), chat_reply=agp,
@@ -207,9 +213,11 @@ class GenerateParams:
     @classmethod
     def _build(cls, req: pb.GenerateRequest | pb.ChatRequest, rc: RequestContext,
                prompt: Sequence[int], id_slot: int, cache_prompt: bool,
-               truncate_prompt: bool, cut_short: bool = False) -> GenerateParams:
+               truncate_prompt: bool, cut_short: bool = False,
+               session: str | None | bool = True) -> GenerateParams:
         """The options Generate and Chat share (same names in both messages); cut_short:
-        the prompt text was tokenized only up to past what the context holds."""
+        the prompt text was tokenized only up to past what the context holds; session:
+        as `from_chat` takes it (True: read from the request here)."""
         cfg = rc.config
         if not prompt:
             raise InvalidArgument("the prompt is empty: at least one token is needed")
@@ -238,7 +246,9 @@ class GenerateParams:
         for s in stop:
             if not s or len(s.encode()) > MAX_STOP_BYTES:
                 raise InvalidArgument(f"stop string {s!r} must be 1..{MAX_STOP_BYTES} bytes")
-        session = session_from_pb(req)
+        if session is True:
+            session = session_from_pb(req)
+        assert session is None or isinstance(session, str)
         sampling, seed = sampling_from_pb(req.sampling, cfg, req.logprobs)
         spec = speculative_from_pb(req.speculative, cfg, rc.has_draft, rc.has_head)
         return cls(tuple(prompt), max_tokens, id_slot, cache_prompt, sampling, seed, spec,
@@ -246,7 +256,8 @@ class GenerateParams:
 
 
 def session_from_pb(req: pb.GenerateRequest | pb.ChatRequest) -> str | None:
-    """The request's session name (checked), None without one. A session chooses its
+    """The request's session name (checked: the one check of a session name on a
+    request's path), None without one. A session chooses its
     slot and continues its own tokens: id_slot, truncate_prompt and cache_prompt false
     contradict it (a Chat has no truncate_prompt)."""
     if not req.HasField("session"):

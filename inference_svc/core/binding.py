@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from . import header
 from .errors import error_for_status
 
 
@@ -112,7 +113,7 @@ spm_free = lib.ws_spm_free
 
 
 def _kv_types() -> dict[str, int]:
-    """The core's KV cache types (ws_kv_type): name -> value, in value order."""
+    """The compiled core's KV cache types (ws_kv_type): name -> value, in value order."""
     types = {}
     for value in range(int(lib.WS_KV_N_TYPES)):
         name = lib.ws_kv_type_name(value)
@@ -122,8 +123,22 @@ def _kv_types() -> dict[str, int]:
     return types
 
 
-# the one list of KV types: the core's own (native/warmslot.h)
-KV_TYPES: dict[str, int] = _kv_types()
+def _check_header() -> None:
+    """The build loaded has the header's values (a build older than the header, or a
+    header the reader misreads, refuses to import rather than mis-encode states)."""
+    stale = [f"{name} = {getattr(lib, name)} in the build, {value} in the header"
+             for name, value in header.CONSTANTS.items()
+             if hasattr(lib, name) and int(getattr(lib, name)) != value]
+    if _kv_types() != header.KV_TYPES:
+        stale.append(f"KV types {_kv_types()} in the build, {header.KV_TYPES} in the header")
+    if stale:
+        raise ImportError(f"the native core ({NATIVE_VARIANT}) differs from {header.HEADER}: "
+                          + "; ".join(stale) + ": rebuild it (`make native`)")
+
+
+_check_header()
+# the one list of KV types: the core's own (native/warmslot.h), as the build has it
+KV_TYPES: dict[str, int] = header.KV_TYPES
 
 
 def kernel_path() -> str:

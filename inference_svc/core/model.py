@@ -17,11 +17,11 @@ from .binding import ffi
 from .errors import CoreMemoryError, InvalidArgumentError
 from .gguf_file import ARCH_IDS, GGUFModel, HParams, load_gguf
 from .handle import NativeHandle, buffer_arg, read_tokens, state_buffer
+from .header import DEFAULT_KV_TYPE
 from .tokenizer import Tokenizer
 
 # KV cache element types (ws_kv_type): name -> value, from the core
 KV_TYPES = binding.KV_TYPES
-DEFAULT_KV_TYPE = "f16"
 
 _LAYER_NORMS = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight"}
 # gemma3's extra norms

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from array import array
 from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -21,7 +22,9 @@ from tokenizers import decoders, models, pre_tokenizers
 from .chunks import pieces
 from .errors import ModelLoadError
 from .gguf_file import TokenizerData
-from .spm import SPMTokenizer
+
+if TYPE_CHECKING:
+    from .spm import SPMTokenizer
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -61,6 +64,8 @@ class Tokenizer:
         self.add_bos = data.add_bos and data.bos_id is not None
         self._spm: SPMTokenizer | None = None
         if data.model == "llama":
+            from .spm import SPMTokenizer  # the compiled core's encoder: loaded on use
+
             self._spm = SPMTokenizer(data.tokens, data.scores, data.token_types,
                                      data.add_space_prefix)
             self._bytes = [self._spm.token_bytes(i) for i in range(self.n_vocab)]

@@ -21,9 +21,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inference_svc.core.binding import KV_TYPES as _kv_types
-from inference_svc.core.binding import kv_type_bytes
-from inference_svc.core.binding import lib as _core
+from inference_svc.core import header as _core
 
 TARGET_MAGIC = b"WSLT"
 DRAFT_MAGIC = b"WSLD"
@@ -52,10 +50,10 @@ TAG_WINDOW = b"SWIN"  # target (version 3): u32 n_window, u8[n_layer] 1 = slidin
 TAG_DRAFT_STATE = b"DSTA"  # draft: the core's draft state (WSSP), verbatim
 
 # the KV dtype is the core's ws_kv_type (format version 2 on; version 1 is f32 only)
-DTYPE_F32 = int(_core.WS_KV_F32)
-DTYPE_F16 = int(_core.WS_KV_F16)  # IEEE half, the KV cache's values as stored
-DTYPE_Q8_0 = int(_core.WS_KV_Q8_0)  # blocks of 32 int8 values with a half scale, as stored
-DTYPE_BY_NAME = dict(_kv_types)
+DTYPE_F32 = _core.const("WS_KV_F32")
+DTYPE_F16 = _core.const("WS_KV_F16")  # IEEE half, the KV cache's values as stored
+DTYPE_Q8_0 = _core.const("WS_KV_Q8_0")  # blocks of 32 int8 values with a half scale, as stored
+DTYPE_BY_NAME = dict(_core.KV_TYPES)
 DTYPE_NAMES = {code: name for name, code in DTYPE_BY_NAME.items()}
 
 
@@ -85,22 +83,23 @@ _PREFIX = struct.Struct("<4sII")  # magic, version, header_len: common to every 
 # the decoding core's slot state (ws_slot_state_get): 8 x u32 header; its magic and
 # version (2: dtype f32 or f16; 1 is still read) are the core's own constants
 # (native/warmslot.h), read through the binding
-CORE_KV_MAGIC = int(_core.WS_STATE_MAGIC)  # "WSKV"
-CORE_KV_VERSION = int(_core.WS_STATE_VERSION)  # 3: word 7 is n_window
+CORE_KV_MAGIC = _core.const("WS_STATE_MAGIC")  # "WSKV"
+CORE_KV_VERSION = _core.const("WS_STATE_VERSION")  # 3: word 7 is n_window
 CORE_KV_VERSION_FULL = 2  # what the core writes when every layer holds every position
 _CORE_KV_HEAD = struct.Struct("<8I")
 # the core's draft state (ws_spec_state_get): magic, version, d_off, lag_ok,
 # rng[4] u64, counters (4 + 2 x WS_SPEC_MAX_DRAFT) u64, then the draft's WSKV slot state
-CORE_SPEC_MAGIC = int(_core.WS_SPEC_STATE_MAGIC)  # "WSSP"
-CORE_SPEC_VERSION = int(_core.WS_SPEC_STATE_VERSION)  # 2: with a feature head's part
+CORE_SPEC_MAGIC = _core.const("WS_SPEC_STATE_MAGIC")  # "WSSP"
+CORE_SPEC_VERSION = _core.const("WS_SPEC_STATE_VERSION")  # 2: with a feature head's part
 CORE_SPEC_EXT = struct.Struct("<IIQQII")  # version 2: parts, h_ok, bytes of each, K, width
-if CORE_SPEC_EXT.size != _core.WS_SPEC_STATE_EXT_BYTES:
+if CORE_SPEC_EXT.size != _core.const("WS_SPEC_STATE_EXT_BYTES"):
     raise ImportError("the core's draft state extension differs from the fields read here")
-SPEC_MAX_DRAFT = int(_core.WS_SPEC_MAX_DRAFT)  # drafted_at / accepted_at entries
+SPEC_MAX_DRAFT = _core.const("WS_SPEC_MAX_DRAFT")  # drafted_at / accepted_at entries
 _CORE_SPEC_HEAD = struct.Struct(f"<4I4Q{4 + 2 * SPEC_MAX_DRAFT}Q")
 # the header sizes are the core's (a core whose layout changed refuses to import)
-for _what, _head, _size in (("slot state", _CORE_KV_HEAD, _core.WS_STATE_HEADER_BYTES),
-                            ("draft state", _CORE_SPEC_HEAD, _core.WS_SPEC_STATE_HEADER_BYTES)):
+for _what, _head, _size in (
+        ("slot state", _CORE_KV_HEAD, _core.const("WS_STATE_HEADER_BYTES")),
+        ("draft state", _CORE_SPEC_HEAD, _core.const("WS_SPEC_STATE_HEADER_BYTES"))):
     if _head.size != _size:
         raise ImportError(f"the core's {_what} header is {_size} bytes, the fields read "
                           f"here {_head.size}")
@@ -142,6 +141,8 @@ class KVLayout:
     @property
     def row_bytes(self) -> int:
         """Bytes of one position's K (or V) of one layer: kv_dim values of the dtype."""
+        from inference_svc.core.binding import kv_type_bytes  # the core's own rule
+
         return self.n_head_kv * kv_type_bytes(self.dtype, self.head_dim)
 
     @property

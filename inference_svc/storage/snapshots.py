@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from inference_svc.chat import Message
-from inference_svc.core import Context, Model
 from inference_svc.sessions import chat_record
 from inference_svc.storage import slotfile
 from inference_svc.storage.slotfile import DTYPE_BY_NAME, KVLayout, ModelSpec
 from inference_svc.storage.store import SlotStore
+
+if TYPE_CHECKING:
+    from inference_svc.core import Context, Model
 
 
 def model_spec(model: Model, n_ctx: int, kv_type: str) -> ModelSpec:
