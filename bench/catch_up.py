@@ -53,8 +53,9 @@ sys.path.insert(0, str(ROOT))
 
 from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Model  # noqa: E402
-from inference_svc.core.speculative import SamplingParams, SpecParams  # noqa: E402
+from inference_svc.core.params import SamplingParams, SpecParams  # noqa: E402
 from inference_svc.engine.executor import Engine, GenJob  # noqa: E402
+from inference_svc.engine.slot_owner import SlotOwner  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
 from inference_svc.storage.slots import SlotManager  # noqa: E402
 from inference_svc.storage.store import LocalStore  # noqa: E402
@@ -107,7 +108,7 @@ def run_once(engine: Engine, slots: SlotManager, session: list[int], n_decode: i
     whole = mode == "whole"
     r = slots.restore(1, "session")
     assert r.draft_policy.label == "reprefill", r
-    dec = engine.dec
+    dec = engine.owner
     units: list[tuple[float, float, str]] = []  # (start, end, what) of every decoder call
     real = {name: getattr(dec, name) for name in UNITS}
 
@@ -193,7 +194,7 @@ def main() -> None:
                  batch_shared=args.batch_shared, threads=args.threads,
                  draft_threads=args.threads,
                  seed=1, log_level="warning", log_format="text")
-    engine = Engine(cfg, target, draft, Metrics())
+    engine = Engine(cfg, SlotOwner(cfg, target, draft), Metrics())
     modes = ("bounded", "whole", "alone")
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as d:

@@ -47,8 +47,9 @@ from prompts import chat_prompts  # noqa: E402
 
 from inference_svc.config import Config  # noqa: E402
 from inference_svc.core import Model, Tokenizer  # noqa: E402
-from inference_svc.core.speculative import SamplingParams  # noqa: E402
+from inference_svc.core.params import SamplingParams  # noqa: E402
 from inference_svc.engine.executor import Engine  # noqa: E402
+from inference_svc.engine.slot_owner import SlotOwner  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
 from inference_svc.pb import inference_pb2 as pb  # noqa: E402
 from inference_svc.types import GenerateParams, speculative_from_pb  # noqa: E402
@@ -107,7 +108,7 @@ def main() -> None:
     tm, dm = Model.load(args.model), Model.load(args.draft)
     cfg = Config(model=args.model, draft=args.draft, slots=1, ctx=256, threads=1,
                  draft_threads=1, seed=1, log_level="warning", log_format="text")
-    engine = Engine(cfg, tm, dm, Metrics())
+    engine = Engine(cfg, SlotOwner(cfg, tm, dm), Metrics())
     # the defaults a request that sets no speculative field gets (both drafters)
     specs = {"target_only": None,
              "speculative": speculative_from_pb(pb.SpeculativeParams(), cfg, has_draft=True)}

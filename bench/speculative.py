@@ -64,6 +64,7 @@ from inference_svc.core.speculative import (  # noqa: E402
     SpecParams,
 )
 from inference_svc.engine.executor import Engine  # noqa: E402
+from inference_svc.engine.slot_owner import SlotOwner  # noqa: E402
 from inference_svc.metrics import Metrics  # noqa: E402
 from inference_svc.pb import inference_pb2 as pb  # noqa: E402
 from inference_svc.types import GenerateParams, speculative_from_pb  # noqa: E402
@@ -111,7 +112,7 @@ class EngineRunner:
         self.tm = Model.load(args.target)
         self.dm = Model.load(args.draft) if args.draft else None
         self.hm = Head(args.head, self.tm) if args.head else None
-        self.engine = Engine(cfg, self.tm, self.dm, Metrics(), self.hm)
+        self.engine = Engine(cfg, SlotOwner(cfg, self.tm, self.dm, self.hm), Metrics())
         # the defaults of a request that sets no speculative field but, with
         # --no-lookup, lookup off
         self.spec = speculative_from_pb(

@@ -8,22 +8,21 @@ import threading
 
 import pytest
 
-from inference_svc.core.speculative import SamplingParams, SpecParams, StepResult
+from inference_svc.core.params import SamplingParams, SpecParams, StepResult
 from inference_svc.engine.executor import Engine
 
 
 def record_step_batches(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     """The slots of every step_batch call the engine's decoder makes from now on."""
-    assert engine.dec is not None
     calls: list[list[int]] = []
-    step_batch = engine.dec.step_batch
+    step_batch = engine.owner.step_batch
 
     def counted(slots: list[int], samplings: list[SamplingParams], specs: list[SpecParams],
                 max_new: list[int]) -> list[StepResult]:
         calls.append(list(slots))
         return step_batch(slots, samplings, specs, max_new)
 
-    monkeypatch.setattr(engine.dec, "step_batch", counted)
+    monkeypatch.setattr(engine.owner, "step_batch", counted)
     return calls
 
 

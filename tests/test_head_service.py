@@ -76,7 +76,7 @@ def test_default_head_for_another_target_is_skipped(models: tuple[Path, Path], t
     cfg = config(target, other)
     assert cfg.head_is_default and cfg.head_to_load == other
     with running(cfg) as srv:
-        assert srv._engine is not None and srv._engine.head is None
+        assert srv._engine is not None and srv._engine.owner.head is None
 
 
 def turn(c: InferenceClient, slot: int, prompt: list[int]) -> tuple[list[int], object]:

@@ -226,8 +226,8 @@ def test_models_and_health(server: Server, oa: openai.OpenAI) -> None:
     rt = server.servicer.runtime
     assert rt is not None
     assert extra["context_length"] == 512
-    assert extra["fingerprint"] == rt.engine.target.fingerprint
-    assert extra["draft"]["fingerprint"] == rt.engine.draft.fingerprint  # type: ignore[union-attr]
+    assert extra["fingerprint"] == rt.engine.owner.target.fingerprint
+    assert extra["draft"]["fingerprint"] == rt.engine.owner.draft.fingerprint  # type: ignore[union-attr]
     status, _, body = raw(server, "GET", "/health")
     assert (status, json.loads(body)) == (200, {"status": "ok"})
     assert extra["name"] == "warmslot-target"  # its GGUF name

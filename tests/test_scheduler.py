@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from inference_svc.core.speculative import SamplingParams, SpecParams
+from inference_svc.core.params import SamplingParams, SpecParams
 from inference_svc.engine.executor import GenJob
 from inference_svc.engine.scheduler import Job, Scheduler
 from inference_svc.errors import (

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, make_request
-from inference_svc.core.speculative import SamplingParams
+from inference_svc.core.params import SamplingParams
 from inference_svc.pb import inference_pb2 as pb
 from tests.fixtures.servicekit import Reference, model_pair, running, service_config
 

@@ -12,7 +12,7 @@ import pytest
 
 from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, make_request
-from inference_svc.core.speculative import SamplingParams, TokenLogprob
+from inference_svc.core.params import SamplingParams, TokenLogprob
 from inference_svc.pb import inference_pb2 as pb
 from tests.fixtures.servicekit import model_pair, running_with_template
 from tests.test_penalties_logprobs import expected_logprobs, numpy_greedy, reference_logits

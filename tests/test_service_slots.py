@@ -356,7 +356,7 @@ def test_draft_reprefill_catches_up_in_bounded_units(client: InferenceClient, se
     engine unit (so other slots keep stepping in between), then generates exactly as
     a slot that kept its draft."""
     engine = server._engine
-    assert engine is not None and engine.dec is not None
+    assert engine is not None
     batch = server.cfg.batch
     a = [(13 * k) % 290 + 1 for k in range(2 * batch + 20)]
     out, _ = gen(client, a, 0)
@@ -366,14 +366,14 @@ def test_draft_reprefill_catches_up_in_bounded_units(client: InferenceClient, se
     (store_dir / "catch.drft").unlink()
     assert client.restore(1, "catch").draft_policy_applied == pb.DRAFT_POLICY_REPREFILL
     calls: list[tuple[int, int, int]] = []
-    catch_up = engine.dec.draft_catch_up
+    catch_up = engine.owner.draft_catch_up
 
     def recorded(slot: int, max_tokens: int) -> tuple[int, int]:
         done, left = catch_up(slot, max_tokens)
         calls.append((max_tokens, done, left))
         return done, left
 
-    monkeypatch.setattr(engine.dec, "draft_catch_up", recorded)
+    monkeypatch.setattr(engine.owner, "draft_catch_up", recorded)
     out1, re = gen(client, b, 1)
     n = len(a) + N  # the restored context, the draft's lag
     assert calls == [(batch, batch, n - batch), (batch, batch, n - 2 * batch),

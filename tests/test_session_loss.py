@@ -42,13 +42,13 @@ def fail_next_prefill(srv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     """The next prefill of the core raises (the engine empties the turn's slot)."""
     eng = srv._engine
     assert eng is not None
-    real = eng.dec.prefill
+    real = eng.owner.prefill
 
     def failing(*args: object, **kw: object) -> object:
-        monkeypatch.setattr(eng.dec, "prefill", real)
+        monkeypatch.setattr(eng.owner, "prefill", real)
         raise RuntimeError("injected core failure")
 
-    monkeypatch.setattr(eng.dec, "prefill", failing)
+    monkeypatch.setattr(eng.owner, "prefill", failing)
 
 
 def failed_turn(c: InferenceClient, name: str, prompt: list[int]) -> grpc.RpcError:
@@ -156,13 +156,13 @@ def test_a_session_that_cannot_be_moved_out_of_its_slot_reports_the_loss(
         turn(c, "a", p[0])
         eng = srv._engine
         assert eng is not None
-        real = eng.capture
+        real = eng.owner.capture
 
         def failing(slot: int) -> object:
-            monkeypatch.setattr(eng, "capture", real)
+            monkeypatch.setattr(eng.owner, "capture", real)
             raise RuntimeError("injected capture failure")
 
-        monkeypatch.setattr(eng, "capture", failing)
+        monkeypatch.setattr(eng.owner, "capture", failing)
         assert failed_turn(c, "b", p[1]).code() == grpc.StatusCode.INTERNAL
         assert listed(c) == {}
         err = failed_turn(c, "a", p[2])

@@ -81,7 +81,7 @@ def check_round_trip(srv: Server, store: LocalStore | SnapshotStore, name: str,
     assert restore_peak < SLACK * n + in_flight, (restore_peak, n)
     engine = srv._engine
     assert engine is not None
-    assert engine.call(lambda: engine.dec.tokens(1) == engine.dec.tokens(0))
+    assert engine.call(lambda: engine.owner.tokens(1) == engine.owner.tokens(0))
     return saved
 
 

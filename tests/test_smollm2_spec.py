@@ -22,6 +22,7 @@ from inference_svc.core.speculative import (
     SpecParams,
 )
 from inference_svc.engine.executor import Engine, GenJob
+from inference_svc.engine.slot_owner import SlotOwner
 from inference_svc.metrics import Metrics
 from inference_svc.types import GenerateParams
 from tests.enginekit import EngineHold, record_step_batches
@@ -117,7 +118,7 @@ def test_engine_steps_slots_together_as_one_at_a_time(
     reqs = [GenerateParams(tuple(ps[0]), 16, 0, False, GREEDY, None, spec),
             GenerateParams(tuple(ps[1]), 16, 1, False, hot, 7, spec),
             GenerateParams(tuple(ps[2]), 16, 2, False, hot, 9, spec)]
-    engine = Engine(cfg, tm, dm, Metrics())
+    engine = Engine(cfg, SlotOwner(cfg, tm, dm), Metrics())
     try:
         alone = [collect(engine.generate(r)) for r in reqs]
         batches = record_step_batches(engine, monkeypatch)

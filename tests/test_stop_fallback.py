@@ -53,7 +53,7 @@ def tokens(srv: Server) -> list[list[int]]:
     """What each slot holds (the engine's own view)."""
     eng = srv._engine
     assert eng is not None
-    return eng.call(lambda: [eng.tctx.tokens(s) for s in range(eng.n_slots)])
+    return eng.call(lambda: [eng.owner.tokens(s) for s in range(eng.n_slots)])
 
 
 def files(d: Path) -> list[str]:

@@ -186,7 +186,7 @@ class HttpDoor:
         return JSONResponse(body)
 
     def _model_list(self) -> JSON:
-        eng = self.servicer._rt().engine
+        eng = self.servicer._rt().engine.owner  # the models and slots served
         draft = eng.draft
         model: JSON = {
             "id": _served(eng.target, self.cfg)[0].model, "object": "model",
@@ -267,7 +267,7 @@ class HttpDoor:
             req = to_request(openai_api.parse_body(await self._body(request)),
                              request.headers.get(SESSION_HEADER))
             rt = self.servicer._rt()
-            served = _served(rt.engine.target, self.cfg)
+            served = _served(rt.engine.owner.target, self.cfg)
             if req.model is not None and req.model not in served[1]:
                 raise NotFound(f"model {req.model!r} is not served here; this server serves "
                                f"{served[0].model!r} (GET /v1/models)")

@@ -22,8 +22,9 @@ from inference_svc.api import access
 from inference_svc.config import Config
 from inference_svc.core import Model, ModelLoadError, StreamDecoder, Tokenizer
 from inference_svc.core.head import Head
-from inference_svc.core.speculative import TokenLogprob
+from inference_svc.core.params import TokenLogprob
 from inference_svc.engine.executor import Engine, GenJob
+from inference_svc.engine.slot_owner import SlotOwner
 from inference_svc.errors import Unavailable, status_of
 from inference_svc.metrics import Metrics
 from inference_svc.pb import inference_pb2 as pb
@@ -43,6 +44,7 @@ from inference_svc.types import (
     RequestContext,
     check_tokens,
     logprobs_to_pb,
+    session_from_pb,
 )
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.interceptor import StatusInterceptor
@@ -103,13 +105,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
         def params_of(rc: RequestContext) -> GenerateParams:
             history: tuple[chat.Message, ...] = ()
-            if request.append and request.HasField("session"):
+            session = session_from_pb(request)  # checked before the store is asked
+            if request.append and session is not None:
                 left = _time_remaining(context)
                 host = self._rt().sessions
                 history = host.conversation(
-                    request.session, None if left is None else time.monotonic() + left)
+                    session, None if left is None else time.monotonic() + left)
                 read.append(host)
-            return GenerateParams.from_chat(request, rc, history)
+            return GenerateParams.from_chat(request, rc, history, session)
 
         try:
             yield from self._stream(params_of, context)
@@ -156,7 +159,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def GetInfo(self, request: pb.GetInfoRequest,
                 context: grpc.ServicerContext) -> pb.GetInfoResponse:
         rt = self._rt()
-        eng, cfg = rt.engine, self.cfg
+        eng, cfg = rt.engine.owner, self.cfg  # the models and slots served
         s, sp = cfg.sampling, cfg.speculative
         tok = eng.tokenizer
         resp = pb.GetInfoResponse(
@@ -413,13 +416,13 @@ class Server:
             self.log.warning("no draft model: speculative decoding is off",
                              extra=log.fields(draft=str(cfg.draft)))
         head = self._load_head(target)
-        engine = Engine(cfg, target, draft, self.metrics, head)
+        engine = Engine(cfg, SlotOwner(cfg, target, draft, head), self.metrics)
         self._engine = engine  # closed by stop() even if start-up is cut short
         store = self._open_store()
         tokenizer = BoundedTokenizer(engine.tokenizer, cfg.max_prompt_bytes,
                                      cfg.tokenize_threads, cfg.max_queue)
         rc = RequestContext(cfg, tokenizer, target.n_vocab, engine.n_ctx,
-                            engine.n_slots, engine.has_draft,
+                            engine.n_slots, engine.owner.has_draft,
                             chat.load_template(cfg.chat_template, engine.tokenizer),
                             has_head=head is not None)
         slots = SlotManager(engine, store, cfg.draft_restore_policy, self.metrics)

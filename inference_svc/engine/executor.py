@@ -14,26 +14,15 @@ what it processed. `call` runs a function on the engine thread between units.
 from __future__ import annotations
 
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from inference_svc import log
 from inference_svc.config import Config
-from inference_svc.core import Context, Model, StreamDecoder, Tokenizer
-from inference_svc.core.handle import Room, new_room
-from inference_svc.core.head import Head
-from inference_svc.core.speculative import (
-    NO_SPEC,
-    Counters,
-    Drafter,
-    SpecDecoder,
-    SpecParams,
-    TokenLogprob,
-)
+from inference_svc.core.params import NO_SPEC, Counters, Drafter, SpecParams, TokenLogprob
 from inference_svc.engine.draft_length import DraftLengths
 from inference_svc.engine.scheduler import CATCH_UP, PROMPT, Job, Scheduler, common_prefix
 from inference_svc.errors import FailedPrecondition, InvalidArgument, ServiceError, Unavailable
@@ -41,7 +30,9 @@ from inference_svc.metrics import Metrics
 from inference_svc.types import Chunk, Finished, GenerateParams, SlotInfo, StopReason, Timings
 
 if TYPE_CHECKING:
-    from inference_svc.sessions.host import SessionHost
+    from inference_svc.chat import Message
+    from inference_svc.core import Tokenizer
+    from inference_svc.engine.slot_owner import SlotOwner
 
 T = TypeVar("T")
 
@@ -54,13 +45,15 @@ class StopText:
     held back until it cannot; a match cuts the text before the stop string."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
-        self._dec = StreamDecoder(tokenizer)
+        from inference_svc.core import StreamDecoder
+
+        self._stream = StreamDecoder(tokenizer)
         self._stops = stops
         self._held = ""
 
     def push(self, token: int) -> tuple[str, str | None]:
         """(text to emit, the stop string matched or None)."""
-        buf = self._held + self._dec.push(token)
+        buf = self._held + self._stream.push(token)
         if not self._stops:
             return buf, None
         hit: tuple[int, str] | None = None
@@ -81,7 +74,7 @@ class StopText:
         return buf[:len(buf) - hold], None
 
     def flush(self) -> str:
-        out = self._held + self._dec.flush()
+        out = self._held + self._stream.flush()
         self._held = ""
         return out
 
@@ -185,25 +178,28 @@ class SlotOp(Job, Generic[T]):
         return self._result  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class SlotState:
-    """A slot's whole state as the decoding core writes it, in parts: the target
-    context's slot state (WSKV) and the draft state (WSSP: pending offset, lag, RNG,
-    counters and the draft's KV), each a view of the buffer the core wrote."""
+class SessionHooks(Protocol):
+    """What the engine asks of the sessions layer at a turn's edges (implemented by
+    inference_svc.sessions.host.SessionHost; the engine imports no sessions)."""
 
-    target: memoryview
-    draft: memoryview | None
-    n_tokens: int
+    ack_stored: bool  # a turn's last message waits until its end state is stored
 
+    def prepare(self, job: GenJob, name: str, deadline: float | None) -> None:
+        """Names and reserves the job's session before it queues (request thread)."""
 
-@dataclass(frozen=True)
-class Applied:
-    """What `Engine.apply` did with the draft: `sidecar` True when the saved draft
-    state was loaded; otherwise `rejected` says why the core refused it ("" when
-    there was none) and the draft was reset."""
+    def release(self, job: Job) -> None:
+        """Ends a failed job's reservation of its session."""
 
-    sidecar: bool
-    rejected: str = ""
+    def enter(self, job: Job) -> None:
+        """At the job's start (engine thread): moves the displaced session out of the
+        slot and the job's own session in."""
+
+    def continues(self, key: str, history: tuple[Message, ...]) -> bool:
+        """Whether session `key` still keeps the conversation a Chat was rendered after."""
+
+    def after_turn(self, slot: int, key: str, then: Callable[[], None] | None) -> bool:
+        """At the end of a session's turn (engine thread): its state for write-through;
+        True when `then` will be called once it is stored."""
 
 
 @dataclass
@@ -216,59 +212,34 @@ class _Call:
 
 
 class Engine:
-    """Owns the models' contexts and the speculative decoder, and runs the
-    scheduler's rounds on its thread; it is the scheduler's executor."""
+    """Runs the scheduler's rounds on its thread: it is the scheduler's executor, and
+    changes the slots only through their owner (inference_svc.engine.slot_owner)."""
 
-    def __init__(self, cfg: Config, target: Model, draft: Model | None,
-                 metrics: Metrics | None = None, head: Head | None = None) -> None:
-        """head: a feature head for the target (inference_svc.core.head), or None."""
+    def __init__(self, cfg: Config, owner: SlotOwner, metrics: Metrics | None = None) -> None:
+        """Takes `owner` over: close() closes it."""
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.log = log.get()
-        self.target = target
-        self.draft = draft
-        self.head = head
-        self.n_slots = cfg.slots
-        self.n_ctx = cfg.ctx or target.hparams.n_ctx_train
-        self.tokenizer = target.tokenizer
-        self.eos_id = self.tokenizer.eos_id
-        # the KV caches are committed at start (reserve_kv): a machine that cannot hold
-        # them fails here, and no prefill or restore pays the first touch of their pages
-        self.tctx = Context(target, n_slots=cfg.slots, n_ctx=self.n_ctx, n_threads=cfg.threads,
-                            n_batch=cfg.batch, reserve_kv=True, kv_type=cfg.kv_type)
-        self.dctx: Context | None = None
-        self.hctx: Context | None = None
-        self.dec: SpecDecoder | None = None
+        self.owner = owner
+        self.n_slots = owner.n_slots
+        self.n_ctx = owner.n_ctx
+        self.tokenizer = owner.tokenizer
+        self.eos_id = owner.eos_id
         try:
-            if draft is not None:
-                self.dctx = Context(draft, n_slots=cfg.slots, n_ctx=self.n_ctx,
-                                    n_threads=cfg.draft_threads, n_batch=cfg.batch,
-                                    reserve_kv=True, kv_type=cfg.kv_type)
-            if head is not None:
-                # one thread: the head's passes are small, and a pool of its own would
-                # spin against the target's on the same cores
-                self.hctx = Context(head, n_slots=cfg.slots, n_ctx=self.n_ctx, n_threads=1,
-                                    n_batch=cfg.batch, reserve_kv=True, kv_type=cfg.kv_type)
-            self.dec = SpecDecoder(self.tctx, self.dctx, self.hctx)
+            self.sched = Scheduler(cfg.slots, cfg.max_queue, cfg.max_queue_wait, self,
+                                   on_error=self._log_failure, chunk=cfg.batch,
+                                   shared_chunk=cfg.batch_shared)
         except BaseException:
-            self._free()
+            owner.close()
             raise
-        rng = random.SystemRandom() if cfg.seed is None else random.Random(cfg.seed)
-        for i in range(self.n_slots):
-            self.dec.seed(i, rng.getrandbits(64))
-        self.sched = Scheduler(cfg.slots, cfg.max_queue, cfg.max_queue_wait, self,
-                               on_error=self._log_failure, chunk=cfg.batch,
-                               shared_chunk=cfg.batch_shared)
         self._cond = threading.Condition()
         self._calls: list[_Call] = []
         self._closed = False
-        self.sessions: SessionHost | None = None  # set by the server once the store is open
+        self.sessions: SessionHooks | None = None  # set by the server once the store is open
         self._thread = threading.Thread(target=self._run, name="warmslot-engine", daemon=True)
         self._thread.start()
+        owner.own(self._thread)
 
-    @property
-    def has_draft(self) -> bool:
-        return self.dctx is not None
 
     # ---------------------------------------------------------------- handler side
 
@@ -351,7 +322,7 @@ class Engine:
             with self._cond:
                 bound = [(s.session, s.id, s.job is not None, s.last_used_unix_ms)
                          for s in self.sched.slots if s.session is not None]
-            return [(k, self.dec.n_tokens(i), i, busy, ms) for k, i, busy, ms in bound]
+            return [(k, self.owner.n_tokens(i), i, busy, ms) for k, i, busy, ms in bound]
         return self.call(rows)
 
     def unbind_session(self, key: str) -> int | None:
@@ -369,15 +340,15 @@ class Engine:
                                              "delete it once that has ended")
                 if home is None:
                     return None
-                n = self.dec.n_tokens(home)
+                n = self.owner.n_tokens(home)
                 self.unbind_slot(home)
                 return n
         return self.call(run)
 
     def unbind_slot(self, slot: int) -> None:
         """Empties an idle slot and unbinds its session (engine thread)."""
-        self.dec.clear(slot)
-        self.sched.slots[slot].session = None
+        self.owner.clear(slot)
+        self.sched.unbind(slot)
 
     def slot_last_used_ms(self, slot: int) -> int:
         return self.sched.slots[slot].last_used_unix_ms
@@ -400,12 +371,7 @@ class Engine:
             self._cond.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
-        self._free()
-
-    def _free(self) -> None:
-        for obj in (self.dec, self.hctx, self.dctx, self.tctx):
-            if obj is not None:
-                obj.close()
+        self.owner.close()
 
     # ---------------------------------------------------------------- engine thread
 
@@ -441,49 +407,18 @@ class Engine:
         self.log.error("engine failure", exc_info=exc, extra=log.fields(slot=job.slot))
 
     def _slot_infos(self) -> list[SlotInfo]:
-        dec = self.dec
-        return [SlotInfo(i, dec.n_tokens(i), s.job is not None, dec.draft_n_tokens(i),
-                         dec.draft_offset(i), dec.counters(i), s.last_used_unix_ms)
+        owner = self.owner
+        return [SlotInfo(i, owner.n_tokens(i), s.job is not None, owner.draft_n_tokens(i),
+                         owner.draft_offset(i), owner.counters(i), s.last_used_unix_ms)
                 for i, s in enumerate(self.sched.slots)]
-
-    # ---------------------------------------------------------------- slot operations
-    # On the engine thread only (inside slot_op or call): the engine is the one owner
-    # of a slot's contexts.
-
-    def n_tokens(self, slot: int) -> int:
-        return self.dec.n_tokens(slot)
-
-    def capture(self, slot: int, target_room: Room = new_room,
-                draft_room: Room = new_room) -> SlotState:
-        """The slot's target and draft state, written by the core into the views
-        `target_room(size)` / `draft_room(size)` give (by default new buffers); an idle
-        slot's pending token is committed first (a no-op when there is none)."""
-        target, draft = self.dec.slot_state(slot, target_room, draft_room)
-        return SlotState(target, draft, self.dec.n_tokens(slot))
-
-    def apply(self, slot: int, target_parts: tuple[bytes | memoryview, ...],
-              draft_state: bytes | memoryview | None, draft_offset: int) -> Applied:
-        """Replaces the slot's content: the target state (header, tokens, KV parts),
-        then the draft state, or, when there is none or the core refuses it, an empty
-        draft from `draft_offset`. A target the core refuses raises BadStateError and
-        leaves the slot empty."""
-        loaded, rejected = self.dec.set_slot_state(slot, target_parts, draft_state,
-                                                   draft_offset)
-        return Applied(loaded, rejected)
-
-    def erase(self, slot: int) -> int:
-        """Empties the slot; the number of tokens it held."""
-        n = self.dec.n_tokens(slot)
-        self.dec.clear(slot)
-        return n
 
     # ---------------------------------------------------------------- executor
 
     def reset(self, slot: int) -> None:
-        self.dec.clear(slot)
+        self.owner.clear(slot)
 
     def slot_tokens(self, slot: int) -> list[int]:
-        return self.dec.tokens(slot)
+        return self.owner.tokens(slot)
 
     def begin(self, job: Job) -> None:
         slot = job.slot
@@ -503,14 +438,14 @@ class Engine:
         assert isinstance(job, GenJob)
         try:
             p = job.params
-            dec = self.dec
+            owner = self.owner
             job.t_start = time.monotonic()
             job.timings.queue_ms = 1e3 * (job.t_start - job.submitted)
             job.timings.id_slot = slot
             new = p.prompt
             if job.session is not None and not p.conversation:
                 # the prompt continues the session's tokens
-                keep = dec.n_tokens(slot)
+                keep = owner.n_tokens(slot)
                 if keep + len(p.prompt) + p.max_tokens > self.n_ctx:
                     job.fail(InvalidArgument(
                         f"session {job.session_name!r} holds {keep} tokens: with the prompt "
@@ -533,23 +468,23 @@ class Engine:
                 # slot's tokens are read from the core, their one source: moving a
                 # session out (sessions.enter) may have emptied the slot since it was
                 # last idle
-                common = common_prefix(dec.tokens(slot), p.prompt) if p.cache_prompt else 0
+                common = common_prefix(owner.tokens(slot), p.prompt) if p.cache_prompt else 0
                 if job.session is not None:
                     # turns the session held that the conversation does not repeat
-                    job.timings.session_n_discarded = max(dec.n_tokens(slot) - common, 0)
+                    job.timings.session_n_discarded = max(owner.n_tokens(slot) - common, 0)
                 keep = min(common, len(p.prompt) - 1)
-                if 0 < keep < dec.keep_min(slot):
+                if 0 < keep < owner.keep_min(slot):
                     # the sliding-window layers no longer hold the window of position
                     # keep: rebuilding it needs every earlier position, so all is
                     # re-processed
                     keep = 0
                 new = p.prompt[keep:]
-            dec.truncate(slot, keep)
+            owner.truncate(slot, keep)
             if p.seed is not None:
-                dec.seed(slot, p.seed)
+                owner.seed(slot, p.seed)
             job.timings.cache_n = keep
             job.timings.prompt_n = len(new)
-            job.counters0 = dec.counters(slot)
+            job.counters0 = owner.counters(slot)
             sc = self.cfg.speculative
             if p.spec is not None and sc.adaptive:
                 # every request starts from the same estimate, whatever the slot did
@@ -560,7 +495,7 @@ class Engine:
                                                    sc.head_cost)
             job.todo = list(new)
             # -1: unknown, the first prefill unit of a speculative request catches up
-            job.draft_lag = -1 if p.spec is not None and self.has_draft else 0
+            job.draft_lag = -1 if p.spec is not None and self.owner.has_draft else 0
         except Exception as exc:
             self._abort(job, exc)
 
@@ -587,7 +522,7 @@ class Engine:
         """A decode step of every job in one target pass (each drafting what its
         controller asks); raises, with nothing decoded, when the core refuses it."""
         specs = [j.step_spec() for j in gens]
-        res = self.dec.step_batch([j.slot for j in gens], [j.params.sampling for j in gens],
+        res = self.owner.step_batch([j.slot for j in gens], [j.params.sampling for j in gens],
                                   specs, [j.params.max_tokens - j.emitted for j in gens])
         for job, spec, r in zip(gens, specs, res, strict=True):
             by_lookup = r.drafter == Drafter.LOOKUP
@@ -608,26 +543,26 @@ class Engine:
 
     def _prefill_unit(self, job: GenJob, batch: int) -> int:
         """A draft catch-up or prompt chunk of at most `batch` tokens; its tokens."""
-        p, dec, slot = job.params, self.dec, job.slot
+        p, owner, slot = job.params, self.owner, job.slot
         todo = job.todo
         assert todo is not None
         if p.spec is not None and job.draft_lag:
             # a draft behind its target (a restored slot to re-prefill) catches up in
             # units of at most `batch` tokens before the prompt
-            done, job.draft_lag = dec.draft_catch_up(slot, batch)
+            done, job.draft_lag = owner.draft_catch_up(slot, batch)
             if done:
                 return done
         if len(todo) > batch:
             # a chunk of a long prompt: into the KV without sampling
-            dec.prefill_chunk(slot, todo[:batch], with_draft=p.spec is not None)
+            owner.prefill_chunk(slot, todo[:batch], with_draft=p.spec is not None)
             job.todo = todo[batch:]
             return batch
-        first = dec.prefill(slot, todo, p.sampling, with_draft=p.spec is not None)
+        first = owner.prefill(slot, todo, p.sampling, with_draft=p.spec is not None)
         job.todo = None
         job.t_first = time.monotonic()
         job.timings.prompt_ms = 1e3 * (job.t_first - job.t_start)
         if p.max_tokens == 0:
-            dec.truncate(slot, dec.n_tokens(slot) - 1)  # drop the sampled token
+            owner.truncate(slot, owner.n_tokens(slot) - 1)  # drop the sampled token
             self._finish(job, StopReason.MAX_TOKENS)
         else:
             self._take(job, [first], self._logprobs(job))
@@ -635,7 +570,7 @@ class Engine:
 
     def _logprobs(self, job: GenJob) -> list[TokenLogprob] | None:
         """The logprobs of the tokens the job's last core call returned, when it asked."""
-        return self.dec.logprobs(job.slot) if job.params.sampling.logprobs else None
+        return self.owner.logprobs(job.slot) if job.params.sampling.logprobs else None
 
     def _take(self, job: GenJob, toks: list[int],
               lps: list[TokenLogprob] | None = None) -> None:
@@ -649,7 +584,7 @@ class Engine:
         for i, t in enumerate(toks):
             if t == self.eos_id:
                 # S ends with toks: keep what precedes the EOS
-                self.dec.truncate(slot, self.dec.n_tokens(slot) - (len(toks) - i))
+                self.owner.truncate(slot, self.owner.n_tokens(slot) - (len(toks) - i))
                 reason = StopReason.EOS
                 break
             out.append(t)
@@ -660,7 +595,7 @@ class Engine:
                 piece, matched = job.text.push(t)
                 text.append(piece)
             if matched is not None:
-                self.dec.truncate(slot, self.dec.n_tokens(slot) - (len(toks) - i - 1))
+                self.owner.truncate(slot, self.owner.n_tokens(slot) - (len(toks) - i - 1))
                 reason, stop = StopReason.STOP_STRING, matched
                 break
             if job.emitted >= p.max_tokens:
@@ -681,7 +616,7 @@ class Engine:
         """Commits the pending token, ends the job (the scheduler frees the slot) and
         completes the timings."""
         slot = job.slot
-        self.dec.commit(slot)
+        self.owner.commit(slot)
         now = time.monotonic()
         tm = job.timings
         if job.t_first:
@@ -689,7 +624,7 @@ class Engine:
         else:
             tm.prompt_ms = 1e3 * (now - job.t_start)
         tm.predicted_n = job.emitted
-        tm.add_counters(self.dec.counters(slot) - job.counters0)
+        tm.add_counters(self.owner.counters(slot) - job.counters0)
         job.running = False
         m = self.metrics
         m.tokens.labels("prompt").inc(tm.prompt_n)
@@ -768,7 +703,7 @@ class Engine:
         self.log.warning("generate failed", exc_info=not isinstance(exc, ServiceError),
                          extra=log.fields(slot=job.slot, error=str(exc)))
         try:
-            self.sched.slots[job.slot].session = None  # emptied: nothing of it is left
-            self.dec.clear(job.slot)
+            self.sched.unbind(job.slot)  # emptied: nothing of it is left
+            self.owner.clear(job.slot)
         finally:
             job.fail(exc)

@@ -263,6 +263,10 @@ class Scheduler:
             out.append(job)
         return out
 
+    def unbind(self, slot: int) -> None:
+        """The slot holds no session any more (it was emptied)."""
+        self.slots[slot].session = None
+
     def home_of(self, session: str) -> int | None:
         """The slot the session is bound to, None when none is."""
         return next((s.id for s in self.slots if s.session == session), None)
@@ -395,7 +399,7 @@ class Scheduler:
         if self.on_error is not None:
             self.on_error(job, exc)
         job.running = False
-        self.slots[job.slot].session = None  # emptied: nothing of the session is left there
+        self.unbind(job.slot)  # emptied: nothing of the session is left there
         try:
             self.ex.reset(job.slot)
         except BaseException:  # noqa: BLE001 - the slot is freed anyway, as empty

@@ -82,7 +82,6 @@ from inference_svc.sessions.names import (
     check_session_name,
     from_store_name,
 )
-from inference_svc.storage import slotfile
 from inference_svc.storage.fallback import Fallback
 from inference_svc.storage.slots import SlotManager
 from inference_svc.storage.snapshots import (
@@ -108,8 +107,9 @@ def owner_of(principal: auth.Principal | None) -> str:
 
 
 def caller_key(name: str) -> SessionKey:
-    """The session `name` of the caller of the call being served."""
-    return SessionKey(owner_of(auth.CURRENT.get()), check_session_name(name))
+    """The session `name` of the caller of the call being served; `name` was checked
+    where the request came in (types.session_from_pb, delete_key)."""
+    return SessionKey(owner_of(auth.CURRENT.get()), name)
 
 
 @dataclass(eq=False)
@@ -117,7 +117,7 @@ class Held:
     """A session's state in the host-memory tier."""
 
     key: str  # store name
-    parts: tuple[bytes | memoryview, ...]  # Engine.apply target parts
+    parts: tuple[bytes | memoryview, ...]  # SlotOwner.apply target parts
     draft: bytes | memoryview | None  # draft state; None: the draft restore policy applies
     draft_note: str
     n_tokens: int
@@ -152,6 +152,7 @@ class SessionHost:
                  metrics: Metrics, fallback: Fallback | None = None,
                  write_through: bool = False, ack_stored: bool = False) -> None:
         self.engine = engine
+        self.owner = engine.owner  # the slots' content, changed on the engine thread only
         self.slots = slots
         self.store: SlotStore | None = slots.store
         # where the stop puts the sessions the store does not take (and finds them again)
@@ -517,13 +518,13 @@ class SessionHost:
                 self.evict(slot, displaced)
             except Exception as exc:
                 self._state_lost(displaced, self._ver.get(displaced, 0),
-                                 self.engine.n_tokens(slot),
+                                 self.owner.n_tokens(slot),
                                  f"moving it out of slot {slot} failed ({exc})")
                 raise
             if job.session is None:
                 # the slot goes to a request without a session: nothing of the displaced
                 # session may stay there
-                self.engine.reset(slot)
+                self.owner.clear(slot)
         if job.session is None:
             return
         k = job.session
@@ -532,7 +533,7 @@ class SessionHost:
                 tier = TIER_SLOT
                 with self._lock:
                     v0 = self._ver.get(k, 0)
-                n0 = self.engine.n_tokens(slot)
+                n0 = self.owner.n_tokens(slot)
             else:
                 with self._lock:
                     msg = self._lost.get(k)
@@ -553,12 +554,12 @@ class SessionHost:
                 self._turns[k] = Turn(weakref.ref(job), v0, n0)
             if not job.resident:
                 if held is None:
-                    self.engine.reset(slot)
+                    self.owner.clear(slot)
                     tier = TIER_NEW
                     with self._lock:
                         self._chats.pop(k, None)
                 else:
-                    self.slots._apply(slot, PreparedRestore(  # noqa: SLF001 - same checks
+                    self.slots.load(slot, PreparedRestore(
                         held.parts, held.n_tokens, held.draft, held.draft_note, held.size))
                     tier = held.origin
         finally:
@@ -618,18 +619,17 @@ class SessionHost:
 
     def _capture(self, slot: int, key: str) -> Held | None:
         """The slot's state as session `key` (engine thread); None when it is empty."""
-        eng = self.engine
-        if eng.n_tokens(slot) == 0:
+        owner = self.owner
+        if owner.n_tokens(slot) == 0:
             return None
-        state = eng.capture(slot)
-        t = slotfile.target_from_core(state.target, self.slots.target_spec)
+        state = owner.capture(slot)
         size = len(state.target) + (len(state.draft) if state.draft is not None else 0)
         with self._lock:
             version = self._ver.get(key, 0)
             chat = self._chats.get(key)
             stored = version != 0 and self._store_ver.get(key, (0, 0))[0] == version
-        return Held(key, slotfile.core_parts_from_target(t), state.draft, "", state.n_tokens,
-                    size, eng.slot_last_used_ms(slot), TIER_RAM, version=version,
+        return Held(key, state.target_parts(), state.draft, "", state.n_tokens,
+                    size, self.engine.slot_last_used_ms(slot), TIER_RAM, version=version,
                     raw_target=state.target, chat=chat, in_store=stored)
 
     def _put(self, held: Held) -> None:
@@ -1168,7 +1168,7 @@ def delete_key(name: str, owner: str, principal: auth.Principal | None) -> Sessi
     """The session a DeleteSession names: the caller's own, or for an admin key (or a
     server without keys) the one of `owner`. A user key naming another owner's
     session gets NotFound, as if there were none."""
-    key = caller_key(name)
+    key = caller_key(check_session_name(name))
     if owner and owner != key.owner:
         if principal is not None and not principal.is_admin:
             raise NotFound(f"no session {name!r}")

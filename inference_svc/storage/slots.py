@@ -8,10 +8,10 @@ generating meanwhile.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from inference_svc import log
-from inference_svc.core import BadStateError
-from inference_svc.engine.executor import Engine, SlotState
+from inference_svc.core.errors import BadStateError
 from inference_svc.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 from inference_svc.metrics import Metrics
 from inference_svc.sessions.names import refuse_session_namespace
@@ -26,6 +26,10 @@ from inference_svc.storage.snapshots import (
 from inference_svc.storage.store import SlotStore
 from inference_svc.types import DraftPolicy, RestoreResult, SaveResult, check_slot_id
 
+if TYPE_CHECKING:
+    from inference_svc.engine.executor import Engine
+    from inference_svc.engine.slot_owner import SlotState
+
 
 def _caller_waits(deadline: float | None, name: str) -> None:
     """Raises DeadlineExceeded once `deadline` has passed: a restore nobody waits for
@@ -39,10 +43,11 @@ class SlotManager:
     def __init__(self, engine: Engine, store: SlotStore | None, draft_policy: str,
                  metrics: Metrics) -> None:
         self.engine = engine
+        owner = engine.owner
         kv_type = engine.cfg.kv_type
-        self.target_spec: ModelSpec = model_spec(engine.target, engine.n_ctx, kv_type)
+        self.target_spec: ModelSpec = model_spec(owner.target, owner.n_ctx, kv_type)
         # the sidecar's model: the draft model's, else the feature head's (its state)
-        drafter = engine.draft if engine.draft is not None else engine.head
+        drafter = owner.draft if owner.draft is not None else owner.head
         self.draft_spec: ModelSpec | None = (model_spec(drafter, engine.n_ctx, kv_type)
                                              if drafter is not None else None)
         self.store = store
@@ -66,7 +71,8 @@ class SlotManager:
         self._need_store()
         t0 = time.perf_counter()
         files = SlotFileBuffers(self.target_spec)
-        state = eng.slot_op(id_slot, lambda slot: eng.capture(slot, files.target, files.draft),
+        state = eng.slot_op(id_slot, lambda slot: eng.owner.capture(slot, files.target,
+                                                                     files.draft),
                             time_remaining, keep_session=True)
         return self._persist(id_slot, name, files, state, t0)
 
@@ -79,8 +85,9 @@ class SlotManager:
         t0 = time.perf_counter()
         eng = self.engine
         files = SlotFileBuffers(self.target_spec)
-        state = eng.call(lambda: eng.capture(id_slot, files.target, files.draft)
-                         if eng.n_tokens(id_slot) else None)
+        owner = eng.owner
+        state = eng.call(lambda: owner.capture(id_slot, files.target, files.draft)
+                         if owner.n_tokens(id_slot) else None)
         if state is None:
             return None
         return self._persist(id_slot, validate_name(name), files, state, t0, store=store,
@@ -140,7 +147,7 @@ class SlotManager:
 
             def apply(slot: int) -> tuple[DraftPolicy, str]:
                 _caller_waits(deadline, name)  # on the engine thread, just before
-                return self._apply(slot, prepared)
+                return self.load(slot, prepared)
 
             _caller_waits(deadline, name)
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -162,17 +169,19 @@ class SlotManager:
         return RestoreResult(id_slot, name, prepared.n_tokens, prepared.n_read,
                              policy is DraftPolicy.SIDECAR, policy, ms, note)
 
-    def _apply(self, slot: int, prepared: PreparedRestore) -> tuple[DraftPolicy, str]:
-        """On the engine thread: loads the checked state into the slot."""
-        eng = self.engine
+    def load(self, slot: int, prepared: PreparedRestore) -> tuple[DraftPolicy, str]:
+        """On the engine thread: loads a checked state into the slot (a restore's, or a
+        session's from the RAM tier or the store); the draft policy that applied and
+        why the sidecar was not used ("" when it was)."""
+        owner = self.engine.owner
         # without a usable sidecar the draft starts empty: at the end of the context
         # ("empty") or at 0, to be re-prefilled by the next speculative request
         offset = prepared.n_tokens if self.draft_policy is DraftPolicy.EMPTY else 0
         try:
-            applied = eng.apply(slot, prepared.target_parts, prepared.draft_state, offset)
+            applied = owner.apply(slot, prepared.target_parts, prepared.draft_state, offset)
         except BadStateError as exc:
             raise DataLoss(f"slot file rejected by the decoding core: {exc}") from exc
-        if not eng.has_draft and eng.head is None:
+        if not owner.has_draft and owner.head is None:
             return DraftPolicy.NONE, prepared.draft_note
         if applied.sidecar:
             return DraftPolicy.SIDECAR, ""
@@ -186,6 +195,6 @@ class SlotManager:
         eng = self.engine
         check_slot_id(id_slot, eng.n_slots)
 
-        n = eng.slot_op(id_slot, eng.erase, time_remaining)
+        n = eng.slot_op(id_slot, eng.owner.clear, time_remaining)
         self.log.info("slot erased", extra=log.fields(slot=id_slot, n_tokens=n))
         return n
