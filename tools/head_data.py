@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from llama_torch import Llama
-from teacher import Turn, _block_cached, pick
+from teacher import Turn, _block_cached, advance
 
 QUESTION_TOKENS = 48  # the cap on a question the target writes itself
 
@@ -73,20 +73,7 @@ def rollout_hidden(model: Llama, prompts: list[list[int]], n_total: int, tempera
             break
         top1[:, pos - 1] = logits.argmax(-1).to(torch.int32)
         last = logits.numpy()
-        nxt = []
-        for s, turn in enumerate(turns):
-            if turn.forced:
-                tok = turn.forced.pop(0)
-            else:
-                tok = pick(last[s], turn.temperature, rng)
-                if turn.question_left > 0 and question is not None:
-                    turn.question_left -= 1
-                    end, opening, _ = question
-                    if tok == end or turn.question_left == 0:
-                        turn.forced = ([] if tok == end else [end]) + list(opening)
-                        turn.question_left, turn.temperature = 0, temperature
-            turn.tokens.append(tok)
-            nxt.append(tok)
+        nxt = advance(turns, last, temperature, question, rng)
         x_in = torch.tensor(nxt, dtype=torch.long)[:, None]
     tokens = torch.tensor([tr.tokens for tr in turns], dtype=torch.int32)
     return {"tokens": tokens, "hidden": hidden, "top1": top1}

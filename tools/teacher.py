@@ -169,6 +169,30 @@ class Turn:
     question_left: int = 0  # >0: still writing the user question (sampled, capped)
 
 
+def advance(turns: list[Turn], last: Any, temperature: float,
+            question: tuple[int, list[int], float] | None,
+            rng: np.random.Generator) -> list[int]:
+    """Each turn's next token from its row of `last` (logits), appended to the turn: a
+    forced token first, else one picked at the turn's temperature; a question the target
+    writes ends at its end id or its cap, then the opening is forced and the answer
+    follows at `temperature`."""
+    nxt = []
+    for s, turn in enumerate(turns):
+        if turn.forced:
+            tok = turn.forced.pop(0)
+        else:
+            tok = pick(last[s], turn.temperature, rng)
+            if turn.question_left > 0 and question is not None:
+                turn.question_left -= 1
+                end, opening, _ = question
+                if tok == end or turn.question_left == 0:
+                    turn.forced = ([] if tok == end else [end]) + list(opening)
+                    turn.question_left, turn.temperature = 0, temperature
+        turn.tokens.append(tok)
+        nxt.append(tok)
+    return nxt
+
+
 def core_rollouts(model: Any, prompts: list[list[int]], n_total: int, temperature: float,
                   k_keep: int, rng: np.random.Generator, n_threads: int = 1,
                   question: tuple[int, list[int], float] | None = None) -> tuple[
@@ -199,20 +223,7 @@ def core_rollouts(model: Any, prompts: list[list[int]], n_total: int, temperatur
         if any(len(p) != pos for p in prompts):
             raise ValueError("prompts of one rollout batch must have the same length")
         while pos < n_total:
-            nxt = []
-            for s, turn in enumerate(turns):
-                if turn.forced:
-                    tok = turn.forced.pop(0)
-                else:
-                    tok = pick(last[s], turn.temperature, rng)
-                    if turn.question_left > 0 and question is not None:
-                        turn.question_left -= 1
-                        end, opening, _ = question
-                        if tok == end or turn.question_left == 0:
-                            turn.forced = ([] if tok == end else [end]) + list(opening)
-                            turn.question_left, turn.temperature = 0, temperature
-                turn.tokens.append(tok)
-                nxt.append(tok)
+            nxt = advance(turns, last, temperature, question, rng)
             pos += 1
             if pos == n_total:
                 break

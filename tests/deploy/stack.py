@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,6 +269,16 @@ class Project:
         subprocess.run([*self.cmd, "down", "-v", "--remove-orphans", "-t", "60"],
                        capture_output=True, timeout=300)
         self.override.unlink(missing_ok=True)
+
+
+def require_image(engine: Any, image: str) -> None:
+    """Skips the test (saying why) when the image was not built locally."""
+    import docker
+
+    try:
+        engine.images.get(image)
+    except docker.errors.ImageNotFound:
+        pytest.skip(f"deployment tests: image {image} not built (deploy/build-offline.sh)")
 
 
 def sweep_leftovers(engine: Any) -> None:

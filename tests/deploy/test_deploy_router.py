@@ -37,6 +37,7 @@ from tests.deploy.stack import (
     Project,
     Service,
     free_port,
+    require_image,
 )
 from tests.deploy.test_deploy import (  # noqa: F401 - fixtures
     REPORT,
@@ -64,13 +65,7 @@ def _load_router_module() -> Any:
 @pytest.fixture(scope="module")
 def fleet(engine: Any, models: Models,  # noqa: F811
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
-    import docker
-
-    try:
-        engine.images.get(ROUTER_IMAGE)
-    except docker.errors.ImageNotFound:
-        pytest.skip(f"deployment tests: image {ROUTER_IMAGE} not built "
-                    "(deploy/build-offline.sh)")
+    require_image(engine, ROUTER_IMAGE)
     # one thread each: three replicas on a small machine; the shared namespace's key;
     # a session turn answered only once stored, so a kill right after loses nothing
     common = {**models.env, "WARMSLOT_SLOTS": "2", "WARMSLOT_THREADS": "1",

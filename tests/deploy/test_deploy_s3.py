@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from snapshot_svc.client import SnapshotClient
-from tests.deploy.stack import SEAWEEDFS_IMAGE, Project, Service, free_port
+from tests.deploy.stack import SEAWEEDFS_IMAGE, Project, Service, free_port, require_image
 from tests.deploy.test_deploy import (  # noqa: F401 - fixtures
     NEW,
     Models,
@@ -41,13 +41,7 @@ SESSION_TOKENS = 1500  # enough to show that only the new tokens are processed
 @pytest.fixture(scope="module")
 def s3_stack(engine: Any, models: Models,  # noqa: F811
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
-    import docker
-
-    try:
-        engine.images.get(SEAWEEDFS_IMAGE)
-    except docker.errors.ImageNotFound:
-        pytest.skip(f"deployment tests: image {SEAWEEDFS_IMAGE} not built "
-                    "(deploy/build-offline.sh)")
+    require_image(engine, SEAWEEDFS_IMAGE)
     common = {**models.env, "WARMSLOT_SLOTS": "2", "WARMSLOT_LOG_FORMAT": "json"}
     project = Project(engine, tmp_path_factory.mktemp("s3"), "s3", [
         Service("seaweedfs", free_port(below=55535)),
