@@ -96,6 +96,7 @@ def test_a_failed_turn_whose_start_is_the_store_copy_continues_from_it(
         wait_until(lambda: listed(c)["a"][1] == STORE)
         fail_next_prefill(srv, monkeypatch)  # the turn right after the restore fails
         assert failed_turn(c, "a", p[2]).code() == grpc.StatusCode.INTERNAL
+        assert srv._sessions is not None and srv._sessions.settle(30)  # b written down
         assert store_files(tmp_path) == ["session~~a", "session~~a.drft", "session~~b",
                                          "session~~b.drft"]
         assert listed(c)["a"] == (len(p[0]) + N, STORE)

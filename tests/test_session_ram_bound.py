@@ -1,10 +1,13 @@
 """The RAM tier never holds more bytes than `--session-ram-mb` allows, not even for an
 instant: a session goes in only after the least recently used ones went to the store,
 and one that cannot fit goes to the store itself. Every insertion into the tier is
-watched, and the bytes it holds are counted exactly."""
+watched, and the bytes it holds are counted exactly. The store writes that make room run
+on the session writer, never on the engine thread: each check waits for the writer to
+settle (SessionHost.settle, bounded) before it looks."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,6 +76,7 @@ def three_sessions(tmp_path: Path, ram_bytes: int) -> tuple[list[int], dict, int
         prompt = list(range(10, 10 + PROMPT_LEN))
         for name in "abc":
             turn(c, name, prompt)
+            assert host(srv).settle(30)
         return list(seen), listed(c), host(srv)._ram_used, store_files(tmp_path / "s")
 
 
@@ -113,7 +117,13 @@ class Refusing:
     host: SessionHost
     seen: list[int]  # the tier's bytes after each insertion
     calls: list[str]  # the names the refused writes were for, in order
+    threads: set[str]  # the threads that tried them
     accept: Callable[[], None]  # the store takes writes again
+
+    def turn(self, name: str) -> None:
+        """A turn of session `name`, then the writer settled."""
+        turn(self.c, name, PROMPT)
+        assert self.host.settle(30)
 
 
 @contextmanager
@@ -128,15 +138,19 @@ def refused_after_two_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         assert store is not None
         real = store.save
         calls: list[str] = []
+        threads: set[str] = set()
 
         def refused(name: str, *args: object, **kw: object) -> int:
             calls.append(name)
+            threads.add(threading.current_thread().name)
             raise Unavailable("injected: the store is down")
 
         turn(c, "a", PROMPT)
         turn(c, "b", PROMPT)
+        assert h.settle(30)
         monkeypatch.setattr(store, "save", refused)
-        yield Refusing(c, h, seen, calls, lambda: monkeypatch.setattr(store, "save", real))
+        yield Refusing(c, h, seen, calls, threads,
+                       lambda: monkeypatch.setattr(store, "save", real))
 
 
 def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
@@ -147,7 +161,7 @@ def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
     size = session_size(tmp_path)
     n = PROMPT_LEN + N
     with refused_after_two_sessions(tmp_path, monkeypatch, size) as r:
-        turn(r.c, "c", PROMPT)
+        r.turn("c")
         assert (r.seen, r.host._ram_used) == ([size, 2 * size], 2 * size)
         assert listed(r.c) == {"a": (n, RAM), "b": (n, RAM), "c": (n, SLOT)}
         r.accept()
@@ -156,15 +170,17 @@ def test_a_session_the_store_refuses_is_kept_beyond_the_bound_until_it_takes_it(
         assert store_files(tmp_path / "s") == ["session~~a", "session~~a.drft"]
 
 
-def test_the_engine_does_not_wait_on_a_store_that_just_failed(
+def test_no_store_write_is_tried_on_the_engine_thread_nor_right_after_a_failed_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a failed write, evictions within SPILL_RETRY_S try no store write on the
-    engine thread: the session is kept beyond the bound at once."""
+    """The writer makes room, not the engine thread; after a failed write, sessions
+    displaced within SPILL_RETRY_S try no store write: they are kept beyond the bound at
+    once."""
     monkeypatch.setattr(session_host, "SPILL_RETRY_S", 600.0)  # the writer does not retry
     size = session_size(tmp_path)
     with refused_after_two_sessions(tmp_path, monkeypatch, size) as r:
-        turn(r.c, "c", PROMPT)  # one write tried (a, to make room for b), refused
-        turn(r.c, "d", PROMPT)  # none tried: c is kept at once
+        r.turn("c")  # one write tried (a, to make room for b), refused
+        r.turn("d")  # none tried: c is kept at once
         assert r.calls == ["session~~a"]
+        assert r.threads == {"warmslot-sessions"}
         assert (r.seen, r.host._ram_used) == ([size, 2 * size, 3 * size], 3 * size)
         r.accept()

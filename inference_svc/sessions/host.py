@@ -94,7 +94,7 @@ from inference_svc.storage.store import SlotStore
 from snapshot_svc.clientlib import auth
 
 SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt
-ENGINE_WRITE_S = 5.0  # bound of the store writes that make room in the RAM tier
+STORE_WRITE_S = 5.0  # bound of one write of a session to the store by the writer
 _KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
 
 
@@ -128,6 +128,9 @@ class Held:
     raw_target: memoryview | None = None  # captured WSKV state, to encode for the store
     in_store: bool = False  # the store holds this very state: nothing to write
     writing: bool = False  # the writer is storing it
+    # displaced from its slot when the tier had no room: waits outside the tier (in
+    # _staged, where a turn of it finds it) until the writer has made room or stored it
+    awaiting: bool = False
     deleted: bool = False  # DeleteSession removed it (a write in flight is undone)
     chat: tuple[Message, ...] | None = None  # its chat conversation, written with it
     # answers held back until this state is stored (--session-ack-stored)
@@ -166,6 +169,7 @@ class SessionHost:
         # read from the store (or written there while a turn of it waited) for a waiting
         # turn: held for that turn only, outside the tier's bound
         self._staged: dict[str, Held] = {}
+        self._awaiting: collections.deque[Held] = collections.deque()  # for _make_room
         self._reserved: collections.Counter[str] = collections.Counter()  # jobs per session
         self._reserving: set[int] = set()  # id() of the jobs holding a reservation
         self._in_store: set[str] = set()  # store names of sessions this replica knows there
@@ -457,7 +461,7 @@ class SessionHost:
                 if self._reserved[job.session] <= 0:
                     del self._reserved[job.session]
                     staged = self._staged.get(job.session)
-                    if staged is not None and not staged.writing:
+                    if staged is not None and not staged.writing and not staged.awaiting:
                         del self._staged[job.session]  # the store holds it
                 self._lock.notify_all()
 
@@ -633,19 +637,41 @@ class SessionHost:
                     raw_target=state.target, chat=chat, in_store=stored)
 
     def _put(self, held: Held) -> None:
-        """Puts a session captured from its slot into the RAM tier without ever holding
-        more than its bound: the least recently used sessions there (none a waiting turn
-        needs) are written to the store first until it fits; when it cannot fit that
-        way, it goes to the store itself. Those writes run on the calling (engine)
-        thread, each ending within ENGINE_WRITE_S. Only when the store does not take
-        them (or failed a write less than SPILL_RETRY_S ago: the engine does not wait on
-        a store that is down) is the session kept beyond the bound (logged; the writer
-        retries it), rather than lost."""
+        """Puts a session captured from its slot (engine thread) into the RAM tier when it
+        fits. When it does not, it waits outside the tier, where a turn of it finds it,
+        and the writer makes room (`_make_room`): the least recently used sessions there
+        go to the store first, then it comes in; when that cannot make room, it goes to
+        the store itself. So the tier never holds more than its bound, and the engine
+        thread neither encodes nor waits for the store: the other slots keep decoding
+        while the writer works."""
         with self._lock:
             old = self._ram.pop(held.key, None)
             if old is not None:
                 self._ram_used -= old.size
                 old.deleted = old.writing  # an older write in flight must not land last
+            if self._ram_used + held.size <= self.ram_bytes:
+                self._ram[held.key] = held
+                self._ram_used += held.size
+            else:
+                held.awaiting = True
+                self._staged[held.key] = held
+                self._awaiting.append(held)
+            self._lock.notify_all()
+        self._gauges()
+
+    def _make_room(self, held: Held) -> bool:
+        """On the writer: brings a session that waits outside the tier in, after writing
+        the least recently used sessions there (none a waiting turn needs) to the store
+        until it fits; when they cannot make room (or the store failed a write less than
+        SPILL_RETRY_S ago), it is written to the store itself. Only when the store does
+        not take it is it kept in the tier beyond the bound (logged; retried), rather
+        than lost. False when a write failed."""
+        deadline = time.monotonic() + STORE_WRITE_S
+        with self._lock:
+            if self._staged.get(held.key) is not held:  # a turn took it, or it was deleted
+                held.awaiting = False
+                self._lock.notify_all()
+                return True
             need = self._ram_used + held.size - self.ram_bytes
             victims: list[Held] = []
             if need > 0 and held.size <= self.ram_bytes and not self._store_failing():
@@ -661,34 +687,53 @@ class SessionHost:
                     victims = []  # they would not make room: the session goes down itself
             for h in victims:
                 h.writing = True
-        deadline = time.monotonic() + ENGINE_WRITE_S
-        for h in victims:
-            self._spill(h, deadline)
+        ok = all([self._spill(h, deadline) for h in victims])
         with self._lock:
+            if self._staged.get(held.key) is not held:
+                held.awaiting = False
+                self._lock.notify_all()
+                return ok
             fits = self._ram_used + held.size <= self.ram_bytes
             direct = not fits and not self._store_failing()
             if fits or not direct:
+                held.awaiting = False
+                del self._staged[held.key]
                 self._ram[held.key] = held  # beyond the bound when it does not fit
                 self._ram_used += held.size
-            else:  # found by a turn while it is written, outside the tier's bound
-                held.writing = True
-                self._staged[held.key] = held
+            else:
+                held.writing = True  # still awaiting: the stop saves it if it must
             self._lock.notify_all()
         kept = not fits and not direct
-        if direct and not self._spill(held, deadline):
+        if direct:
+            stored = self._spill(held, deadline)
             with self._lock:
-                kept = self._staged.get(held.key) is held  # no turn has taken it meanwhile
+                held.awaiting = False
+                kept = not stored and self._staged.get(held.key) is held  # no turn took it
                 if kept:
                     del self._staged[held.key]
                     self._ram[held.key] = held
                     self._ram_used += held.size
-                    self._lock.notify_all()
+                self._lock.notify_all()
+            ok = ok and stored
         if kept:
             self.log.warning("session kept in RAM beyond --session-ram-mb: the store did "
                              "not take it", extra=log.fields(
                                  session=held.key, ram_used=self._ram_used,
                                  ram_bytes=self.ram_bytes))
         self._gauges()
+        return ok
+
+    def settle(self, timeout: float) -> bool:
+        """Waits until no displaced session waits outside the RAM tier (the writer has
+        brought each in, or stored it); False when `timeout` seconds passed first."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while self._awaiting or any(h.awaiting for h in self._staged.values()):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
 
     def _store_failing(self) -> bool:
         """Under the lock: the store failed a write less than SPILL_RETRY_S ago."""
@@ -766,36 +811,42 @@ class SessionHost:
                     return
                 stale = next(iter(self._stale), None)
                 failing = self._store_failing()  # then its pause is kept
+                # a session waiting outside the tier first: it is beyond the bound
+                awaiting = (self._awaiting.popleft() if stale is None and self._awaiting
+                            else None)
                 through = (next(iter(self._through.values()), None)
-                           if stale is None and not failing else None)
+                           if stale is None and awaiting is None and not failing else None)
                 if through is not None:
                     through.writing = True
                 held = (self._next_to_write() if stale is None and not failing
-                        and through is None else None)
+                        and awaiting is None and through is None else None)
                 if held is not None:
                     held.writing = True
-                elif stale is None and through is None:
+                elif stale is None and awaiting is None and through is None:
                     self._lock.wait(SPILL_RETRY_S if fallback_left or failing else None)
                     if fallback_left and not self._closed:
                         fallback_left = not self._upload_fallback()
                     continue
             if stale is not None:
                 ok = self._remove_stale(stale, None)
+            elif awaiting is not None:
+                ok = self._make_room(awaiting)
             elif through is not None:
                 ok = self._write_through(through)
             else:
                 assert held is not None
                 ok = self._spill(held, None)
-            if not ok:  # a pause, whatever wakes the writer meanwhile
+            if not ok:  # a pause, but for a session waiting for room (kept at once)
                 until = time.monotonic() + SPILL_RETRY_S
                 with self._lock:
-                    while not self._closed and (left := until - time.monotonic()) > 0:
+                    while (not self._closed and not self._awaiting
+                           and (left := until - time.monotonic()) > 0):
                         self._lock.wait(left)
 
     def _write_through(self, held: Held) -> bool:
         """Stores a turn's end state captured by `after_turn`; it stays waiting (for a
         retry) when the store did not take it and no newer state replaced it."""
-        ok = self._write(held, time.monotonic() + ENGINE_WRITE_S)
+        ok = self._write(held, time.monotonic() + STORE_WRITE_S)
         with self._lock:
             held.writing = False
             if ok and self._through.get(held.key) is held:
@@ -986,6 +1037,8 @@ class SessionHost:
                 rows[r.key] = r
         with self._lock:
             ram = [(h.key, h.n_tokens, h.last_used_ms) for h in self._ram.values()]
+            ram += [(h.key, h.n_tokens, h.last_used_ms) for h in self._staged.values()
+                    if h.awaiting]
             lost = set(self._lost)
         for k in lost:  # its older store copy is no state of it
             key = from_store_name(k)
@@ -1107,6 +1160,8 @@ class SessionHost:
             self.engine.call(lambda s=slot: self.engine.unbind_slot(s))
         with self._lock:
             todo = [h for h in self._ram.values() if not h.in_store]
+            # displaced while the tier was full, and not brought in before the stop
+            todo += [h for h in self._staged.values() if h.awaiting and not h.in_store]
         for held in todo:
             save(held)
         self.log.info("sessions saved", extra=log.fields(
@@ -1149,7 +1204,7 @@ class SessionHost:
         wrote, read or found there at start)."""
         resident = self.engine.resident_keys()
         with self._lock:
-            ram = set(self._ram) - resident
+            ram = (set(self._ram) | {k for k, h in self._staged.items() if h.awaiting}) - resident
             store = self._in_store - ram - resident
         m = self.metrics.sessions
         m.labels("slot").set(len(resident))
