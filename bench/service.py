@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +83,27 @@ class Service:
 
     def __init__(self, args: argparse.Namespace, target: Path, draft: Path | None,
                  extra: tuple[str, ...] = ()) -> None:
-        cmd = [sys.executable, "-m", "inference_svc", "--model", str(target),
-               "--draft", str(draft) if draft else "none", "--slots", str(SLOTS),
-               "--ctx", str(args.ctx), "--threads", str(args.threads), "--port", "0",
-               "--host", "127.0.0.1", "--log-format", "json", "--spec-n-max", str(args.n_max),
-               *extra]
-        self.p = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                                  stdout=subprocess.DEVNULL)
+        self.launch(ROOT, ("--model", str(target), "--draft", str(draft) if draft else "none",
+                           "--slots", str(SLOTS), "--ctx", str(args.ctx),
+                           "--threads", str(args.threads), "--spec-n-max", str(args.n_max),
+                           *extra))
+
+    @classmethod
+    def of_tree(cls, tree: Path, flags: Sequence[str]) -> Service:
+        """The service of a checkout (its sources and native build: cwd and PYTHONPATH)
+        with only `flags` besides the address and the log format."""
+        svc = cls.__new__(cls)
+        svc.launch(tree, flags)
+        return svc
+
+    def launch(self, tree: Path, flags: Sequence[str]) -> None:
+        cmd = [sys.executable, "-m", "inference_svc", "--port", "0", "--host", "127.0.0.1",
+               "--log-format", "json", *flags]
+        self.p = subprocess.Popen(cmd, cwd=tree, stderr=subprocess.PIPE, text=True,
+                                  stdout=subprocess.DEVNULL,
+                                  env={**os.environ, "PYTHONPATH": str(tree)})
         self.port = 0
-        self.http_port = 0  # with --http-port among the extra flags
+        self.http_port = 0  # with --http-port among the flags
         ready = threading.Event()
 
         def drain() -> None:
@@ -109,7 +122,9 @@ class Service:
 
         threading.Thread(target=drain, daemon=True).start()
         if not ready.wait(120) or not self.port or self.p.poll() is not None:
-            raise SystemExit("the service did not start")
+            self.p.kill()
+            self.p.wait(30)
+            raise SystemExit(f"the service of {tree} did not start")
 
     def stop(self) -> None:
         self.p.terminate()
