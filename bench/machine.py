@@ -1,11 +1,13 @@
 """What machine and checkout a benchmark ran on, for its JSON: the CPU's model and vector
-class, the commit."""
+class, the commit; and the JSON line a benchmark ends with."""
 
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 from pathlib import Path
+from typing import Any
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -45,3 +47,12 @@ def commit_of_repo() -> str:
         return git("rev-parse", "--short", "HEAD").stdout.strip() + ("+" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def emit(result: dict[str, Any], out: Path | None) -> None:
+    """Prints a benchmark's result as its last line, one JSON object, and writes it to
+    `out` too when given."""
+    line = json.dumps(result, sort_keys=True)
+    if out is not None:
+        out.write_text(line + "\n")
+    print(line)

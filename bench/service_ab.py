@@ -38,7 +38,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))  # corpus, for the prompts
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
@@ -50,7 +49,7 @@ from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
 
-from machine import cpu_class, cpu_model  # noqa: E402
+from machine import cpu_class, cpu_model, emit  # noqa: E402
 from prompts import DOMAINS, domain_prompts  # noqa: E402
 from service import SLOTS, Service, together  # noqa: E402
 
@@ -209,10 +208,7 @@ def main() -> int:
               f"{s['after']['wall_s']:.3f} s  after/before {s['wall_s_after_vs_before']:.3f}")
     result["samples"] = {case: [{k: {m: v for m, v in r[k].items() if m != "tokens"}
                                  for k in SIDES} for r in rs] for case, rs in rows.items()}
-    text = json.dumps(result)
-    if a.out:
-        a.out.write_text(text + "\n")
-    print(text)
+    emit(result, a.out)
     return 0
 
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import boto3  # noqa: E402
 from botocore.config import Config  # noqa: E402
 from botocore.exceptions import ClientError  # noqa: E402
-from machine import commit_of_repo, cpu_model  # noqa: E402
+from machine import commit_of_repo, cpu_model, emit  # noqa: E402
 
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.s3client import make_client  # noqa: E402
@@ -212,10 +212,7 @@ def main() -> int:
             print("races", result["races_s3"], flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    line = json.dumps(result, sort_keys=True)
-    if a.out:
-        a.out.write_text(line + "\n")
-    print(line)
+    emit(result, a.out)
     return 0
 
 
