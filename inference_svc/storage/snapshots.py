@@ -50,7 +50,7 @@ class EncodedSlot:
 class SlotFileBuffers:
     """The two slot files' buffers for one save, handed to the core to write a slot's
     state straight into the place the files hold it (`target` and `draft` allocate;
-    Engine.capture takes them); `encode` then writes the headers and digests around
+    SlotOwner.capture takes them); `encode` then writes the headers and digests around
     it. The state is copied once, by the core, on its way to the store (a target of a
     model with sliding-window layers too: its buffer has room for the window section).
     `tail`: optional sections the target file holds after the KV (a session's
