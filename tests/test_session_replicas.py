@@ -29,9 +29,11 @@ from tests.fixtures.servicekit import running
 from tests.fixtures.snapshot_backends import BACKENDS, serve_on
 from tests.resumekit import wait_until
 from tests.test_sessions import (
+    SLOT,
     STORE,
     client,
     config,
+    listed,
     prompts,
     reference,
     spec,
@@ -122,6 +124,26 @@ def test_turns_alternating_between_replicas_continue_each_other(
         assert (t.session_tier, t.cache_n) == (STORE, sum(len(x) for x in p[:3]) + 30)
         out.append(spec(toks, t))
     assert out == reference(wide, "ref-alternate", p[:4])
+
+
+def test_a_replica_lists_the_store_copy_of_a_session_another_replica_moved_on(
+        local_snap: str) -> None:
+    """Turn 1 on A, turn 2 on B: A's slot still holds turn 1, but A lists the session as
+    the store holds it (B's state), and lists it from its slot again once it continues."""
+    with replica(local_snap, "a") as ra, replica(local_snap, "b") as rb, \
+            client(ra) as ca, client(rb) as cb:
+        p = prompts(ca)
+        turn(ca, "s", p[0])
+        wait_until(lambda: generation(local_snap) == 1)
+        assert listed(ca) == {"s": (len(p[0]) + 10, SLOT)}
+        turn(cb, "s", p[1])
+        wait_until(lambda: generation(local_snap) == 2)
+        two = len(p[0]) + len(p[1]) + 20
+        assert listed(cb) == {"s": (two, SLOT)}
+        assert listed(ca) == {"s": (two, STORE)}  # not A's stale slot copy of turn 1
+        _, t = turn(ca, "s", p[2])
+        assert (t.session_tier, t.cache_n) == (STORE, two)
+        assert listed(ca) == {"s": (two + len(p[2]) + 10, SLOT)}
 
 
 def test_a_replica_that_stored_a_session_continues_from_the_other_replicas_turn(

@@ -95,6 +95,7 @@ from snapshot_svc.clientlib import auth
 
 SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt
 STORE_WRITE_S = 5.0  # bound of one write of a session to the store by the writer
+LIST_STAT_S = 5.0  # bound of each store generation ListSessions asks
 _KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
 
 
@@ -1044,15 +1045,42 @@ class SessionHost:
             key = from_store_name(k)
             if key is not None:
                 rows.pop(key, None)
+        resident = [r for r in self.engine.resident_sessions() if r[0].startswith(prefix)]
+        ram = [r for r in ram if r[0].startswith(prefix)]
+        # a copy here that another replica has moved on from is no state of the session
+        moved = self._moved_elsewhere({r[0] for r in ram} | {r[0] for r in resident})
         for k, n, last in ram:
             key = from_store_name(k)
-            if key is not None and k.startswith(prefix):
+            if key is not None and k not in moved:
                 rows[key] = SessionRow(key, n, TIER_RAM, last)
-        for k, n, slot, busy, last in self.engine.resident_sessions():
+        for k, n, slot, busy, last in resident:
             key = from_store_name(k)
-            if key is not None and k.startswith(prefix):
+            if key is not None and k not in moved:
                 rows[key] = SessionRow(key, n, TIER_SLOT, last, slot, busy)
         return sorted(rows.values(), key=lambda r: r.key)
+
+    def _moved_elsewhere(self, keys: set[str]) -> set[str]:
+        """Of the sessions this replica holds in a slot or in RAM, those another replica
+        has written since the state this replica last read or wrote (the store's
+        generation, asked with Stat, is another one): the store's copy is then the
+        session's, and the next turn here takes it (`_moved_on`). A session this replica
+        is writing now, or one the store cannot tell, keeps its row here."""
+        if not keys or not self._conditional_store():
+            return set()
+        assert self.store is not None
+        moved = set()
+        for k in keys:
+            with self._lock:
+                if k in self._writing:
+                    continue
+                known = self._gen.get(k, 0)
+            try:
+                stored = self.store.generation(k, deadline=time.monotonic() + LIST_STAT_S)
+            except Exception:  # noqa: BLE001 - listed as this replica holds it
+                continue
+            if stored not in (0, known):
+                moved.add(k)
+        return moved
 
     def delete(self, key: SessionKey, deadline: float | None) -> tuple[int, list[int]]:
         """Removes the session from every tier: (tokens of its newest state, the tiers
