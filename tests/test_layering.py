@@ -112,8 +112,10 @@ WITHOUT_C = ["inference_svc.errors", "inference_svc.config", "inference_svc.type
              "inference_svc.engine.draft_length", "inference_svc.sessions.host",
              "inference_svc.storage.slots", "inference_svc.storage.slotfile",
              "inference_svc.storage.snapshot_store", "inference_svc.storage.autosave",
-             # the scheduler's tests run on a fake executor and clock, without the core
-             "tests.test_scheduler", "tests.test_session_scheduler", "tests.test_draft_length"]
+             # the scheduler's tests run on a fake executor and clock, the RAM tier's on
+             # a fake engine and slot owner: without the core
+             "tests.test_scheduler", "tests.test_session_scheduler", "tests.test_draft_length",
+             "tests.test_session_tiers_unit"]
 _BLOCK_C = """
 import importlib, sys
 class NoCore:
