@@ -23,7 +23,7 @@ from inference_svc.core.speculative import (
 from tests.factory import write_model
 from tests.headkit import write_head
 from tests.test_speculative import TARGET as SMALL
-from tests.test_speculative import chi2_pvalue, exact_dist
+from tests.test_speculative import chi2_pvalue, exact_dist, step_together
 
 pytestmark = pytest.mark.native
 
@@ -169,18 +169,7 @@ def test_batched_head_equals_separate_steps(files: dict[str, Path]) -> None:
             dec.seed(slot, 5 + slot)
             alone.append(run(dec, slot, p, 40, sp, specs[slot])[0])
     for dec in open_decoder(files["small"], files["echo"]):
-        outs: list[list[int]] = []
-        for slot, p in enumerate(prompts):
-            dec.seed(slot, 5 + slot)
-            outs.append([dec.prefill(slot, p, sp)])
-        kinds: set[Drafter] = set()
-        while any(len(o) < 40 for o in outs):
-            live = [s for s in range(2) if len(outs[s]) < 40]
-            res = dec.step_batch(live, [sp] * len(live), [specs[s] for s in live],
-                                 [40 - len(outs[s]) for s in live])
-            for s, r in zip(live, res, strict=True):
-                outs[s] += r.tokens
-                kinds.add(r.drafter)
+        outs, kinds = step_together(dec, prompts, sp, specs, 40, seed0=5)
         assert outs == alone
         assert {Drafter.HEAD, Drafter.LOOKUP} <= kinds
 

@@ -27,6 +27,7 @@ from tests.test_speculative import (
     exact_dist,
     open_decoder,
     pair,  # noqa: F401 - the module fixture, used by name
+    step_together,
     target_only_greedy,
 )
 
@@ -140,18 +141,7 @@ def test_batched_lookup_equals_separate_steps(pair: tuple[Path, Path, Path]) -> 
             dec.seed(slot, 11 + slot)
             alone.append(run_steps(dec, slot, p, 40, sp, spec)[0])
     for dec in open_decoder(pair[0], pair[1]):
-        outs: list[list[int]] = []
-        for slot, p in enumerate(prompts):
-            dec.seed(slot, 11 + slot)
-            outs.append([dec.prefill(slot, p, sp)])
-        kinds: set[Drafter] = set()
-        while any(len(o) < 40 for o in outs):
-            live = [s for s in range(2) if len(outs[s]) < 40]
-            res = dec.step_batch(live, [sp] * len(live), [spec] * len(live),
-                                 [40 - len(outs[s]) for s in live])
-            for s, r in zip(live, res, strict=True):
-                outs[s] += r.tokens
-                kinds.add(r.drafter)
+        outs, kinds = step_together(dec, prompts, sp, [spec, spec], 40, seed0=11)
         assert outs == alone
         assert {Drafter.LOOKUP, Drafter.MODEL} <= kinds
 

@@ -18,7 +18,13 @@ from inference_svc.core import (
     InvalidArgumentError,
     Model,
 )
-from inference_svc.core.speculative import NO_SPEC, SamplingParams, SpecDecoder, SpecParams
+from inference_svc.core.speculative import (
+    NO_SPEC,
+    Drafter,
+    SamplingParams,
+    SpecDecoder,
+    SpecParams,
+)
 from tests.factory import Shape, write_model
 
 pytestmark = pytest.mark.native
@@ -178,6 +184,27 @@ def test_same_seed_same_tokens(dec: SpecDecoder) -> None:
     dec.clear(0)
     dec.seed(0, 99)
     assert dec.generate(0, PROMPT, 30, sp, SpecParams(n_max=4)) != runs[0]
+
+
+def step_together(dec: SpecDecoder, prompts: list[list[int]], sp: SamplingParams,
+                  specs: list[SpecParams], n_new: int,
+                  seed0: int) -> tuple[list[list[int]], set[Drafter]]:
+    """Slot i (seeded seed0 + i) prefilled with prompts[i], then every slot still short of
+    n_new tokens stepping in one batched pass with specs[i]: each slot's tokens, and the
+    drafters that proposed."""
+    outs: list[list[int]] = []
+    for slot, p in enumerate(prompts):
+        dec.seed(slot, seed0 + slot)
+        outs.append([dec.prefill(slot, p, sp)])
+    kinds: set[Drafter] = set()
+    while any(len(o) < n_new for o in outs):
+        live = [s for s in range(len(outs)) if len(outs[s]) < n_new]
+        res = dec.step_batch(live, [sp] * len(live), [specs[s] for s in live],
+                             [n_new - len(outs[s]) for s in live])
+        for s, r in zip(live, res, strict=True):
+            outs[s] += r.tokens
+            kinds.add(r.drafter)
+    return outs, kinds
 
 
 def exact_dist(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:

@@ -502,13 +502,20 @@ def export_latest(args: argparse.Namespace) -> None:
     export(args, model, args.out)
 
 
-def main(argv: Sequence[str]) -> None:
-    args = parse_args(argv)
+def start_run(args: argparse.Namespace, argv: Sequence[str]) -> Path:
+    """A training run's set-up (threads, work directory) and its first log event; the
+    log's path."""
     torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     logf = args.work_dir / "train_log.jsonl"
     log(logf, "start", argv=list(argv), torch=torch.__version__,
         args={k: str(v) for k, v in vars(args).items()})
+    return logf
+
+
+def main(argv: Sequence[str]) -> None:
+    args = parse_args(argv)
+    logf = start_run(args, argv)
     if args.stage in ("all", "data"):
         make_data(args, logf)
     if args.stage in ("all", "train"):

@@ -49,9 +49,11 @@ from train_draft import (  # noqa: E402
     STARTERS,
     chat_prefix,
     check_teacher,
+    checkpoint_path,
     file_openings,
     log,
     special_id,
+    start_run,
     target_tokenizer,
 )
 
@@ -408,10 +410,6 @@ RESUME_KEYS = ("seed", "k", "batch", "lr", "warmup", "ce_weight", "unroll", "noi
                "chat_shards", "code_shards", "row_tokens", "shard_rows")
 
 
-def checkpoint_path(work: Path) -> Path:
-    return work / "checkpoint.pt"
-
-
 def new_head(args: argparse.Namespace, target: Target, ids: torch.Tensor) -> Head:
     head = Head(target.cfg, len(ids), n_pos=args.row_tokens + 8)
     head.init_from_target(target.out_norm, target.embd[ids], args.seed)
@@ -564,11 +562,7 @@ def write_log(args: argparse.Namespace, logf: Path) -> None:
 
 def main(argv: Sequence[str]) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    logf = args.work_dir / "train_log.jsonl"
-    log(logf, "start", argv=list(argv), torch=torch.__version__,
-        args={k: str(v) for k, v in vars(args).items()})
+    logf = start_run(args, argv)
     if args.stage in ("all", "data"):
         make_data(args, logf)
     if args.stage == "vocab":
