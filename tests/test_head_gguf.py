@@ -77,9 +77,8 @@ def traced(target: Any) -> dict[str, Any]:
     """Real pairs: the target's hidden states of two texts (torch teacher), the head as
     the torch module, the numpy reference's inputs."""
     torch = pytest.importorskip("torch")
-    from head_data import hidden_states
     from head_model import Head
-    from teacher import load_teacher
+    from teacher import hidden_states, load_teacher
     from train_head import head_tensors
 
     head = read_head(HEAD)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from gguf_io import read_gguf
 from llama_torch import Block, Llama, apply_rope, load_gguf_tensors
+from rollout import Turn, advance
 
 
 def load_teacher(path: Path, dtype: torch.dtype = torch.float32) -> Llama:
@@ -143,56 +144,6 @@ def top_k_np(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.astype(np.int32), (np.take_along_axis(vals, order, -1) - lse).astype(np.float16)
 
 
-def pick(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; otherwise the benchmark's sampler settings: temperature,
-    top-k 40, min-p 0.05, top-p 0.95."""
-    if temperature == 0.0:
-        return int(np.argmax(logits))
-    cand = np.argpartition(-logits, 39)[:40]
-    cand = cand[np.argsort(-logits[cand], kind="stable")]
-    z = logits[cand].astype(np.float64) / temperature
-    p = np.exp(z - z[0])
-    p = p[p >= 0.05]
-    p /= p.sum()
-    keep = int(np.searchsorted(np.cumsum(p), 0.95) + 1)
-    p = p[:keep] / p[:keep].sum()
-    return int(cand[rng.choice(len(p), p=p)])
-
-
-@dataclass
-class Turn:
-    """Where one rollout is: tokens so far, tokens it must take next, sampling mode."""
-
-    tokens: list[int]
-    forced: list[int]
-    temperature: float
-    question_left: int = 0  # >0: still writing the user question (sampled, capped)
-
-
-def advance(turns: list[Turn], last: Any, temperature: float,
-            question: tuple[int, list[int], float] | None,
-            rng: np.random.Generator) -> list[int]:
-    """Each turn's next token from its row of `last` (logits), appended to the turn: a
-    forced token first, else one picked at the turn's temperature; a question the target
-    writes ends at its end id or its cap, then the opening is forced and the answer
-    follows at `temperature`."""
-    nxt = []
-    for s, turn in enumerate(turns):
-        if turn.forced:
-            tok = turn.forced.pop(0)
-        else:
-            tok = pick(last[s], turn.temperature, rng)
-            if turn.question_left > 0 and question is not None:
-                turn.question_left -= 1
-                end, opening, _ = question
-                if tok == end or turn.question_left == 0:
-                    turn.forced = ([] if tok == end else [end]) + list(opening)
-                    turn.question_left, turn.temperature = 0, temperature
-        turn.tokens.append(tok)
-        nxt.append(tok)
-    return nxt
-
-
 def core_rollouts(model: Any, prompts: list[list[int]], n_total: int, temperature: float,
                   k_keep: int, rng: np.random.Generator, n_threads: int = 1,
                   question: tuple[int, list[int], float] | None = None) -> tuple[
@@ -232,3 +183,14 @@ def core_rollouts(model: Any, prompts: list[list[int]], n_total: int, temperatur
     tokens = torch.tensor([t.tokens for t in turns], dtype=torch.int32)
     return tokens, TopK(torch.from_numpy(ids[:, : n_total - 1]),
                         torch.from_numpy(logp[:, : n_total - 1]))
+
+
+@torch.no_grad()
+def hidden_states(model: Llama, tokens: list[int]) -> torch.Tensor:
+    """h_i (T, d) of tokens at positions 0..T-1: the residual stream after the last
+    layer, before output_norm (HEAD_SPEC's definition)."""
+    t = len(tokens)
+    x = model.tok_embd(torch.tensor([tokens]))
+    for block in model.blocks:
+        x = block(x, model.rope_cos[:t], model.rope_sin[:t])
+    return x[0].float()

@@ -47,7 +47,7 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402, N812
-from corpus import load_corpus  # noqa: E402
+from corpus import CorpusFile, load_corpus  # noqa: E402
 from gguf_io import write_gguf  # noqa: E402
 from llama_torch import Llama, LlamaConfig, count_params, gguf_tensors, macs_per_token  # noqa: E402
 from teacher import core_rollouts, load_teacher, sample_batch, teacher_top_k  # noqa: E402
@@ -161,14 +161,18 @@ def code_stream(tok: Tokenizer, eot: int) -> np.ndarray:
     return np.asarray(out, dtype=np.int64)
 
 
+def train_files(seed: int) -> list[CorpusFile]:
+    """The corpus's training-split files in a seeded order."""
+    files = sorted(load_corpus(CORPUS_SEED).train, key=lambda f: f.rel)
+    return [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
+
+
 def file_openings(tok: Tokenizer, seed: int, length: int, count: int) -> list[list[int]]:
     """The first `length` tokens of `count` training files that long, in a seeded order
     (the benchmark's code prompts are the openings of the validation files)."""
-    files = sorted(load_corpus(CORPUS_SEED).train, key=lambda f: f.rel)
-    order = np.random.default_rng(seed).permutation(len(files))
     out = []
-    for i in order:
-        ids = tok.encode(files[i].text)
+    for f in train_files(seed):
+        ids = tok.encode(f.text)
         if len(ids) >= length:
             out.append(ids[:length])
         if len(out) == count:

@@ -44,23 +44,20 @@ from head_data import rollout_hidden  # noqa: E402
 from head_gguf import read_head, write_head  # noqa: E402
 from head_model import Head  # noqa: E402
 from llama_torch import LlamaConfig  # noqa: E402
-from teacher import load_teacher  # noqa: E402
 from train_draft import (  # noqa: E402
     STARTERS,
     chat_prefix,
-    check_teacher,
     checkpoint_path,
-    file_openings,
     log,
     special_id,
     start_run,
     target_tokenizer,
+    train_files,
 )
 
+from inference_svc.core.tokenizer import Tokenizer  # noqa: E402
+
 KINDS = ("chat", "code")
-# max |logit| difference between the torch port and the current C core (measured 0.0075 on
-# the check's three prompts; the features need the target's arithmetic, not its bits)
-TEACHER_TOLERANCE = 0.02
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -119,40 +116,62 @@ def shard_path(work: Path, kind: str, i: int) -> Path:
 def make_data(args: argparse.Namespace, logf: Path) -> None:
     """Seeded shards, interleaved by kind so that a run stopped early has both; a shard
     that exists is kept, so an interrupted run resumes."""
+    from inference_svc.core import Model
+
     (args.work_dir / "data").mkdir(parents=True, exist_ok=True)
     tok, _ = target_tokenizer(args.target)
-    teacher = load_teacher(args.target)
-    check_teacher(teacher, args.target, tok, logf, TEACHER_TOLERANCE)
     start, end = special_id(tok, "<|im_start|>"), special_id(tok, "<|im_end|>")
     opening = [*tok.encode("\n"), start, *tok.encode("assistant\n")]
-    openings = file_openings(tok, args.seed, args.prompt_tokens,
-                             args.code_shards * args.shard_rows)
+    openings = file_windows(tok, args.seed, args.prompt_tokens,
+                            args.code_shards * args.shard_rows)
     counts = {"chat": args.chat_shards, "code": args.code_shards}
-    for i in range(max(counts.values())):
-        for kind in KINDS:
-            path = shard_path(args.work_dir, kind, i)
-            if i >= counts[kind] or path.exists():
-                continue
-            t0 = time.time()
-            temp = args.temperature if i % 3 == 2 else 0.0
-            rng = np.random.default_rng(args.seed * 100_003 + i * 2 + (kind == "code"))
-            if kind == "chat":
-                prefix = chat_prefix(tok, STARTERS[i % len(STARTERS)])
-                shard = rollout_hidden(teacher, [prefix] * args.shard_rows, args.row_tokens,
-                                       temp, rng, (end, opening, args.question_temperature))
-                shard["loss_from"] = torch.tensor(len(prefix) - 1)
-            else:
-                rows = openings[i * args.shard_rows : (i + 1) * args.shard_rows]
-                shard = rollout_hidden(teacher, rows, args.row_tokens, temp, rng)
-                shard["loss_from"] = torch.tensor(args.prompt_tokens - 1)
-            shard["temperature"] = torch.tensor(temp)
-            torch.save(shard, path.with_suffix(".tmp"))
-            os.replace(path.with_suffix(".tmp"), path)
-            n = args.shard_rows * (args.row_tokens - int(shard["loss_from"]))
-            log(logf, "shard", kind=kind, index=i, temperature=temp, new_tokens=n,
-                seconds=round(time.time() - t0, 1))
-            if i < 3:
-                log(logf, "sample", kind=kind, text=tok.decode(shard["tokens"][0].tolist()))
+    with Model.load(args.target) as model:
+        for i in range(max(counts.values())):
+            for kind in KINDS:
+                path = shard_path(args.work_dir, kind, i)
+                if i >= counts[kind] or path.exists():
+                    continue
+                t0 = time.time()
+                temp = args.temperature if i % 3 == 2 else 0.0
+                rng = np.random.default_rng(args.seed * 100_003 + i * 2 + (kind == "code"))
+                if kind == "chat":
+                    prefix = chat_prefix(tok, STARTERS[i % len(STARTERS)])
+                    rows = rollout_hidden(model, [prefix] * args.shard_rows, args.row_tokens,
+                                          temp, rng, (end, opening, args.question_temperature),
+                                          args.threads)
+                    loss_from = len(prefix) - 1
+                else:
+                    rows = rollout_hidden(model,
+                                          openings[i * args.shard_rows:(i + 1) * args.shard_rows],
+                                          args.row_tokens, temp, rng, None, args.threads)
+                    loss_from = args.prompt_tokens - 1
+                shard = {k: torch.from_numpy(v) for k, v in rows.items()}
+                shard["loss_from"] = torch.tensor(loss_from)
+                shard["temperature"] = torch.tensor(temp)
+                torch.save(shard, path.with_suffix(".tmp"))
+                os.replace(path.with_suffix(".tmp"), path)
+                n = args.shard_rows * (args.row_tokens - loss_from)
+                log(logf, "shard", kind=kind, index=i, temperature=temp, new_tokens=n,
+                    seconds=round(time.time() - t0, 1))
+                if i < 3:
+                    log(logf, "sample", kind=kind, text=tok.decode(shard["tokens"][0].tolist()))
+
+
+def file_windows(tok: Tokenizer, seed: int, length: int, count: int) -> list[list[int]]:
+    """`count` windows of `length` tokens of the stdlib's training-split files: the first
+    window of every file that long in a seeded order (train_draft.file_openings), then the
+    windows starting `2 * length` tokens later, and so on, so each window's continuation
+    is text the file does not repeat from its prompt."""
+    out: list[list[int]] = []
+    files = [tok.encode(f.text) for f in train_files(seed)]
+    offset = 0
+    while len(out) < count:
+        more = [ids[offset:offset + length] for ids in files if len(ids) >= offset + length]
+        if not more:
+            raise ValueError(f"the training files hold only {len(out)} windows of {length}")
+        out.extend(more[:count - len(out)])
+        offset += 2 * length
+    return out
 
 
 def load_kind(work: Path, kind: str, indices: range) -> dict[str, torch.Tensor]:
