@@ -30,6 +30,7 @@ import json
 import os
 import ssl
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -49,13 +50,18 @@ DEFAULT_ADDR = "127.0.0.1:50051"
 
 
 class InferenceClient:
-    """Thin wrapper over the stub: every call has a deadline."""
+    """Thin wrapper over the stub: every call has a deadline. `generate` and `chat` send
+    a request again, up to `retries` times within the same deadline, when its stream
+    was cut (a replica killed or stopping behind a router) and sending it again cannot
+    add a turn twice (`resendable`)."""
 
     def __init__(self, addr: str = DEFAULT_ADDR, timeout: float = 60.0, *,
                  api_key: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 retries: int = 2) -> None:
         self.addr = addr
         self.timeout = timeout
+        self.retries = retries
         channel = (grpc.insecure_channel(addr) if credentials is None
                    else grpc.secure_channel(addr, credentials))
         self.channel = (grpc.intercept_channel(channel, BearerInterceptor(api_key))
@@ -83,8 +89,7 @@ class InferenceClient:
     def generate(self, prompt: str | list[int], timeout: float | None = None,
                  **fields: Any) -> tuple[list[pb.GenerateResponse], pb.GenerateResponse]:
         """Runs a whole generation: (all responses, the last one)."""
-        req = make_request(prompt, **fields)
-        responses = list(self.generate_stream(req, timeout))
+        responses = self._whole(self.generate_stream, make_request(prompt, **fields), timeout)
         return responses, responses[-1]
 
     def chat_stream(self, request: pb.ChatRequest, timeout: float | None = None) -> Any:
@@ -95,8 +100,24 @@ class InferenceClient:
     def chat(self, messages: list[tuple[str, str]], timeout: float | None = None,
              **fields: Any) -> tuple[list[pb.GenerateResponse], pb.GenerateResponse]:
         """Runs a whole Chat turn: (all responses, the last one)."""
-        responses = list(self.chat_stream(make_chat_request(messages, **fields), timeout))
+        responses = self._whole(self.chat_stream, make_chat_request(messages, **fields),
+                                timeout)
         return responses, responses[-1]
+
+    def _whole(self, call: Any, request: pb.GenerateRequest | pb.ChatRequest,
+               timeout: float | None) -> list[pb.GenerateResponse]:
+        """All responses of one request, sent again while its stream was cut, it is
+        resendable and attempts and deadline remain."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                return list(call(request, max(deadline - time.monotonic(), 0.001)))
+            except grpc.RpcError as err:
+                if (attempts > self.retries or not stream_cut(err)
+                        or not resendable(request) or time.monotonic() >= deadline):
+                    raise
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self.timeout).tokens)
@@ -129,6 +150,26 @@ class InferenceClient:
     def delete_session(self, name: str, owner: str = "") -> pb.DeleteSessionResponse:
         return self.stub.DeleteSession(pb.DeleteSessionRequest(name=name, owner=owner),
                                        timeout=self.timeout)
+
+
+def stream_cut(err: grpc.RpcError) -> bool:
+    """A stream ended by the way, not by the server's answer: UNAVAILABLE (no replica
+    took it, or one stopping), or UNKNOWN "Stream removed" (a router reset the stream
+    of a replica that died under it)."""
+    code = err.code()
+    return code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.UNKNOWN and "Stream removed" in (err.details() or ""))
+
+
+def resendable(request: pb.GenerateRequest | pb.ChatRequest) -> bool:
+    """Whether a request cut mid-stream can be sent again: one without a session keeps
+    nothing, and a Chat whose messages are the whole conversation replaces what the
+    session holds. A Generate continuing a session, or a Chat appended to it, may have
+    run to its end before the cut and been kept: sent again, its turn would be kept
+    twice, so its caller gets the error."""
+    if not request.HasField("session"):
+        return True
+    return isinstance(request, pb.ChatRequest) and not request.append
 
 
 def session_metadata(request: pb.GenerateRequest | pb.ChatRequest) -> tuple[tuple[str, str], ...]:
