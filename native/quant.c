@@ -705,6 +705,10 @@ static void matmul_small_typed(float *out, int ldo, const ws_tensor *W, const fl
  * 8 rows (AVX2) or 16 rows (AVX-512) are the float lanes, each lane performing its
  * row's sequence.
  */
+/* token counts up to this take itile_8xn (a decode step, a short verification) */
+#ifndef WS_SHORT_TOKENS
+#define WS_SHORT_TOKENS 3
+#endif
 /* how many 8-row tiles ahead the AVX2 tiles prefetch */
 #ifndef WS_PF_TILES
 #define WS_PF_TILES 2
@@ -1196,14 +1200,15 @@ itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows, const xq_bl
     ITILE_STORE(_mm256, acc, NT, out, ldo, r, nrows, add)
 }
 
-/* 8 consecutive rows (w0 + i * rb) x 1 token, a decode step: each row's block is unpacked
-   and multiplied at once (its two vpmaddwd summed into one register), so the 8 rows'
-   partial sums, the activations and the accumulator stay in registers (itile_8xt unpacks
-   all 8 rows' weights first, 16 registers, and spills). The same exact integer sums and
-   the same float steps per lane as ITILE_TOKENS: the bits of itile_8xt. */
+/* 8 consecutive rows (w0 + i * rb) x NT <= 4 tokens, a decode step or a short
+   verification: each row's block is unpacked once and multiplied at once with every
+   token's activations (its two vpmaddwd summed into one register), and the rows' partial
+   sums are reduced pairwise as they come, so few of them are live (itile_8xt unpacks all
+   8 rows' weights first, 16 registers, and spills them once per token). The same exact
+   integer sums and the same float steps per lane as ITILE_TOKENS: the bits of itile_8xt. */
 static inline __attribute__((always_inline)) void
-itile_8x1(float *out, const uint8_t *w0, size_t rb, const xq_block *xb, int r, int add,
-          const int32_t type) {
+itile_8xn(float *out, int ldo, const uint8_t *w0, size_t rb, const xq_block *xb, int r, int add,
+          const int NT, const int32_t type) {
     /* the tile WS_PF_TILES ahead (8 contiguous rows), read at the pace of this one: block b
        prefetches its share, pf_bytes (8 rows' bytes per 32 elements, rounded up), with
        unconditional prefetches (they never fault, past the end they do nothing useful) */
@@ -1215,58 +1220,76 @@ itile_8x1(float *out, const uint8_t *w0, size_t rb, const xq_block *xb, int r, i
     const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                             _mm256_set1_epi32((int)rb));
     const int is_k = type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K || type == WS_TYPE_Q6_K;
+    const int q6 = type == WS_TYPE_Q6_K;
     float ks[3][8][16];
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int b = 0; b < xb->nb; b++) {
         for (int l = 0; l < (pf_bytes + 63) / 64; l++)
             _mm_prefetch((const char *)pf + (size_t)b * pf_bytes + 64 * l, _MM_HINT_T0);
         if (is_k && b % 8 == 0) kscales8(type, w[0], vidx, b / 8, ks);
-        const int16_t *xq = xb->q + 32 * b;
-        const __m256i x0 = load_x8(xq), x1 = load_x8(xq + 16);
+        __m256i x0[4], x1[4];
+        for (int t = 0; t < NT; t++) {
+            const int16_t *xq = xb->q + (size_t)t * xb->nb * 32 + 32 * b;
+            x0[t] = load_x8(xq);
+            x1[t] = load_x8(xq + 16);
+        }
         /* hsum8x8's tree, taken as the rows come (a pair's vphaddd as soon as both rows
-           are done), so that at most a few partial sums are live */
-        __m256i h[4], h2[4], q[2], q2[2];
+           are done) */
+        __m256i h[4][4], h2[4][4], q[4][2], q2[4][2];
         for (int i = 0; i < 8; i += 2) {
-            __m256i pa, pb, pa2 = _mm256_setzero_si256(), pb2 = _mm256_setzero_si256();
+            __m256i pa[4], pb[4], pa2[4], pb2[4];
             __m256i wv[2];
             iweights16(type, w[i], b, wv);
-            if (type == WS_TYPE_Q6_K) {
-                pa = _mm256_madd_epi16(wv[0], x0);
-                pa2 = _mm256_madd_epi16(wv[1], x1);
-            } else {
-                pa = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
+            for (int t = 0; t < NT; t++) {
+                if (q6) {
+                    pa[t] = _mm256_madd_epi16(wv[0], x0[t]);
+                    pa2[t] = _mm256_madd_epi16(wv[1], x1[t]);
+                } else {
+                    pa[t] = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0[t]),
+                                             _mm256_madd_epi16(wv[1], x1[t]));
+                }
             }
             iweights16(type, w[i + 1], b, wv);
-            if (type == WS_TYPE_Q6_K) {
-                pb = _mm256_madd_epi16(wv[0], x0);
-                pb2 = _mm256_madd_epi16(wv[1], x1);
-            } else {
-                pb = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0), _mm256_madd_epi16(wv[1], x1));
-            }
-            h[i / 2] = _mm256_hadd_epi32(pa, pb);
-            if (type == WS_TYPE_Q6_K) h2[i / 2] = _mm256_hadd_epi32(pa2, pb2);
-            if (i % 4 == 2) {
-                q[i / 4] = _mm256_hadd_epi32(h[i / 2 - 1], h[i / 2]);
-                if (type == WS_TYPE_Q6_K) q2[i / 4] = _mm256_hadd_epi32(h2[i / 2 - 1], h2[i / 2]);
+            for (int t = 0; t < NT; t++) {
+                if (q6) {
+                    pb[t] = _mm256_madd_epi16(wv[0], x0[t]);
+                    pb2[t] = _mm256_madd_epi16(wv[1], x1[t]);
+                } else {
+                    pb[t] = _mm256_add_epi32(_mm256_madd_epi16(wv[0], x0[t]),
+                                             _mm256_madd_epi16(wv[1], x1[t]));
+                }
+                h[t][i / 2] = _mm256_hadd_epi32(pa[t], pb[t]);
+                if (q6) h2[t][i / 2] = _mm256_hadd_epi32(pa2[t], pb2[t]);
+                if (i % 4 == 2) {
+                    q[t][i / 4] = _mm256_hadd_epi32(h[t][i / 2 - 1], h[t][i / 2]);
+                    if (q6) q2[t][i / 4] = _mm256_hadd_epi32(h2[t][i / 2 - 1], h2[t][i / 2]);
+                }
             }
         }
-        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q[0], q[1], 0x20),
-                                             _mm256_permute2x128_si256(q[0], q[1], 0x31));
         __m256 vdw, vdw2, vmw;
         iscales8(type, w, vidx, b, ks, &vdw, &vdw2, &vmw);
-        const __m256 dx = _mm256_set1_ps(xb->d[b]);
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(sum), acc);
-        if (type == WS_TYPE_Q6_K) {
-            const __m256i sum2 = _mm256_add_epi32(_mm256_permute2x128_si256(q2[0], q2[1], 0x20),
-                                                  _mm256_permute2x128_si256(q2[0], q2[1], 0x31));
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx), _mm256_cvtepi32_ps(sum2), acc);
+        for (int t = 0; t < NT; t++) {
+            const size_t tb = (size_t)t * xb->nb + b;
+            const __m256 dx = _mm256_set1_ps(xb->d[tb]);
+            const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(q[t][0], q[t][1], 0x20),
+                                                 _mm256_permute2x128_si256(q[t][0], q[t][1], 0x31));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw, dx), _mm256_cvtepi32_ps(sum), acc[t]);
+            if (q6) {
+                const __m256i sum2 =
+                    _mm256_add_epi32(_mm256_permute2x128_si256(q2[t][0], q2[t][1], 0x20),
+                                     _mm256_permute2x128_si256(q2[t][0], q2[t][1], 0x31));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(vdw2, dx), _mm256_cvtepi32_ps(sum2), acc[t]);
+            }
+            if (type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K)
+                acc[t] = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[tb]), acc[t]);
         }
-        if (type == WS_TYPE_Q4_1 || type == WS_TYPE_Q4_K || type == WS_TYPE_Q5_K)
-            acc = _mm256_fmadd_ps(vmw, _mm256_set1_ps(xb->s[b]), acc);
     }
-    float *o = out + r;
-    if (add) acc = _mm256_add_ps(_mm256_loadu_ps(o), acc);
-    _mm256_storeu_ps(o, acc);
+    for (int t = 0; t < NT; t++) {
+        float *o = out + (size_t)t * ldo + r;
+        const __m256 v = add ? _mm256_add_ps(_mm256_loadu_ps(o), acc[t]) : acc[t];
+        _mm256_storeu_ps(o, v);
+    }
 }
 #else
 static inline void itile_8xt(float *out, int ldo, const uint8_t *const w[8], int nrows,
@@ -1593,9 +1616,10 @@ imatmul_nt(float *out, int ldo, const ws_tensor *W, const xq_block *xb, int r0, 
     }
 #endif
 #if WS_SIMD
-    if (NT == 1)
+    if (NT <= WS_SHORT_TOKENS)
         for (; r + 8 <= r1; r += 8)
-            itile_8x1(out, (const uint8_t *)W->data + (size_t)r * rb, rb, xb, r, add, type);
+            itile_8xn(out, ldo, (const uint8_t *)W->data + (size_t)r * rb, rb, xb, r, add, NT,
+                      type);
 #endif
     for (; r < r1; r += 8) {
         const int nrows = r1 - r < 8 ? r1 - r : 8;

@@ -143,7 +143,7 @@ def test_integer_products_match_the_scalar_model(dtype: str) -> None:
         raw = encode(values, dtype, rng).reshape(rows, -1)
         t = Tensor(raw, dtype, rows, cols)
         unpacked = t.rows_f32().astype(np.float64)
-        for nt in (1, 2, 5, 8, 9, 20):
+        for nt in (1, 2, 3, 5, 8, 9, 20):
             x = rng.standard_normal((nt, cols)).astype(np.float32)
             x[0] = tie_blocks(cols, rng)
             got = t.matmul(x)
@@ -190,7 +190,7 @@ def test_integer_products_have_the_same_bits_in_every_build(dtype: str) -> None:
             t = mod.ffi.new("ws_tensor *")
             buf = mod.ffi.from_buffer("uint8_t[]", raw)
             t.data, t.type, t.rows, t.cols = buf, TYPE_IDS[dtype], rows, cols
-            for nt in (1, 4, 5, 11):
+            for nt in (1, 2, 3, 4, 5, 11):
                 out = np.empty((nt, rows), np.float32)
                 assert mod.lib.ws_tensor_matmul(t, mod.ffi.from_buffer("float[]", x[:nt]), nt,
                                                 mod.ffi.from_buffer("float[]", out),
