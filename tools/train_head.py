@@ -74,8 +74,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--row-tokens", type=int, default=256, help="tokens per row")
     p.add_argument("--shard-rows", type=int, default=32)
-    p.add_argument("--chat-shards", type=int, default=16)
-    p.add_argument("--code-shards", type=int, default=12)
+    p.add_argument("--chat-shards", type=int, default=96)
+    p.add_argument("--code-shards", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128,
                    help="file opening of a code row (the benchmark's length)")
     p.add_argument("--temperature", type=float, default=0.7,
@@ -83,19 +83,20 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--question-temperature", type=float, default=0.8)
     p.add_argument("--k", type=int, default=8192, help="readout vocabulary size")
     p.add_argument("--k-candidates", default="2048,4096,8192,16384")
-    p.add_argument("--steps", type=int, default=450)
+    p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--batch", type=int, default=8, help="rows per step (half chat, half code)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="EAGLE's weight of the cross-entropy beside the smooth-L1")
-    p.add_argument("--unroll", type=int, default=2,
-                   help="training-time drafting steps (2: also train on the head's own hidden)")
+    p.add_argument("--unroll", type=int, default=3,
+                   help="training-time drafting steps (2 and more: also on the head's own "
+                        "hidden states)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="uniform noise on the input hidden states, relative to their std")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this checkpoint's head weights (fresh optimizer, step 0)")
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-rows", type=int, default=16, help="held-out rows per kind")
     p.add_argument("--quick", action="store_true", help="tiny end-to-end run")
     args = p.parse_args(argv)
