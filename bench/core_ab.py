@@ -15,8 +15,8 @@ on the bundled target (rates, tokens/s).
 
 With --model (any GGUF): one process per tree, each with the model loaded and warmed
 for the whole run, and the same calls sent to both in lockstep, alternating which
-goes first: a decode step and a 5-token verification (every token's logits) after a
-512-token prompt, each rolled back, and a 512-token prefill (times, ms). A process's
+goes first: a decode step and 2-, 3- and 5-token verifications (every token's logits)
+after a 512-token prompt, each rolled back, and a 512-token prefill (times, ms). A process's
 memory layout moves its speed by several per cent, a neighbour's load moves it from
 minute to minute; lockstep calls in two long-lived processes cancel the second.
 
@@ -93,13 +93,14 @@ def prefill():
     t = time.perf_counter()
     c.decode(0, toks[:512])
     return time.perf_counter() - t
-calls = {"decode_ms": lambda: after_prompt(1), "verify5_ms": lambda: after_prompt(5),
+calls = {"decode_ms": lambda: after_prompt(1), "verify2_ms": lambda: after_prompt(2),
+         "verify3_ms": lambda: after_prompt(3), "verify5_ms": lambda: after_prompt(5),
          "prefill_512_ms": prefill}
 print("ready", flush=True)
 for line in sys.stdin:
     print(1e3 * calls[line.strip()](), flush=True)
 '''
-CALLS = ("decode_ms", "verify5_ms", "prefill_512_ms")
+CALLS = ("decode_ms", "verify2_ms", "verify3_ms", "verify5_ms", "prefill_512_ms")
 
 
 def lockstep(trees: dict[str, Path], model: Path, threads: int,
