@@ -16,8 +16,10 @@ text to follow. Turn 2 runs on the same slot after turn 1, in five ways:
 - restart:        SIGTERM after turn 1 (the auto-save), a new process restores the
                   slot at start-up, then turn 2.
 
-for three drafter settings: the default (draft model + lookup), lookup only
-(`--draft none`), draft model only (`--no-spec-lookup`). Per setting and way: the
+for five drafter settings: the default (draft model + lookup), lookup only
+(`--draft none`), draft model only (`--no-spec-lookup`), the feature head + lookup
+(`--draft none --head HEAD`) and the head alone (`... --no-spec-lookup`); the head's KV
+is in the `.drft` too. Per setting and way: the
 turn-2 totals of draft_n / draft_n_accepted, the lookup's share, target passes,
 prompt tokens processed and reused, the draft's catch-up tokens, the restore's
 milliseconds (for a restart: from SIGTERM to the new process serving) and turn 2's
@@ -47,13 +49,16 @@ from service import Service  # noqa: E402
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
 from inference_svc.core import Model  # noqa: E402
 
+HEAD = "{head}"  # replaced by --head
 SETTINGS: dict[str, tuple[str, ...]] = {
-    "draft+lookup": (), "lookup": ("--draft", "none"), "draft": ("--no-spec-lookup",)}
+    "draft+lookup": (), "lookup": ("--draft", "none"), "draft": ("--no-spec-lookup",),
+    "head+lookup": ("--draft", "none", "--head", HEAD),
+    "head": ("--draft", "none", "--head", HEAD, "--no-spec-lookup")}
 WAYS = ("never saved", "save/restore", "no sidecar", "restart")
 FOLLOW_UP = ("Now give the same answer again, word for word, with one short sentence added "
              "at the end.")
-COUNTS = ("draft_n", "draft_n_accepted", "lookup_n", "lookup_n_accepted", "n_steps",
-          "predicted_n", "prompt_n", "cache_n", "draft_prompt_n")
+COUNTS = ("draft_n", "draft_n_accepted", "lookup_n", "lookup_n_accepted", "head_n",
+          "head_n_accepted", "n_steps", "predicted_n", "prompt_n", "cache_n", "draft_prompt_n")
 
 
 def follow_up(tok: Any, text: str) -> list[int]:
@@ -95,7 +100,7 @@ class Server:
 
 def run_setting(args: argparse.Namespace, name: str, prompts: list[list[int]],
                 tok: Any) -> dict[str, Any]:
-    setting = SETTINGS[name]
+    setting = tuple(str(args.head) if a == HEAD else a for a in SETTINGS[name])
     with tempfile.TemporaryDirectory(prefix="spec-resume-") as tmp:
         save = Path(tmp)
         srv = Server(args, setting, save)
@@ -151,6 +156,8 @@ def main() -> int:
     ap.add_argument("--model", dest="target", type=Path,
                     default=ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--draft", type=Path, default=ROOT / "models" / "smollm2-draft.gguf")
+    ap.add_argument("--head", type=Path, default=ROOT / "models" / "smollm2-head.gguf",
+                    help="the feature head of the head settings")
     ap.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=list(SETTINGS))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--prompt-tokens", type=int, default=160,
@@ -163,7 +170,8 @@ def main() -> int:
     with Model.load(args.target) as model:
         tok = model.tokenizer
         prompts = grounded_prompts(tok, args.prompts, args.prompt_tokens)
-        out = {"model": args.target.name, "draft": args.draft.name, "prompts": args.prompts,
+        out = {"model": args.target.name, "draft": args.draft.name, "head": args.head.name,
+               "prompts": args.prompts,
                "gen": args.gen, "threads": args.threads, "n_max": args.n_max,
                "settings": {name: run_setting(args, name, prompts, tok)
                             for name in args.settings}}
