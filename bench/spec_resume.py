@@ -16,10 +16,11 @@ text to follow. Turn 2 runs on the same slot after turn 1, in five ways:
 - restart:        SIGTERM after turn 1 (the auto-save), a new process restores the
                   slot at start-up, then turn 2.
 
-for five drafter settings: the default (draft model + lookup), lookup only
-(`--draft none`), draft model only (`--no-spec-lookup`), the feature head + lookup
-(`--draft none --head HEAD`) and the head alone (`... --no-spec-lookup`); the head's KV
-is in the `.drft` too. Per setting and way: the
+for six drafter settings: the server's default (lookup, the feature head, the draft
+model), draft model + lookup (`--head none`), lookup only (`--draft none --head none`),
+draft model only (`--no-spec-lookup --head none`), the head + lookup (`--draft none`) and
+the head alone (`--draft none --no-spec-lookup`); the head's KV is in the `.drft` too.
+Per setting and way: the
 turn-2 totals of draft_n / draft_n_accepted, the lookup's share, target passes,
 prompt tokens processed and reused, the draft's catch-up tokens, the restore's
 milliseconds (for a restart: from SIGTERM to the new process serving) and turn 2's
@@ -51,7 +52,9 @@ from inference_svc.core import Model  # noqa: E402
 
 HEAD = "{head}"  # replaced by --head
 SETTINGS: dict[str, tuple[str, ...]] = {
-    "draft+lookup": (), "lookup": ("--draft", "none"), "draft": ("--no-spec-lookup",),
+    "default": ("--head", HEAD),
+    "draft+lookup": ("--head", "none"), "lookup": ("--draft", "none", "--head", "none"),
+    "draft": ("--no-spec-lookup", "--head", "none"),
     "head+lookup": ("--draft", "none", "--head", HEAD),
     "head": ("--draft", "none", "--head", HEAD, "--no-spec-lookup")}
 WAYS = ("never saved", "save/restore", "no sidecar", "restart")
