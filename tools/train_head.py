@@ -120,42 +120,43 @@ def make_data(args: argparse.Namespace, logf: Path) -> None:
     from inference_svc.core import Model
 
     (args.work_dir / "data").mkdir(parents=True, exist_ok=True)
+    counts = {"chat": args.chat_shards, "code": args.code_shards}
+    todo = [(i, kind) for i in range(max(counts.values())) for kind in KINDS
+            if i < counts[kind] and not shard_path(args.work_dir, kind, i).exists()]
+    if not todo:  # a resumed run: no model to load, no files to tokenize
+        return
     tok, _ = target_tokenizer(args.target)
     start, end = special_id(tok, "<|im_start|>"), special_id(tok, "<|im_end|>")
     opening = [*tok.encode("\n"), start, *tok.encode("assistant\n")]
     openings = file_windows(tok, args.seed, args.prompt_tokens,
                             args.code_shards * args.shard_rows)
-    counts = {"chat": args.chat_shards, "code": args.code_shards}
     with Model.load(args.target) as model:
-        for i in range(max(counts.values())):
-            for kind in KINDS:
-                path = shard_path(args.work_dir, kind, i)
-                if i >= counts[kind] or path.exists():
-                    continue
-                t0 = time.time()
-                temp = args.temperature if i % 3 == 2 else 0.0
-                rng = np.random.default_rng(args.seed * 100_003 + i * 2 + (kind == "code"))
-                if kind == "chat":
-                    prefix = chat_prefix(tok, STARTERS[i % len(STARTERS)])
-                    rows = rollout_hidden(model, [prefix] * args.shard_rows, args.row_tokens,
-                                          temp, rng, (end, opening, args.question_temperature),
-                                          args.threads)
-                    loss_from = len(prefix) - 1
-                else:
-                    rows = rollout_hidden(model,
-                                          openings[i * args.shard_rows:(i + 1) * args.shard_rows],
-                                          args.row_tokens, temp, rng, None, args.threads)
-                    loss_from = args.prompt_tokens - 1
-                shard = {k: torch.from_numpy(v) for k, v in rows.items()}
-                shard["loss_from"] = torch.tensor(loss_from)
-                shard["temperature"] = torch.tensor(temp)
-                torch.save(shard, path.with_suffix(".tmp"))
-                os.replace(path.with_suffix(".tmp"), path)
-                n = args.shard_rows * (args.row_tokens - loss_from)
-                log(logf, "shard", kind=kind, index=i, temperature=temp, new_tokens=n,
-                    seconds=round(time.time() - t0, 1))
-                if i < 3:
-                    log(logf, "sample", kind=kind, text=tok.decode(shard["tokens"][0].tolist()))
+        for i, kind in todo:
+            path = shard_path(args.work_dir, kind, i)
+            t0 = time.time()
+            temp = args.temperature if i % 3 == 2 else 0.0
+            rng = np.random.default_rng(args.seed * 100_003 + i * 2 + (kind == "code"))
+            if kind == "chat":
+                prefix = chat_prefix(tok, STARTERS[i % len(STARTERS)])
+                rows = rollout_hidden(model, [prefix] * args.shard_rows, args.row_tokens,
+                                      temp, rng, (end, opening, args.question_temperature),
+                                      args.threads)
+                loss_from = len(prefix) - 1
+            else:
+                rows = rollout_hidden(model,
+                                      openings[i * args.shard_rows:(i + 1) * args.shard_rows],
+                                      args.row_tokens, temp, rng, None, args.threads)
+                loss_from = args.prompt_tokens - 1
+            shard = {k: torch.from_numpy(v) for k, v in rows.items()}
+            shard["loss_from"] = torch.tensor(loss_from)
+            shard["temperature"] = torch.tensor(temp)
+            torch.save(shard, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+            n = args.shard_rows * (args.row_tokens - loss_from)
+            log(logf, "shard", kind=kind, index=i, temperature=temp, new_tokens=n,
+                seconds=round(time.time() - t0, 1))
+            if i < 3:
+                log(logf, "sample", kind=kind, text=tok.decode(shard["tokens"][0].tolist()))
 
 
 def file_windows(tok: Tokenizer, seed: int, length: int, count: int) -> list[list[int]]:
