@@ -95,7 +95,7 @@ from snapshot_svc.clientlib import auth
 
 SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next attempt
 STORE_WRITE_S = 5.0  # bound of one write of a session to the store by the writer
-LIST_STAT_S = 5.0  # bound of each store generation ListSessions asks
+LIST_STAT_S = 5.0  # bound of the store generations one ListSessions asks, together
 _KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
 
 
@@ -1069,13 +1069,14 @@ class SessionHost:
             return set()
         assert self.store is not None
         moved = set()
+        deadline = time.monotonic() + LIST_STAT_S  # one bound for the listing, not per session
         for k in keys:
             with self._lock:
                 if k in self._writing:
                     continue
                 known = self._gen.get(k, 0)
             try:
-                stored = self.store.generation(k, deadline=time.monotonic() + LIST_STAT_S)
+                stored = self.store.generation(k, deadline=deadline)
             except Exception:  # noqa: BLE001 - listed as this replica holds it
                 continue
             if stored not in (0, known):

@@ -161,9 +161,8 @@ class SnapshotStore:
     def generation(self, name: str, *, deadline: float | None = None) -> int:
         """The snapshot's generation by Stat, 0 when there is none."""
         validate_name(name)
-        del deadline  # Stat is bounded by the client's timeout and retries
         try:
-            return self._current().stat(name).generation
+            return self._current().stat(name, deadline=deadline).generation
         except snap_errors.NotFound:
             return 0
         except snap_errors.StatusError as exc:

@@ -599,11 +599,13 @@ class SnapshotClient:
 
     # --- metadata ---------------------------------------------------------------------
 
-    def stat(self, name: str) -> SnapshotInfo:
+    def stat(self, name: str, deadline: float | None = None) -> SnapshotInfo:
         """Metadata of both parts of one snapshot and its generation (0 from a server
-        without `conditional_writes`); NotFound if there is none."""
+        without `conditional_writes`); NotFound if there is none. `deadline`
+        (time.monotonic()): the call and its retries end by then."""
         validate_name(name)
-        r = self._call(lambda t: self._stub.Stat(pb.StatRequest(name=name), timeout=t))
+        r = self._call(lambda t: self._stub.Stat(pb.StatRequest(name=name), timeout=t),
+                       deadline=deadline)
         return SnapshotInfo.from_pb(r.snapshot)
 
     def list(self, prefix: str = "") -> list[SnapshotInfo]:
