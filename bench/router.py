@@ -19,7 +19,9 @@ work). Turns 1..--turns send --new new tokens each and generate --gen (greedy); 
 one turn of every session of one side, --clients threads taking sessions from a shared
 queue; the two sides' rounds alternate (A B, then B A, ...). TTFT: from sending the
 request to the first response carrying tokens, at the client, through the router.
-Every turn's cache_n is checked against the session's acknowledged history.
+Every turn's cache_n is checked against the session's acknowledged history. A turn whose
+stream is cut is sent again with its turn_id, as the client library does (`resent`;
+`resent_replaced`: the dead replica had kept it, and the resend replaced that copy).
 
 Then the kill: one more round on the `session` side with a replica SIGKILLed once a third
 of the round's turns are answered; the turns are counted (served and continuing exactly,
@@ -45,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -57,7 +60,13 @@ sys.path.insert(0, str(ROOT))
 from machine import cpu_class, cpu_model  # noqa: E402
 from service import Service  # noqa: E402
 
-from inference_svc.client import InferenceClient, make_request  # noqa: E402
+from inference_svc.client import (  # noqa: E402
+    InferenceClient,
+    keeps_turn_ids,
+    make_request,
+    resendable,
+    stream_cut,
+)
 from inference_svc.pb import inference_pb2 as pb  # noqa: E402
 from snapshot_svc.client import SnapshotClient  # noqa: E402
 from snapshot_svc.testing import ServerProcess  # noqa: E402
@@ -146,20 +155,34 @@ class Replica:
 
 
 def one_turn(c: InferenceClient, name: str, prompt: list[int], gen: int) -> dict[str, Any]:
+    """One turn, streamed; a stream cut under it (its replica killed) is sent again with
+    the turn's id, as the client library does (the TTFT is then the answered attempt's)."""
     t0 = time.perf_counter()
-    ttft = None
-    n_out = 0
-    last = None
-    for r in c.generate_stream(make_request(prompt, max_tokens=gen, temperature=0.0,
-                                            session=name), timeout=300):
-        if r.tokens and ttft is None:
-            ttft = time.perf_counter() - t0
-        n_out += len(r.tokens)
-        last = r
+    request = make_request(prompt, max_tokens=gen, temperature=0.0, session=name,
+                           turn_id=uuid.uuid4().hex)
+    for resent in range(3):
+        t_try = time.perf_counter()
+        ttft = None
+        n_out = 0
+        last = None
+        stream = c.generate_stream(request, timeout=300)
+        try:
+            for r in stream:
+                if r.tokens and ttft is None:
+                    ttft = time.perf_counter() - t_try
+                n_out += len(r.tokens)
+                last = r
+        except grpc.RpcError as err:
+            if resent == 2 or not stream_cut(err) or not resendable(request,
+                                                                    keeps_turn_ids(stream)):
+                raise
+            continue
+        break
     assert last is not None
     t = last.timings
-    return {"ttft": ttft if ttft is not None else time.perf_counter() - t0,
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - t_try,
             "total": time.perf_counter() - t0, "cache_n": t.cache_n, "n_out": n_out,
+            "resent": resent, "discarded": t.session_n_discarded,
             "tier": pb.SessionTier.Name(t.session_tier).removeprefix("SESSION_TIER_").lower()}
 
 
@@ -232,7 +255,12 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
                            "outcomes": dict(collections.Counter(r["outcome"] for r in ok)),
                            "errors": dict(collections.Counter(
                                r["error"] for r in records if "error" in r)),
-                           "tiers": dict(collections.Counter(r["tier"] for r in ok))}
+                           "tiers": dict(collections.Counter(r["tier"] for r in ok)),
+                           # served after their stream was cut and the turn sent again;
+                           # of those, the ones that replaced a copy the dead replica kept
+                           "resent": sum(1 for r in ok if r["resent"]),
+                           "resent_replaced": sum(1 for r in ok
+                                                  if r["resent"] and r["discarded"])}
     if ok:
         ttft = sorted(r["ttft"] for r in ok)
         out.update(ttft_median_ms=round(statistics.median(ttft) * 1e3, 1),

@@ -33,6 +33,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ from google.protobuf import json_format
 
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
-from inference_svc.sessions.names import SESSION_HEADER
+from inference_svc.sessions.names import SESSION_HEADER, TURN_IDS_HEADER
 from snapshot_svc.clientlib import auth, tls
 from snapshot_svc.clientlib.auth import BearerInterceptor
 
@@ -107,16 +108,21 @@ class InferenceClient:
     def _whole(self, call: Any, request: pb.GenerateRequest | pb.ChatRequest,
                timeout: float | None) -> list[pb.GenerateResponse]:
         """All responses of one request, sent again while its stream was cut, it is
-        resendable and attempts and deadline remain."""
+        resendable and attempts and deadline remain. A turn continuing a session gets
+        an id (turn_id) unless it has one, so that sent again it replaces itself."""
+        if continues_session(request) and not request.turn_id:
+            request.turn_id = uuid.uuid4().hex
         deadline = time.monotonic() + (timeout or self.timeout)
         attempts = 0
         while True:
             attempts += 1
+            stream = call(request, max(deadline - time.monotonic(), 0.001))
             try:
-                return list(call(request, max(deadline - time.monotonic(), 0.001)))
+                return list(stream)
             except grpc.RpcError as err:
                 if (attempts > self.retries or not stream_cut(err)
-                        or not resendable(request) or time.monotonic() >= deadline):
+                        or not resendable(request, keeps_turn_ids(stream))
+                        or time.monotonic() >= deadline):
                     raise
 
     def tokenize(self, text: str) -> list[int]:
@@ -161,15 +167,33 @@ def stream_cut(err: grpc.RpcError) -> bool:
         code == grpc.StatusCode.UNKNOWN and "Stream removed" in (err.details() or ""))
 
 
-def resendable(request: pb.GenerateRequest | pb.ChatRequest) -> bool:
+def continues_session(request: pb.GenerateRequest | pb.ChatRequest) -> bool:
+    """A Generate continuing a session or a Chat appended to it: a turn the session
+    adds to what it holds."""
+    return request.HasField("session") and (isinstance(request, pb.GenerateRequest)
+                                            or request.append)
+
+
+def keeps_turn_ids(stream: Any) -> bool:
+    """Whether the server of a (finished) stream said it keeps turn ids."""
+    try:
+        metadata = stream.initial_metadata() or ()
+    except grpc.RpcError:
+        return False
+    return any(k == TURN_IDS_HEADER and v == "1" for k, v in metadata)
+
+
+def resendable(request: pb.GenerateRequest | pb.ChatRequest, turn_ids: bool = False) -> bool:
     """Whether a request cut mid-stream can be sent again: one without a session keeps
     nothing, and a Chat whose messages are the whole conversation replaces what the
     session holds. A Generate continuing a session, or a Chat appended to it, may have
-    run to its end before the cut and been kept: sent again, its turn would be kept
-    twice, so its caller gets the error."""
-    if not request.HasField("session"):
+    run to its end before the cut and been kept: it is sent again only with its
+    turn_id to a server that keeps turn ids (`turn_ids`: its stream's initial metadata
+    said so), where it replaces the turn it repeats; otherwise its caller gets the
+    error, as sent again it would be kept twice."""
+    if not continues_session(request):
         return True
-    return isinstance(request, pb.ChatRequest) and not request.append
+    return bool(request.turn_id) and turn_ids
 
 
 def session_metadata(request: pb.GenerateRequest | pb.ChatRequest) -> tuple[tuple[str, str], ...]:
@@ -223,11 +247,13 @@ def set_options(req: R, *, max_tokens: int | None = None, session: str | None = 
                 repeat_last_n: int | None = None, presence_penalty: float | None = None,
                 frequency_penalty: float | None = None, speculative: bool | None = None,
                 n_max: int | None = None, n_min: int | None = None,
-                p_min: float | None = None, lookup: bool | None = None) -> R:
+                p_min: float | None = None, lookup: bool | None = None,
+                turn_id: str | None = None) -> R:
     """Sets the options Generate and Chat share; None leaves a field unset."""
     req.stop.extend(stop or [])
     req.logprobs = logprobs
-    for name, value in (("max_tokens", max_tokens), ("session", session)):
+    for name, value in (("max_tokens", max_tokens), ("session", session),
+                        ("turn_id", turn_id)):
         if value is not None:
             setattr(req, name, value)
     for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
@@ -249,7 +275,7 @@ def http_body(options: dict[str, Any]) -> dict[str, Any]:
     server's defaults apply as over gRPC); logprobs are not shown in HTTP mode."""
     body = {k: v for k, v in options.items()
             if v is not None and k not in ("speculative", "n_max", "n_min", "p_min",
-                                           "logprobs")}
+                                           "logprobs", "turn_id")}
     spec = {k: v for k, v in (("enabled", options.get("speculative")),
                               ("n_max", options.get("n_max")), ("n_min", options.get("n_min")),
                               ("p_min", options.get("p_min"))) if v is not None}

@@ -30,6 +30,7 @@ from inference_svc.errors import InvalidArgument
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.prompts import BoundedTokenizer
 from inference_svc.sessions.names import check_session_name
+from inference_svc.sessions.turn_mark import check_turn_id
 
 if TYPE_CHECKING:
     from inference_svc.core import Tokenizer
@@ -159,6 +160,8 @@ class GenerateParams:
     chat_reply: bool = False
     # an `append` Chat: the session's conversation its messages continue (None: not one)
     history: tuple[chat.Message, ...] | None = None
+    # the caller's id of this session turn: sent again, it replaces the turn ("": none)
+    turn_id: str = ""
 
     @classmethod
     def from_pb(cls, req: pb.GenerateRequest, rc: RequestContext) -> GenerateParams:
@@ -249,10 +252,15 @@ class GenerateParams:
         if session is True:
             session = session_from_pb(req)
         assert session is None or isinstance(session, str)
+        if req.turn_id:
+            check_turn_id(req.turn_id)
+            if session is None:
+                raise InvalidArgument("turn_id names a turn of a session: set session")
         sampling, seed = sampling_from_pb(req.sampling, cfg, req.logprobs)
         spec = speculative_from_pb(req.speculative, cfg, rc.has_draft, rc.has_head)
         return cls(tuple(prompt), max_tokens, id_slot, cache_prompt, sampling, seed, spec,
-                   stop, n_truncated, session, isinstance(req, pb.ChatRequest))
+                   stop, n_truncated, session, isinstance(req, pb.ChatRequest),
+                   turn_id=req.turn_id)
 
 
 def session_from_pb(req: pb.GenerateRequest | pb.ChatRequest) -> str | None:

@@ -31,6 +31,7 @@ from inference_svc.pb import inference_pb2 as pb
 from inference_svc.pb import inference_pb2_grpc as pb_grpc
 from inference_svc.prompts import BoundedTokenizer
 from inference_svc.sessions.host import SessionHost, delete_key, visible_owner
+from inference_svc.sessions.names import TURN_IDS_HEADER
 from inference_svc.storage import autosave, slotfile
 from inference_svc.storage.fallback import Fallback
 from inference_svc.storage.slots import SlotManager
@@ -110,7 +111,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 left = _time_remaining(context)
                 host = self._rt().sessions
                 history = host.conversation(
-                    session, None if left is None else time.monotonic() + left)
+                    session, None if left is None else time.monotonic() + left,
+                    request.turn_id)
                 read.append(host)
             return GenerateParams.from_chat(request, rc, history, session)
 
@@ -122,6 +124,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     def _stream(self, params_of: Callable[[RequestContext], GenerateParams],
                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        # before anything runs: a client whose stream is cut later knows that this server
+        # keeps turn ids, so sending a session turn again replaces it (client.resendable)
+        context.send_initial_metadata(((TURN_IDS_HEADER, "1"),))
         with self.generation(params_of, auth.CURRENT.get(), _time_remaining(context)) as gen:
             context.add_callback(gen.job.cancel)
             yield from gen.responses

@@ -178,6 +178,14 @@ class SlotOp(Job, Generic[T]):
         return self._result  # type: ignore[return-value]
 
 
+class ReplacedTurn(Protocol):
+    """The session turn a request sent again replaces (sessions.turn_mark.TurnMark)."""
+
+    @property
+    def start(self) -> int:
+        """The session's tokens before that turn."""
+
+
 class SessionHooks(Protocol):
     """What the engine asks of the sessions layer at a turn's edges (implemented by
     inference_svc.sessions.host.SessionHost; the engine imports no sessions)."""
@@ -194,8 +202,19 @@ class SessionHooks(Protocol):
         """At the job's start (engine thread): moves the displaced session out of the
         slot and the job's own session in."""
 
-    def continues(self, key: str, history: tuple[Message, ...]) -> bool:
-        """Whether session `key` still keeps the conversation a Chat was rendered after."""
+    def continues(self, key: str, history: tuple[Message, ...],
+                  replaces: ReplacedTurn | None = None) -> bool:
+        """Whether session `key` still keeps the conversation a Chat was rendered after
+        (before the turn it replaces)."""
+
+    def turn_start(self, key: str, turn_id: str) -> ReplacedTurn | None:
+        """At a session turn's start: the mark of the turn it replaces (its id is the
+        session's last turn's), or None."""
+
+    def mark_turn(self, key: str, turn_id: str, n_tokens: int,
+                  replaces: ReplacedTurn | None) -> None:
+        """Once a session turn is admitted: marks it as starting from `n_tokens`
+        tokens, the turn it replaces dropped."""
 
     def after_turn(self, slot: int, key: str, then: Callable[[], None] | None) -> bool:
         """At the end of a session's turn (engine thread): its state for write-through;
@@ -443,19 +462,31 @@ class Engine:
             job.timings.queue_ms = 1e3 * (job.t_start - job.submitted)
             job.timings.id_slot = slot
             new = p.prompt
+            # a session turn sent again with its id replaces the session's last turn
+            replaces = (self.sessions.turn_start(job.session, p.turn_id)
+                        if job.session is not None and self.sessions is not None else None)
             if job.session is not None and not p.conversation:
-                # the prompt continues the session's tokens
-                keep = owner.n_tokens(slot)
+                # the prompt continues the session's tokens (those before the turn it
+                # replaces)
+                held = owner.n_tokens(slot)
+                keep = min(replaces.start, held) if replaces is not None else held
                 if keep + len(p.prompt) + p.max_tokens > self.n_ctx:
                     job.fail(InvalidArgument(
                         f"session {job.session_name!r} holds {keep} tokens: with the prompt "
                         f"of {len(p.prompt)} and max_tokens {p.max_tokens} it exceeds the "
                         f"context of {self.n_ctx} tokens (start a new session)"))
                     return
+                job.timings.session_n_discarded = held - keep
+                start = keep
+                if 0 < keep < owner.keep_min(slot):
+                    # the sliding-window layers no longer hold the window of position
+                    # keep: the kept tokens are processed again with the prompt
+                    new = (*owner.tokens(slot)[:keep], *p.prompt)
+                    keep = 0
             else:
                 if (job.session is not None and p.history is not None
                         and self.sessions is not None
-                        and not self.sessions.continues(job.session, p.history)):
+                        and not self.sessions.continues(job.session, p.history, replaces)):
                     # rendered before another turn of the session changed its
                     # conversation: running it would drop that turn
                     job.fail(FailedPrecondition(
@@ -479,7 +510,10 @@ class Engine:
                     # re-processed
                     keep = 0
                 new = p.prompt[keep:]
+                start = keep
             owner.truncate(slot, keep)
+            if job.session is not None and self.sessions is not None:
+                self.sessions.mark_turn(job.session, p.turn_id, start, replaces)
             if p.seed is not None:
                 owner.seed(slot, p.seed)
             job.timings.cache_n = keep

@@ -66,7 +66,7 @@ from inference_svc.errors import (
     NotFound,
 )
 from inference_svc.metrics import Metrics
-from inference_svc.sessions import chat_record
+from inference_svc.sessions import chat_record, turn_mark
 from inference_svc.sessions.listing import (
     TIER_LABEL,
     TIER_NEW,
@@ -97,6 +97,12 @@ SPILL_RETRY_S = 1.0  # pause after a failed write to the store before the next a
 STORE_WRITE_S = 5.0  # bound of one write of a session to the store by the writer
 LIST_STAT_S = 5.0  # bound of the store generations one ListSessions asks, together
 _KEY_LOCKS = 64  # striped locks that order store loads and deletions per session
+
+
+def _before(kept: tuple[Message, ...], mark: turn_mark.TurnMark | None,
+            turn_id: str) -> tuple[Message, ...]:
+    """The conversation `kept` before the turn `turn_id` when `mark` is that turn."""
+    return kept[:mark.chat] if turn_id and mark is not None and mark.id == turn_id else kept
 
 
 def owner_of(principal: auth.Principal | None) -> str:
@@ -134,6 +140,7 @@ class Held:
     awaiting: bool = False
     deleted: bool = False  # DeleteSession removed it (a write in flight is undone)
     chat: tuple[Message, ...] | None = None  # its chat conversation, written with it
+    turn: turn_mark.TurnMark | None = None  # its last turn's id, written with it
     # answers held back until this state is stored (--session-ack-stored)
     then: list[Callable[[], None]] = field(default_factory=list)
 
@@ -185,6 +192,8 @@ class SessionHost:
         # each session's chat conversation (its Chats' messages and replies), whatever
         # tier holds its state
         self._chats: dict[str, tuple[Message, ...]] = {}
+        # each session's last turn that its caller named (turn_id), whatever tier holds it
+        self._marks: dict[str, turn_mark.TurnMark] = {}
         # a session's state `conversation` read from the store for its coming turn, and
         # the milliseconds that took: `prepare` takes it instead of reading it again
         self._peeked: dict[str, tuple[PreparedRestore, float]] = {}
@@ -244,6 +253,7 @@ class SessionHost:
                         return
                 with self._lock:
                     self._set_chat(k, prepared.chat)
+                    self._set_mark(k, prepared.turn)
                     v = next(self._versions)
                     self._staged[k] = Held(
                         k, prepared.target_parts, prepared.draft_state, prepared.draft_note,
@@ -359,7 +369,7 @@ class SessionHost:
                     self._ram_used -= held.size
                 held.deleted = held.writing
         self._answer(self._through.pop(k, None))
-        for d in (self._ver, self._store_ver, self._gen, self._chats):
+        for d in (self._ver, self._store_ver, self._gen, self._chats, self._marks):
             d.pop(k, None)  # type: ignore[attr-defined]
         self._lock.notify_all()
 
@@ -368,20 +378,23 @@ class SessionHost:
         key = from_store_name(k)
         return key.name if key is not None else k
 
-    def conversation(self, name: str, deadline: float | None) -> tuple[Message, ...]:
+    def conversation(self, name: str, deadline: float | None,
+                     turn_id: str = "") -> tuple[Message, ...]:
         """The chat conversation the caller's session `name` keeps (empty for a new
-        session, or one whose turns were all Generates). A session only in the store
-        is read from there, checked, and kept for its coming turn's `prepare`, until
-        `forget_read`."""
+        session, or one whose turns were all Generates); when `turn_id` is the session's
+        last turn, the conversation before it (the turn is sent again to replace it). A
+        session only in the store is read from there, checked, and kept for its coming
+        turn's `prepare`, until `forget_read`."""
         k = caller_key(name).store_name
         with self._key_lock(k):  # ordered with deletions, as prepare's reads
             with self._lock:
                 kept = self._chats.get(k)
+                mark = self._marks.get(k)
                 known = (k in self._ver or k in self._ram or k in self._staged
                          or k in self._lost)
             if (kept is not None or known or self.store is None
                     or self.engine.session_resident(k)):
-                return kept or ()
+                return _before(kept or (), mark, turn_id)
             t0 = time.perf_counter()
             try:
                 prepared = self._read_stored(k, deadline)
@@ -389,7 +402,7 @@ class SessionHost:
                 return ()
             with self._lock:
                 self._peeked[k] = (prepared, 1e3 * (time.perf_counter() - t0))
-        return prepared.chat or ()
+        return _before(prepared.chat or (), prepared.turn, turn_id)
 
     def forget_read(self, name: str) -> None:
         """Lets go of what `conversation` read for the turn of `name` (once the turn
@@ -406,11 +419,35 @@ class SessionHost:
         return prepare_restore(source, k, self.slots.target_spec, self.slots.draft_spec,
                                deadline)
 
-    def continues(self, k: str, history: tuple[Message, ...]) -> bool:
+    def continues(self, k: str, history: tuple[Message, ...],
+                  replaces: turn_mark.TurnMark | None = None) -> bool:
         """True when session `k` still keeps the conversation `history` (what an
-        `append` Chat's messages were rendered after)."""
+        `append` Chat's messages were rendered after): before the turn it `replaces`,
+        when it replaces one."""
         with self._lock:
-            return self._chats.get(k, ()) == history
+            kept = self._chats.get(k, ())
+            return (kept[:replaces.chat] if replaces is not None else kept) == history
+
+    def turn_start(self, k: str, turn_id: str) -> turn_mark.TurnMark | None:
+        """At a session turn's start (engine thread): the mark of the turn it replaces,
+        when `turn_id` names session `k`'s last turn (the request was sent again);
+        None otherwise."""
+        if not turn_id:
+            return None
+        with self._lock:
+            mark = self._marks.get(k)
+        return mark if mark is not None and mark.id == turn_id else None
+
+    def mark_turn(self, k: str, turn_id: str, n_tokens: int,
+                  replaces: turn_mark.TurnMark | None) -> None:
+        """Once a session turn is admitted (engine thread): the turn it replaces is
+        dropped from the conversation, and the turn is marked as starting from the
+        first `n_tokens` tokens (no mark without an id: such a turn is not replaced)."""
+        with self._lock:
+            if replaces is not None:
+                self._set_chat(k, self._chats.get(k, ())[:replaces.chat])
+            chat = len(self._chats.get(k, ()))
+            self._set_mark(k, turn_mark.TurnMark(turn_id, n_tokens, chat) if turn_id else None)
 
     def _set_chat(self, k: str, messages: tuple[Message, ...] | None) -> None:
         """Under the lock: the conversation session `k` keeps (None: none)."""
@@ -418,6 +455,19 @@ class SessionHost:
             self._chats[k] = messages
         else:
             self._chats.pop(k, None)
+
+    def _set_mark(self, k: str, mark: turn_mark.TurnMark | None) -> None:
+        """Under the lock: session `k`'s last named turn (None: none)."""
+        if mark is not None:
+            self._marks[k] = mark
+        else:
+            self._marks.pop(k, None)
+
+    def _drop_record(self, k: str) -> None:
+        """Under the lock: session `k`'s conversation and turn mark, gone with its
+        state."""
+        self._chats.pop(k, None)
+        self._marks.pop(k, None)
 
     def _keep_reply(self, job: GenJob, reply: str) -> None:
         """At the end of a session's Chat (engine thread): the session keeps the Chat's
@@ -489,7 +539,7 @@ class SessionHost:
             else:
                 self._ver.pop(k, None)
                 self._store_ver.pop(k, None)
-                self._chats.pop(k, None)
+                self._drop_record(k)
                 older = (f"the store held an older state of {stored[1]} tokens, removed "
                          "rather than continued" if stored is not None
                          else "no other copy of it was kept")
@@ -562,7 +612,7 @@ class SessionHost:
                     self.owner.clear(slot)
                     tier = TIER_NEW
                     with self._lock:
-                        self._chats.pop(k, None)
+                        self._drop_record(k)
                 else:
                     self.slots.load(slot, PreparedRestore(
                         held.parts, held.n_tokens, held.draft, held.draft_note, held.size))
@@ -632,10 +682,11 @@ class SessionHost:
         with self._lock:
             version = self._ver.get(key, 0)
             chat = self._chats.get(key)
+            turn = self._marks.get(key)
             stored = version != 0 and self._store_ver.get(key, (0, 0))[0] == version
         return Held(key, state.target_parts(), state.draft, "", state.n_tokens,
                     size, self.engine.slot_last_used_ms(slot), TIER_RAM, version=version,
-                    raw_target=state.target, chat=chat, in_store=stored)
+                    raw_target=state.target, chat=chat, turn=turn, in_store=stored)
 
     def _put(self, held: Held) -> None:
         """Puts a session captured from its slot (engine thread) into the RAM tier when it
@@ -920,7 +971,7 @@ class SessionHost:
                              "configured", extra=log.fields(session=held.key,
                                                             n_tokens=held.n_tokens))
             with self._lock:
-                self._chats.pop(held.key, None)  # gone with its state
+                self._drop_record(held.key)  # gone with its state
             return True
         assert held.raw_target is not None
         k = held.key
@@ -1004,11 +1055,13 @@ class SessionHost:
         self.metrics.session_store_writes.labels("conflict").inc()
 
     def _encode(self, held: Held) -> EncodedSlot:
-        """The slot files of a session's captured state, with its conversation."""
+        """The slot files of a session's captured state, with its conversation and
+        last turn's mark."""
         assert held.raw_target is not None
+        extra = (((chat_record.pack(held.chat),) if held.chat else ())
+                 + ((turn_mark.pack(held.turn),) if held.turn is not None else ()))
         return encode_slot(held.raw_target, held.draft, self.slots.target_spec,
-                           self.slots.draft_spec,
-                           (chat_record.pack(held.chat),) if held.chat else ())
+                           self.slots.draft_spec, extra)
 
     def _delete_stored(self, key: str, deadline: float | None) -> bool:
         """Removes the session's copies from the store and the local fallback (in that
@@ -1113,7 +1166,7 @@ class SessionHost:
                 was_lost = self._lost.pop(k, None) is not None
                 self._stale.discard(k)
                 self._ver.pop(k, None)
-                self._chats.pop(k, None)
+                self._drop_record(k)
                 self._peeked.pop(k, None)  # read for a turn: it must not come back
                 self._turns.pop(k, None)
             if self.store is not None:

@@ -20,6 +20,9 @@ SESSION_PREFIX = "session~"
 # the header (gRPC metadata) naming a request's session: a router in front of replicas
 # hashes it to keep a session on one replica; the HTTP door also takes the session from it
 SESSION_HEADER = "x-session-id"
+# initial metadata of a Generate / Chat stream from a server that keeps turn ids
+# (GenerateRequest.turn_id): a session turn cut mid-stream may be sent again
+TURN_IDS_HEADER = "warmslot-turn-ids"
 _OWNER_CHARS = 8  # auth.key_id: 8 hex digits
 # the longest store name (owner included) must leave room for `<name>.drft` in a directory
 MAX_SESSION_NAME_BYTES = 255 - len(DRAFT_SUFFIX) - len(SESSION_PREFIX) - _OWNER_CHARS - 1

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from inference_svc.chat import Message
-from inference_svc.sessions import chat_record
+from inference_svc.sessions import chat_record, turn_mark
 from inference_svc.storage import slotfile
 from inference_svc.storage.slotfile import DTYPE_BY_NAME, KVLayout, ModelSpec
 from inference_svc.storage.store import SlotStore
@@ -128,6 +128,7 @@ class PreparedRestore:
     n_read: int
     chat: tuple[Message, ...] | None = None  # a session's conversation (CHAT section)
     generation: int = 0  # the store's generation of what was read (0: none kept)
+    turn: turn_mark.TurnMark | None = None  # a session's last turn (TURN section)
 
 
 def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
@@ -153,4 +154,5 @@ def prepare_restore(store: SlotStore, name: str, target: ModelSpec,
         except slotfile.SlotFileError as exc:
             note = str(exc)
     return PreparedRestore(slotfile.core_parts_from_target(t), t.n_tokens, draft_state, note,
-                           n_read, chat_record.unpack(t.extra), stored.generation)
+                           n_read, chat_record.unpack(t.extra), stored.generation,
+                           turn_mark.unpack(t.extra))

@@ -1,0 +1,67 @@
+"""A session's last turn as its caller named it (GenerateRequest.turn_id): the id and
+what the session held before that turn, so that the same request sent again (its
+stream was cut: a replica killed behind a router) replaces the turn instead of adding
+it twice. Kept with the session's state in the optional target section `TURN` of its
+slot file, so it moves between tiers and replicas with the state (docs/formats.md);
+a reader that does not know the section skips it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inference_svc.errors import InvalidArgument
+from inference_svc.storage.slotfile import CorruptSlotFile, Section
+
+TAG_TURN = b"TURN"  # target, optional: UTF-8 JSON {"id": str, "start": int, "chat": int}
+MAX_TURN_ID = 64
+_TURN_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_TURN_ID}}}")
+
+
+@dataclass(frozen=True)
+class TurnMark:
+    """Turn `id` started from the session's first `start` tokens and the first `chat`
+    messages of its conversation."""
+
+    id: str
+    start: int
+    chat: int
+
+
+def check_turn_id(turn_id: str) -> str:
+    """The id as given; InvalidArgument naming the rule when it breaks it."""
+    if not _TURN_ID.fullmatch(turn_id):
+        raise InvalidArgument(f"turn_id {turn_id[:80]!r} must be 1..{MAX_TURN_ID} characters "
+                              "of A-Z a-z 0-9 . _ : -")
+    return turn_id
+
+
+def pack(mark: TurnMark) -> Section:
+    """The section holding a turn mark."""
+    payload = json.dumps({"id": mark.id, "start": mark.start, "chat": mark.chat},
+                         separators=(",", ":")).encode("ascii")
+    return Section(TAG_TURN, 0, payload)
+
+
+def unpack(extra: Sequence[Section]) -> TurnMark | None:
+    """The turn mark among a target file's optional sections; None when it has none.
+    CorruptSlotFile (DATA_LOSS) for a section that is not one."""
+    found = [s for s in extra if s.tag == TAG_TURN]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise CorruptSlotFile("slot file: section b'TURN' appears twice")
+    try:
+        row = json.loads(found[0].payload.decode("ascii"))
+        if not isinstance(row, dict) or set(row) != {"id", "start", "chat"}:
+            raise ValueError(f"{row!r} is not {{id, start, chat}}")
+        mark = TurnMark(row["id"], row["start"], row["chat"])
+        if (not isinstance(mark.id, str) or not _TURN_ID.fullmatch(mark.id)
+                or type(mark.start) is not int or type(mark.chat) is not int
+                or mark.start < 0 or mark.chat < 0):
+            raise ValueError(f"{row!r} has a bad field")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptSlotFile(f"slot file: the TURN section is not a turn mark: {exc}") from exc
+    return mark
