@@ -41,7 +41,7 @@ from collections import Counter  # noqa: E402
 from typing import Any  # noqa: E402
 
 import openai  # noqa: E402
-from machine import commit_of_repo, cpu_class, cpu_model  # noqa: E402
+from machine import commit_of_repo, cpu_class, cpu_model, cpu_seconds  # noqa: E402
 from service import Service, together  # noqa: E402
 
 from inference_svc.client import InferenceClient, make_request  # noqa: E402
@@ -150,12 +150,6 @@ def via_openai(svc: Service, prompt: list[int], n: int, slot: int) -> dict[str, 
 
 
 SIDES = {"grpc": via_grpc, "http": via_http, "openai": via_openai}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (from /proc: Linux only)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_streams(side: str, svc: Service, ps: list[list[int]], n: int) -> dict[str, Any]:

@@ -4,12 +4,19 @@ class, the commit; and the JSON line a benchmark ends with."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
 from typing import Any
 
 CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/<pid>/stat: Linux only)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_model() -> str:

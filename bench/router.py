@@ -57,7 +57,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from machine import cpu_class, cpu_model  # noqa: E402
+from machine import cpu_class, cpu_model, cpu_seconds  # noqa: E402
 from service import Service  # noqa: E402
 
 from inference_svc.client import (  # noqa: E402
@@ -249,6 +249,11 @@ def run_round(side: Side, turn: int, clients: int, gen: int, seed: int,
     return records
 
 
+def cpu_used(pids: list[int]) -> float:
+    """CPU seconds the processes have used so far."""
+    return sum(cpu_seconds(p) for p in pids)
+
+
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in records if "error" not in r]
     out: dict[str, Any] = {"turns": len(records), "served": len(ok),
@@ -320,6 +325,8 @@ def main() -> int:
             affine = Haproxy("session", ports, scratch)
             rr = Haproxy("roundrobin", ports, scratch)
             proxies = [affine, rr]
+            pids = ([r.svc.p.pid for r in reps] + [snap.proc.pid, affine.p.pid, rr.p.pid,
+                                                   os.getpid()])
             text = "\n".join(p.read_text() for d in ("inference_svc", "snapshot_svc", "docs")
                              for p in sorted((ROOT / d).glob("*.*"))
                              if p.suffix in (".py", ".md"))
@@ -335,10 +342,14 @@ def main() -> int:
                                                                           "session"]
                 for name in order:
                     t0 = time.perf_counter()
+                    cpu0 = cpu_used(pids)
                     recs = run_round(sides[name], turn, args.clients, args.gen,
                                      args.seed + turn)
                     s = summary(recs)
-                    s.update(turn=turn, seconds=round(time.perf_counter() - t0, 1))
+                    # CPU seconds of every process of the run (replicas, snapshot
+                    # service, routers, this client) per turn of the round
+                    s.update(turn=turn, seconds=round(time.perf_counter() - t0, 1),
+                             cpu_s_per_turn=round((cpu_used(pids) - cpu0) / len(recs), 3))
                     per_turn[name].append(s)
                     print(json.dumps({"side": name, **s}), file=sys.stderr, flush=True)
                     if turn > 0:

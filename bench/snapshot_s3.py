@@ -38,6 +38,8 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+from machine import cpu_seconds  # bench/ is on the path (bench/snapshot.py runs this)
+
 from inference_svc import errors
 from inference_svc.storage.snapshot_failover import FailoverStore
 from inference_svc.storage.snapshot_store import SnapshotStore
@@ -55,12 +57,6 @@ def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (/proc/<pid>/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuMeter:
