@@ -183,6 +183,9 @@ def one_turn(c: InferenceClient, name: str, prompt: list[int], gen: int) -> dict
     return {"ttft": ttft if ttft is not None else time.perf_counter() - t_try,
             "total": time.perf_counter() - t0, "cache_n": t.cache_n, "n_out": n_out,
             "resent": resent, "discarded": t.session_n_discarded,
+            # the server's parts of the turn: waiting to start (the session check and the
+            # displaced session's capture included), the session's restore, the prompt
+            "queue_ms": t.queue_ms, "restore_ms": t.session_restore_ms, "prompt_ms": t.prompt_ms,
             "tier": pb.SessionTier.Name(t.session_tier).removeprefix("SESSION_TIER_").lower()}
 
 
@@ -275,6 +278,12 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
                    ttft_median_ms_by_tier={
                        tier: round(statistics.median(r["ttft"] for r in ok
                                                      if r["tier"] == tier) * 1e3, 1)
+                       for tier in sorted({r["tier"] for r in ok})},
+                   # the server's timings by tier (medians, ms): where a turn's TTFT goes
+                   server_ms_by_tier={
+                       tier: {k: round(statistics.median(r[f"{k}_ms"] for r in ok
+                                                         if r["tier"] == tier), 1)
+                              for k in ("queue", "restore", "prompt")}
                        for tier in sorted({r["tier"] for r in ok})})
     return out
 
