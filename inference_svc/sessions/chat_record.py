@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 
 from inference_svc.chat import Message
-from inference_svc.storage.slotfile import CorruptSlotFile, Section
+from inference_svc.storage.slotfile import CorruptSlotFile, Section, optional_section
 
 TAG_CHAT = b"CHAT"  # target, optional: UTF-8 JSON [[role, content], ...]
 
@@ -24,13 +24,11 @@ def pack(messages: Sequence[Message]) -> Section:
 def unpack(extra: Sequence[Section]) -> tuple[Message, ...] | None:
     """The conversation among a target file's optional sections; None when it has
     none. CorruptSlotFile (DATA_LOSS) for a section that is not one."""
-    found = [s for s in extra if s.tag == TAG_CHAT]
-    if not found:
+    section = optional_section(extra, TAG_CHAT)
+    if section is None:
         return None
-    if len(found) > 1:
-        raise CorruptSlotFile("slot file: section b'CHAT' appears twice")
     try:
-        rows = json.loads(found[0].payload.decode("utf-8", "surrogatepass"))
+        rows = json.loads(section.payload.decode("utf-8", "surrogatepass"))
         if not isinstance(rows, list):
             raise ValueError("not a list")
         out = []

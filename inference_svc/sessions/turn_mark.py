@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inference_svc.errors import InvalidArgument
-from inference_svc.storage.slotfile import CorruptSlotFile, Section
+from inference_svc.storage.slotfile import CorruptSlotFile, Section, optional_section
 
 TAG_TURN = b"TURN"  # target, optional: UTF-8 JSON {"id": str, "start": int, "chat": int}
 MAX_TURN_ID = 64
@@ -48,13 +48,11 @@ def pack(mark: TurnMark) -> Section:
 def unpack(extra: Sequence[Section]) -> TurnMark | None:
     """The turn mark among a target file's optional sections; None when it has none.
     CorruptSlotFile (DATA_LOSS) for a section that is not one."""
-    found = [s for s in extra if s.tag == TAG_TURN]
-    if not found:
+    section = optional_section(extra, TAG_TURN)
+    if section is None:
         return None
-    if len(found) > 1:
-        raise CorruptSlotFile("slot file: section b'TURN' appears twice")
     try:
-        row = json.loads(found[0].payload.decode("ascii"))
+        row = json.loads(section.payload.decode("ascii"))
         if not isinstance(row, dict) or set(row) != {"id", "start", "chat"}:
             raise ValueError(f"{row!r} is not {{id, start, chat}}")
         mark = TurnMark(row["id"], row["start"], row["chat"])

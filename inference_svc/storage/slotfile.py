@@ -163,6 +163,15 @@ class Section:
     payload: bytes
 
 
+def optional_section(extra: Sequence[Section], tag: bytes) -> Section | None:
+    """The one optional section `tag` among a file's others (None when absent);
+    CorruptSlotFile when it appears twice."""
+    found = [s for s in extra if s.tag == tag]
+    if len(found) > 1:
+        raise CorruptSlotFile(f"slot file: section {tag!r} appears twice")
+    return found[0] if found else None
+
+
 @dataclass(frozen=True)
 class Window:
     """Sliding-window layers that hold only the last n_window positions of the tokens."""
