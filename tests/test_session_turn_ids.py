@@ -15,13 +15,16 @@ import pytest
 
 from inference_svc.api.server import Server
 from inference_svc.client import InferenceClient, make_request
+from inference_svc.config import Speculative
 from inference_svc.pb import inference_pb2 as pb
 from inference_svc.sessions import turn_mark
 from inference_svc.sessions.names import TURN_IDS_HEADER
 from inference_svc.storage.slotfile import CorruptSlotFile, Section
 from snapshot_svc.testing import running_server
-from tests.fixtures.servicekit import running
+from tests.factory import write_model
+from tests.fixtures.servicekit import running, service_config
 from tests.resumekit import wait_until
+from tests.test_gemma3_service import SHAPE as GEMMA_SHAPE
 from tests.test_session_chat import chat, held, prompt_of, tok  # noqa: F401 - a fixture
 from tests.test_session_chat import config as chat_config
 from tests.test_session_replicas import replica, store_generation
@@ -162,3 +165,29 @@ def test_the_turn_section_round_trips_and_refuses_what_is_not_one() -> None:
             turn_mark.unpack([Section(b"TURN", 0, payload)])
     with pytest.raises(CorruptSlotFile, match="twice"):
         turn_mark.unpack([section, section])
+
+
+@pytest.mark.native
+def test_a_window_model_turn_sent_again_reprocesses_what_its_rings_no_longer_hold(
+        tmp_path: Path) -> None:
+    """A sliding-window model (its local layers keep a ring of n_swa + 16 positions): going
+    back past what the rings hold means processing the session's kept tokens again with
+    the prompt, from position 0; the output is the first attempt's."""
+    model = tmp_path / "gemma3.gguf"
+    write_model(model, GEMMA_SHAPE, seed=21)
+    cfg = service_config(model, None, slot_save_path=tmp_path / "slots", slots=1, ctx=1024,
+                         session_ram_mb=64, instance_id="t", session_write_through=False,
+                         speculative=Speculative(enabled=False))
+    with running(cfg) as srv, client(srv) as c:
+        ring = GEMMA_SHAPE.n_swa + 16
+        p1 = c.tokenize("the quick brown fox jumps over the lazy dog " * 4)
+        p2 = c.tokenize(" and then the lazy dog jumps over the quick brown fox " * 2)
+        assert len(p1) > 2 * ring and len(p2) + N > ring
+        turn(c, "w", p1, "w1")
+        second = turn(c, "w", p2, "w2")
+        start = len(p1) + N
+        toks, t = turn(c, "w", p2, "w2")
+        assert toks == second[0]
+        assert (t.cache_n, t.prompt_n, t.session_n_discarded) == (
+            0, start + len(p2), len(p2) + N)
+        assert tokens_held(c, "w") == start + len(p2) + N
