@@ -27,8 +27,9 @@ from tests.resumekit import wait_until
 from tests.test_gemma3_service import SHAPE as GEMMA_SHAPE
 from tests.test_session_chat import chat, held, prompt_of, tok  # noqa: F401 - a fixture
 from tests.test_session_chat import config as chat_config
+from tests.test_session_loss import fail_next_prefill
 from tests.test_session_replicas import replica, store_generation
-from tests.test_sessions import RAM, SLOT, STORE, N, client, config, prompts, reference, spec
+from tests.test_sessions import NEW, RAM, SLOT, STORE, N, client, config, prompts, reference, spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -191,3 +192,86 @@ def test_a_window_model_turn_sent_again_reprocesses_what_its_rings_no_longer_hol
         assert (t.cache_n, t.prompt_n, t.session_n_discarded) == (
             0, start + len(p2), len(p2) + N)
         assert tokens_held(c, "w") == start + len(p2) + N
+
+
+def test_an_id_names_one_turn_only(tmp_path: Path) -> None:
+    """The last turn's id with another prompt is refused (nothing changes); after a turn
+    without an id, or after the session was deleted, an old id is a new turn."""
+    with running(config(slot_save_path=tmp_path / "slots")) as srv, client(srv) as c:
+        p = prompts(c)
+        turn(c, "s", p[0], "t1")
+        n1 = len(p[0]) + N
+        with pytest.raises(grpc.RpcError) as err:
+            turn(c, "s", p[1], "t1")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.value.details() == (
+            "turn_id 't1' names the last turn of session 's', which had another prompt: an "
+            "id names one turn (send a new turn with a new id)")
+        assert tokens_held(c, "s") == n1
+        # a turn without an id (as the HTTP door sends) leaves no turn to replace
+        rs = list(c.generate_stream(make_request(p[1], max_tokens=N, temperature=0.0,
+                                                 session="s")))
+        n2 = n1 + len(p[1]) + N
+        assert rs[-1].done and tokens_held(c, "s") == n2
+        _, t = turn(c, "s", p[0], "t1")
+        assert (t.cache_n, t.session_n_discarded) == (n2, 0)
+        c.delete_session("s")
+        _, t = turn(c, "s", p[0], "t1")
+        assert (t.session_tier, t.cache_n, t.session_n_discarded) == (NEW, 0, 0)
+
+
+def chat_reference(c: InferenceClient, users: tuple[tuple[str, str], ...]) -> tuple:
+    """The last turn of appended Chats `users`, each sent once, on a new session."""
+    for u in users[:-1]:
+        chat(c, [u], session="ref", append=True)
+    return chat(c, [users[-1]], session="ref", append=True)
+
+
+def sent_once(turn_out: tuple) -> tuple:
+    """A Chat turn's reply, tokens and what it kept and processed of the session."""
+    reply, toks, t = turn_out
+    return reply, toks, t.cache_n, t.prompt_n, t.session_n_discarded
+
+
+def test_a_chat_sent_again_that_fails_leaves_the_conversation_as_it_was(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resend of an appended Chat read from the store fails in the core: the session
+    continues from the store copy (turn 2 kept) with the conversation that copy holds, so
+    the next turn renders after turn 2, as if the resend had never been sent."""
+    with running(chat_config(tmp_path, slots=1, session_ram_mb=0)) as srv, \
+            client(srv) as c:
+        u1, u2, u3 = ("user", "hello there"), ("user", "and then"), ("user", "go on")
+        chat(c, [u1], session="a", append=True, turn_id="c1")
+        chat(c, [u2], session="a", append=True, turn_id="c2")
+        n2 = held(c)["a"]
+        chat(c, [u1], session="b", append=True)  # "a" goes to the store
+        fail_next_prefill(srv, monkeypatch)
+        with pytest.raises(grpc.RpcError) as err:
+            chat(c, [u2], session="a", append=True, turn_id="c2")
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert held(c)["a"] == n2
+        third = chat(c, [u3], session="a", append=True, turn_id="c3")
+        assert sent_once(third) == sent_once(chat_reference(c, (u1, u2, u3)))
+
+
+def test_an_appended_chat_kept_by_a_replica_is_replaced_from_the_store_elsewhere(
+        tmp_path: Path) -> None:
+    """Replica B reads the session's conversation and mark from A's store copy before it
+    renders the resent Chat: the turn is replaced, the conversation holds it once."""
+    with running_server(tmp_path / "snap") as snap:
+        def on(name: str) -> object:
+            return running(chat_config(tmp_path / name, slot_save_path=None,
+                                       snapshot_addr=snap.address, instance_id=name,
+                                       session_write_through=True))
+        u1, u2, u3 = ("user", "hello there"), ("user", "and then"), ("user", "go on")
+        with on("a") as ra, client(ra) as ca:
+            chat(ca, [u1], session="s", append=True, turn_id="c1")
+            r2, toks2, _ = chat(ca, [u2], session="s", append=True, turn_id="c2")
+            n2 = held(ca)["s"]
+            wait_until(lambda: store_generation(snap.address, "s") == 2)
+        with on("b") as rb, client(rb) as cb:
+            again, toks, t = chat(cb, [u2], session="s", append=True, turn_id="c2")
+            assert (again, toks, t.session_tier) == (r2, toks2, STORE)
+            assert held(cb)["s"] == n2
+            third = chat(cb, [u3], session="s", append=True, turn_id="c3")
+            assert sent_once(third) == sent_once(chat_reference(cb, (u1, u2, u3)))

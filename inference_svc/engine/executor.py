@@ -207,12 +207,14 @@ class SessionHooks(Protocol):
         """Whether session `key` still keeps the conversation a Chat was rendered after
         (before the turn it replaces)."""
 
-    def turn_start(self, key: str, turn_id: str) -> ReplacedTurn | None:
+    def turn_start(self, key: str, turn_id: str,
+                   prompt: Sequence[int]) -> ReplacedTurn | None:
         """At a session turn's start: the mark of the turn it replaces (its id is the
-        session's last turn's), or None."""
+        session's last turn's), or None; FailedPrecondition for that id with another
+        prompt."""
 
     def mark_turn(self, key: str, turn_id: str, n_tokens: int,
-                  replaces: ReplacedTurn | None) -> None:
+                  replaces: ReplacedTurn | None, prompt: Sequence[int]) -> None:
         """Once a session turn is admitted: marks it as starting from `n_tokens`
         tokens, the turn it replaces dropped."""
 
@@ -463,8 +465,13 @@ class Engine:
             job.timings.id_slot = slot
             new = p.prompt
             # a session turn sent again with its id replaces the session's last turn
-            replaces = (self.sessions.turn_start(job.session, p.turn_id)
-                        if job.session is not None and self.sessions is not None else None)
+            try:
+                replaces = (self.sessions.turn_start(job.session, p.turn_id, p.prompt)
+                            if job.session is not None and self.sessions is not None
+                            else None)
+            except FailedPrecondition as exc:
+                job.fail(exc)
+                return
             if job.session is not None and not p.conversation:
                 # the prompt continues the session's tokens (those before the turn it
                 # replaces)
@@ -513,7 +520,7 @@ class Engine:
                 start = keep
             owner.truncate(slot, keep)
             if job.session is not None and self.sessions is not None:
-                self.sessions.mark_turn(job.session, p.turn_id, start, replaces)
+                self.sessions.mark_turn(job.session, p.turn_id, start, replaces, p.prompt)
             if p.seed is not None:
                 owner.seed(slot, p.seed)
             job.timings.cache_n = keep

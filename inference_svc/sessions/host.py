@@ -46,12 +46,13 @@ killed replica loses only the turns whose write was still in flight.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from inference_svc import log
@@ -152,6 +153,11 @@ class Turn:
     job: weakref.ref[Job]
     version: int  # the state's version at the turn's start (0: empty)
     n_tokens: int  # its tokens
+    # set once the turn is marked (mark_turn): the conversation and the mark it replaced,
+    # put back if the turn fails and the session continues from its previous state
+    marked: bool = False
+    chat: tuple[Message, ...] | None = None
+    mark: turn_mark.TurnMark | None = None
 
 
 class SessionHost:
@@ -428,26 +434,42 @@ class SessionHost:
             kept = self._chats.get(k, ())
             return (kept[:replaces.chat] if replaces is not None else kept) == history
 
-    def turn_start(self, k: str, turn_id: str) -> turn_mark.TurnMark | None:
+    def turn_start(self, k: str, turn_id: str,
+                   prompt: Sequence[int]) -> turn_mark.TurnMark | None:
         """At a session turn's start (engine thread): the mark of the turn it replaces,
         when `turn_id` names session `k`'s last turn (the request was sent again);
-        None otherwise."""
+        None otherwise. FailedPrecondition when that turn had another prompt: an id
+        names one turn, and replacing it with another would drop it silently."""
         if not turn_id:
             return None
         with self._lock:
             mark = self._marks.get(k)
-        return mark if mark is not None and mark.id == turn_id else None
+        if mark is None or mark.id != turn_id:
+            return None
+        if mark.prompt != turn_mark.prompt_digest(prompt):
+            raise FailedPrecondition(
+                f"turn_id {turn_id!r} names the last turn of session {self._display(k)!r}, "
+                "which had another prompt: an id names one turn (send a new turn with a "
+                "new id)")
+        return mark
 
     def mark_turn(self, k: str, turn_id: str, n_tokens: int,
-                  replaces: turn_mark.TurnMark | None) -> None:
+                  replaces: turn_mark.TurnMark | None, prompt: Sequence[int]) -> None:
         """Once a session turn is admitted (engine thread): the turn it replaces is
         dropped from the conversation, and the turn is marked as starting from the
-        first `n_tokens` tokens (no mark without an id: such a turn is not replaced)."""
+        first `n_tokens` tokens (no mark without an id: such a turn is not replaced).
+        The running turn's record keeps what this replaced, for `release`."""
         with self._lock:
+            running = self._turns.get(k)
+            if running is not None:
+                self._turns[k] = dataclasses.replace(
+                    running, marked=True, chat=self._chats.get(k), mark=self._marks.get(k))
             if replaces is not None:
                 self._set_chat(k, self._chats.get(k, ())[:replaces.chat])
             chat = len(self._chats.get(k, ()))
-            self._set_mark(k, turn_mark.TurnMark(turn_id, n_tokens, chat) if turn_id else None)
+            self._set_mark(k, turn_mark.TurnMark(turn_id, n_tokens, chat,
+                                                 turn_mark.prompt_digest(prompt))
+                           if turn_id else None)
 
     def _set_chat(self, k: str, messages: tuple[Message, ...] | None) -> None:
         """Under the lock: the conversation session `k` keeps (None: none)."""
@@ -502,7 +524,8 @@ class SessionHost:
                         self._ver[k] = turn.version
         elif not self._held(k):
             self._state_lost(k, turn.version, turn.n_tokens,
-                             f"a turn of it failed in slot {job.slot} and emptied the slot")
+                             f"a turn of it failed in slot {job.slot} and emptied the slot",
+                             turn)
 
     def _unreserve(self, job: Job) -> None:
         with self._lock:
@@ -520,11 +543,13 @@ class SessionHost:
         with self._lock:
             return key in self._ram or key in self._staged
 
-    def _state_lost(self, k: str, version: int, n_tokens: int, what: str) -> None:
+    def _state_lost(self, k: str, version: int, n_tokens: int, what: str,
+                    turn: Turn | None = None) -> None:
         """Session `k`'s state of `version` (n_tokens) is gone from its slot. The store's
-        copy is then its newest valid state if it is that very version; otherwise the
-        conversation cannot continue: the older copy is removed (by the writer, or by
-        the next turn) and the next turn gets DataLoss naming the session."""
+        copy is then its newest valid state if it is that very version (with the
+        conversation and turn mark the failed `turn` found); otherwise the conversation
+        cannot continue: the older copy is removed (by the writer, or by the next turn)
+        and the next turn gets DataLoss naming the session."""
         key = from_store_name(k)
         name = key.name if key is not None else k
         with self._lock:
@@ -535,6 +560,9 @@ class SessionHost:
                     self._ver.pop(k, None)
                 else:
                     self._ver[k] = version
+                if turn is not None and turn.marked:
+                    self._set_chat(k, turn.chat)
+                    self._set_mark(k, turn.mark)
                 lost = False
             else:
                 self._ver.pop(k, None)
