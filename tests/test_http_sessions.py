@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
+import pytest
+
 from tests.fixtures.servicekit import running
 from tests.httpkit import MODEL_ID, client, grpc_client, http_config
 
@@ -65,3 +68,25 @@ def test_sessions_continue_after_restart(tmp_path: Path) -> None:
             assert (tc2["cache_n"], tc2["prompt_n"]) == (last.timings.cache_n,
                                                          last.timings.prompt_n)
             assert last.timings.cache_n > 0
+
+
+def test_a_completion_sent_again_with_its_turn_id_replaces_itself(tmp_path: Path) -> None:
+    """The `turn_id` extension: the same completion of a session sent again with it goes
+    back to what the session held before it (the gRPC rules); a bad id is a 400."""
+    with running(http_config(tmp_path, slot_save_path=tmp_path / "slots")) as srv:
+        oa = client(srv)
+
+        def complete(prompt: str, turn_id: object) -> object:
+            return oa.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=8,
+                                         temperature=0, extra_body={"session": "conv",
+                                                                    "turn_id": turn_id})
+        t1 = _t(complete(P1, "h1"))
+        n1 = t1["prompt_n"] + t1["predicted_n"]
+        r2 = complete(P2, "h2")
+        again = complete(P2, "h2")
+        t = _t(again)
+        assert again.choices[0].text == r2.choices[0].text
+        assert (t["cache_n"], t["session_n_discarded"]) == (n1, _t(r2)["prompt_n"] + 8)
+        with pytest.raises(openai.BadRequestError) as err:
+            complete(P2, "not an id")
+        assert "turn_id 'not an id' must be 1..64 characters" in str(err.value)

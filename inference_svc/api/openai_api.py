@@ -169,7 +169,7 @@ SAMPLING = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty
 SPECULATIVE = frozenset(("enabled", "n_max", "n_min", "p_min", "lookup"))
 COMMON = frozenset(("model", "stream", "stream_options", "max_tokens", "stop", "n", "seed",
                     "user", "logit_bias", "top_k", "repeat_last_n", "session", "speculative",
-                    "id_slot", "cache_prompt",
+                    "id_slot", "cache_prompt", "turn_id",
                     *SAMPLING))
 COMPLETION = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "truncate_prompt"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -226,6 +226,9 @@ def _options(f: _Fields, req: pb.GenerateRequest | pb.ChatRequest, session: str 
                                   f"{session!r} differ")
     if (name or session) is not None:
         req.session = name if name is not None else session  # type: ignore[assignment]
+    turn_id = f.str("turn_id")  # checked with the session (GenerateParams)
+    if turn_id is not None:
+        req.turn_id = turn_id
     id_slot = f.int("id_slot")
     if id_slot is not None:
         req.id_slot = id_slot
