@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,8 +37,7 @@ class TurnMark:
 
 def prompt_digest(tokens: Sequence[int]) -> str:
     """A turn's prompt tokens as 32 hex digits (SHA-256, int32 little-endian)."""
-    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)
-    return hashlib.sha256(data).hexdigest()[:32]
+    return hashlib.sha256(struct.pack(f"<{len(tokens)}i", *tokens)).hexdigest()[:32]
 
 
 def check_turn_id(turn_id: str) -> str:
